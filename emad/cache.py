@@ -1,0 +1,137 @@
+"""Per-layer KV cache with explicit slots and per-layer, per-row validity.
+
+Every token of a batch occupies one *slot* (a column index shared by all rows; left padding occupies slots too).
+Each layer keeps its own K/V buffers ``[B, H_kv, S, d_head]`` and a validity mask ``[B, S]``: a slot is valid at
+layer ℓ for row b when that row's token in that slot has run layer ℓ (padding never becomes valid). Early exit
+leaves holes (a token that exited below ℓ has no K/V at ℓ), which the attention mask hides; policies that let depth
+rise fill them later. Nothing else in the project touches K/V.
+
+HF attention modules only call ``cache.update(key, value, layer_idx)``; :class:`CacheView` implements that call
+for one (rows, slots) write, so the HF layer modules run unchanged on this cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Preallocated per-layer K/V buffers with per-layer validity.
+
+    Args:
+        n_layers: number of decoder layers L.
+        batch_size: number of rows B.
+        capacity: initial number of slots S (grows by doubling when exceeded).
+        device: where buffers live.
+    """
+
+    def __init__(self, n_layers: int, batch_size: int, capacity: int, device: torch.device | str):
+        self.n_layers = n_layers
+        self.batch_size = batch_size
+        self.capacity = max(1, capacity)
+        self.device = torch.device(device)
+        self.keys: list[torch.Tensor | None] = [None] * n_layers  # each [B, H_kv, S, d_head]
+        self.values: list[torch.Tensor | None] = [None] * n_layers
+        self.valid = torch.zeros(n_layers, batch_size, self.capacity, dtype=torch.bool, device=self.device)
+        self.real = torch.zeros(batch_size, self.capacity, dtype=torch.bool, device=self.device)  # not padding
+        self.n_slots = 0  # slots allocated so far (same for every layer)
+        self.padded = False  # any padding slot anywhere (then attention masks are always materialised)
+        # per layer: every slot below this watermark is valid for every row (lets us skip mask building)
+        self.filled = [0] * n_layers
+
+    # ----------------------------------------------------------------- slots
+    def allocate(self, real: torch.Tensor) -> slice:
+        """Reserve slots for new tokens.
+
+        Args:
+            real: ``[B, q]`` bool, False where the slot is padding.
+
+        Returns:
+            The slice of slot indices the tokens occupy.
+        """
+        q = real.shape[1]
+        start, stop = self.n_slots, self.n_slots + q
+        self._ensure_capacity(stop)
+        self.real[:, start:stop] = real
+        self.n_slots = stop
+        if not bool(real.all()):
+            self.padded = True
+        return slice(start, stop)
+
+    def _ensure_capacity(self, needed: int) -> None:
+        if needed <= self.capacity:
+            return
+        new = max(needed, 2 * self.capacity)
+        grow = new - self.capacity
+
+        def pad(t: torch.Tensor, dim: int) -> torch.Tensor:
+            shape = list(t.shape)
+            shape[dim] = grow
+            return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
+        self.valid = pad(self.valid, 2)
+        self.real = pad(self.real, 1)
+        self.keys = [None if k is None else pad(k, 2) for k in self.keys]
+        self.values = [None if v is None else pad(v, 2) for v in self.values]
+        self.capacity = new
+
+    # ----------------------------------------------------------------- queries
+    def held(self, layer: int) -> torch.Tensor:
+        """Number of valid positions each row holds at ``layer`` (0-based): ``[B]``."""
+        return self.valid[layer, :, : self.n_slots].sum(-1)
+
+    def is_dense(self, layer: int, rows: torch.Tensor | None, slots: slice) -> bool:
+        """True when every slot before ``slots`` is valid at ``layer`` for all rows and nothing is padded."""
+        return not self.padded and rows is None and self.filled[layer] >= slots.start
+
+    def key_mask(self, layer: int, rows: torch.Tensor | None, slots: slice) -> torch.Tensor:
+        """Which keys ``[0, slots.stop)`` are visible at ``layer``, before causality: ``[b, slots.stop]`` bool.
+
+        Slots being written now count as valid where they are real tokens.
+        """
+        valid = self.valid[layer, :, : slots.stop].clone()
+        valid[:, slots] = self.real[:, slots]
+        return valid if rows is None else valid[rows]
+
+    def view(self, rows: torch.Tensor | None, slots: slice) -> CacheView:
+        """A write handle for one pass of some rows over some slots (what HF attention modules see)."""
+        return CacheView(self, rows, slots)
+
+    # ----------------------------------------------------------------- writes
+    def write(self, layer: int, rows: torch.Tensor | None, slots: slice, key: torch.Tensor, value: torch.Tensor):
+        """Store K/V ``[b, H_kv, q, d_head]`` and return the layer's K/V over ``[0, slots.stop)`` for ``rows``."""
+        if self.keys[layer] is None:
+            shape = (self.batch_size, key.shape[1], self.capacity, key.shape[3])
+            self.keys[layer] = key.new_zeros(shape)
+            self.values[layer] = value.new_zeros(shape)
+        keys, values = self.keys[layer], self.values[layer]
+        if rows is None:
+            keys[:, :, slots] = key
+            values[:, :, slots] = value
+            self.valid[layer, :, slots] = self.real[:, slots]
+            if self.filled[layer] == slots.start and not self.padded:
+                self.filled[layer] = slots.stop
+            return keys[:, :, : slots.stop], values[:, :, : slots.stop]
+        keys[rows, :, slots] = key
+        values[rows, :, slots] = value
+        self.valid[layer, rows, slots] = self.real[rows, slots]
+        return keys[rows, :, : slots.stop], values[rows, :, : slots.stop]
+
+    def invalidate(self, layer: int, rows: torch.Tensor | None, slots: slice) -> None:
+        """Mark slots as not holding K/V at ``layer`` (e.g. a token that never ran it)."""
+        if rows is None:
+            self.valid[layer, :, slots] = False
+        else:
+            self.valid[layer, rows, slots] = False
+        self.filled[layer] = min(self.filled[layer], slots.start)
+
+
+class CacheView:
+    """The object HF attention modules receive as ``past_key_values``: routes ``update`` to one write."""
+
+    def __init__(self, cache: KVCache, rows: torch.Tensor | None, slots: slice):
+        self.cache, self.rows, self.slots = cache, rows, slots
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """HF ``Cache.update`` protocol: store the new K/V, return the layer's full K/V."""
+        return self.cache.write(layer_idx, self.rows, self.slots, key_states, value_states)

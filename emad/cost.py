@@ -1,0 +1,105 @@
+"""FLOPs and bytes of weights read, per token, for each kind of work the decoder does.
+
+Definitions (DESIGN.md §4; they must not drift):
+
+- a layer: ``FLOPs = 2 × P_ℓ + 4 × n_ctx × d`` where ``P_ℓ`` counts the layer's matmul parameters (weights of
+  its linear / Conv1D projections; norms, biases and element-wise work are not counted) and ``n_ctx`` is the number
+  of keys the token attends to at that layer (itself included): ``2·n_ctx·d`` for the scores ``q·K`` and as much
+  for the weighted sum of ``V``;
+- the head: ``2 × d × V``; a readout (probe with the exact estimator) = final norm + head, whose FLOPs are the head's
+  (plus any output projection the architecture applies before it, e.g. OPT's ``project_out``);
+- embedding lookups are free;
+- bytes = bytes of the weights read: every parameter of each layer run (norms and biases included), and of the
+  final norm + head for each readout. Per token, as at batch 1 (a batch shares weight reads; ratios are unchanged).
+
+The cost ratio of a method is its cost divided by the cost of full depth for the same tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+def _matmul_params(module: nn.Module) -> int:
+    """Parameters of the weight matrices of ``module``'s linear maps (nn.Linear and HF's Conv1D)."""
+    total = 0
+    for sub in module.modules():
+        if isinstance(sub, nn.Linear) or type(sub).__name__ == "Conv1D":
+            total += sub.weight.numel()
+    return total
+
+
+def _param_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-token cost of layers and readouts of one model.
+
+    Attributes:
+        d_model: hidden size d.
+        layer_params: matmul parameters P_ℓ of each layer, ``[L]``.
+        layer_bytes: bytes of all parameters of each layer, ``[L]``.
+        readout_params: matmul parameters of one readout (head, plus any output projection).
+        readout_bytes: bytes of the final norm + head weights.
+    """
+
+    d_model: int
+    layer_params: tuple[int, ...]
+    layer_bytes: tuple[int, ...]
+    readout_params: int
+    readout_bytes: int
+
+    @classmethod
+    def from_stack(cls, stack) -> CostModel:
+        """Count parameters of a :class:`~emad.stack.LayerStack`'s model."""
+        norms = nn.ModuleList(stack.norms)
+        return cls(
+            d_model=stack.config.hidden_size,
+            layer_params=tuple(_matmul_params(layer) for layer in stack.layers),
+            layer_bytes=tuple(_param_bytes(layer) for layer in stack.layers),
+            readout_params=stack.head.weight.numel() + _matmul_params(norms),
+            readout_bytes=_param_bytes(stack.head) + _param_bytes(norms),
+        )
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layer_params)
+
+    def layer_flops(self, layer: int, n_ctx: int) -> int:
+        """FLOPs of layer ``layer`` (0-based) for one token attending to ``n_ctx`` keys."""
+        return 2 * self.layer_params[layer] + 4 * n_ctx * self.d_model
+
+    @property
+    def readout_flops(self) -> int:
+        """FLOPs of one exact readout: ``2 × d × V`` (+ output projection if any)."""
+        return 2 * self.readout_params
+
+    def flops(self, n_ctx: torch.Tensor, readouts: torch.Tensor) -> torch.Tensor:
+        """FLOPs of tokens given where they ran.
+
+        Args:
+            n_ctx: ``[N, L]`` keys attended by each token at each layer, 0 where the layer did not run.
+            readouts: ``[N]`` number of exact readouts each token paid for.
+
+        Returns:
+            ``[N]`` float64 FLOPs.
+        """
+        ran = (n_ctx > 0).double()
+        params = torch.tensor(self.layer_params, dtype=torch.float64)
+        return ran @ (2 * params) + 4.0 * self.d_model * n_ctx.double().sum(-1) + readouts.double() * self.readout_flops
+
+    def bytes(self, n_ctx: torch.Tensor, readouts: torch.Tensor) -> torch.Tensor:
+        """Bytes of weights read by tokens given where they ran (same arguments as :meth:`flops`)."""
+        ran = (n_ctx > 0).double()
+        return ran @ torch.tensor(self.layer_bytes, dtype=torch.float64) + readouts.double() * self.readout_bytes
+
+    def full_depth(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(FLOPs, bytes) ``[N]`` of the same tokens at full depth, each attending to ``context[N]`` keys."""
+        n_ctx = context[:, None].expand(-1, self.n_layers)
+        ones = torch.ones_like(context)
+        return self.flops(n_ctx, ones), self.bytes(n_ctx, ones)

@@ -1,0 +1,45 @@
+"""A tiny name → class registry that rejects duplicates and lists valid names on error."""
+
+from __future__ import annotations
+
+from typing import Callable, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """Maps names to classes (criteria, policies, estimators, tasks ...).
+
+    Args:
+        kind: what is registered, used in error messages (e.g. ``"exit criterion"``).
+    """
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._entries: dict[str, type[T]] = {}
+
+    def register(self, name: str) -> Callable[[type[T]], type[T]]:
+        """Class decorator registering ``cls`` under ``name``; a second registration of a name is an error."""
+
+        def decorate(cls: type[T]) -> type[T]:
+            if name in self._entries:
+                raise ValueError(f"{self.kind} {name!r} is already registered")
+            self._entries[name] = cls
+            cls.name = name
+            return cls
+
+        return decorate
+
+    def get(self, name: str) -> type[T]:
+        """The class registered as ``name``; raises ``KeyError`` listing the valid names."""
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise KeyError(f"unknown {self.kind} {name!r}; valid: {', '.join(self.names())}") from None
+
+    def names(self) -> list[str]:
+        """Registered names, sorted."""
+        return sorted(self._entries)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries

@@ -1,0 +1,149 @@
+"""The layer-stack view of a HF causal LM: ``embed`` → ``run(h, start, stop, ...)`` → ``readout``.
+
+The HF layer modules themselves do the work (no forked model code); this module only feeds them hidden states,
+position embeddings, attention masks and a :class:`~emad.cache.KVCache`. Architecture differences live in
+:mod:`emad.adapters`. Layers are numbered 1..L in the project's words; ``run(h, start, stop)`` runs the 0-based
+half-open range ``[start, stop)``, so ``run(h, 0, D)`` leaves the hidden state at depth D.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+import torch
+from torch import nn
+
+from emad.adapters import Adapter, adapter_for
+from emad.cache import KVCache
+
+
+def _resolve(module: nn.Module, dotted: str) -> nn.Module:
+    for part in dotted.split("."):
+        module = getattr(module, part)
+    return module
+
+
+class LayerStack:
+    """Layer-by-layer access to a causal LM.
+
+    Args:
+        model: a HF ``*ForCausalLM`` whose ``config.model_type`` is in the adapter table.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.config = model.config
+        self.adapter: Adapter = adapter_for(model.config.model_type)
+        self.base = _resolve(model, self.adapter.base)
+        self.layers: nn.ModuleList = getattr(self.base, self.adapter.layers)
+        self.norms = [m for name in self.adapter.final_norm if (m := getattr(self.base, name, None)) is not None]
+        self.head: nn.Module = model.get_output_embeddings()
+        self.softcap = getattr(self.config, "final_logit_softcapping", None)
+        self.windows = [self.adapter.sliding_window(self.config, i) for i in range(len(self.layers))]
+
+    # ------------------------------------------------------------------ facts
+    @property
+    def n_layers(self) -> int:
+        """L, the number of decoder layers."""
+        return len(self.layers)
+
+    @cached_property
+    def device(self) -> torch.device:
+        return self.head.weight.device
+
+    @cached_property
+    def dtype(self) -> torch.dtype:
+        return self.head.weight.dtype
+
+    @property
+    def vocab_size(self) -> int:
+        return self.head.weight.shape[0]
+
+    @property
+    def max_positions(self) -> int | None:
+        """The model's context length, when the config states one."""
+        for key in ("max_position_embeddings", "n_positions"):
+            if (value := getattr(self.config, key, None)) is not None:
+                return int(value)
+        return None
+
+    def new_cache(self, batch_size: int, capacity: int) -> KVCache:
+        """An empty cache for ``batch_size`` rows and ``capacity`` slots."""
+        return KVCache(self.n_layers, batch_size, capacity, self.device)
+
+    # ------------------------------------------------------------------ the three operations
+    def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Token (+ learned position) embeddings: ids ``[B, T]`` → h ``[B, T, d]``."""
+        return self.adapter.embed(self.base, ids, positions)
+
+    def run(
+        self,
+        h: torch.Tensor,
+        start: int,
+        stop: int,
+        cache: KVCache,
+        positions: torch.Tensor,
+        slots: slice,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run layers ``[start, stop)`` (0-based) on h ``[b, q, d]``, writing their K/V into ``cache``.
+
+        Args:
+            h: hidden states of the ``b`` rows being run, ``[b, q, d]``.
+            start: first layer (0-based) to run.
+            stop: one past the last layer to run.
+            cache: the batch's cache; K/V of these tokens are stored at ``slots`` for ``rows``.
+            positions: position ids ``[b, q]`` (rotary / learned positions).
+            slots: the cache slots these q tokens occupy.
+            rows: which cache rows ``h`` holds (LongTensor ``[b]``), or None for all rows.
+
+        Returns:
+            h after layer ``stop``, ``[b, q, d]``.
+        """
+        view = cache.view(rows, slots)
+        rotary_cache: dict = {}
+        for idx in range(start, stop):
+            kwargs = {self.adapter.cache_kwarg: view, "use_cache": True, "position_ids": positions}
+            if self.adapter.rotary is not None:
+                kwargs["position_embeddings"] = self._rotary(h, positions, idx, rotary_cache)
+            kwargs["attention_mask"] = self._mask(cache, idx, rows, slots)
+            h = self.layers[idx](h, **kwargs)
+            if isinstance(h, tuple):
+                h = h[0]
+        return h
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        """The model's final norm (and output projection where one exists): ``[..., d]`` → ``[..., d]``."""
+        for norm in self.norms:
+            h = norm(h)
+        return h
+
+    def readout(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits ``[..., V]`` = head(final_norm(h)), at any depth (the final norm is never skipped)."""
+        logits = self.head(self.final_norm(h))
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    # ------------------------------------------------------------------ helpers
+    def _rotary(self, h: torch.Tensor, positions: torch.Tensor, idx: int, memo: dict):
+        types = getattr(self.config, "layer_types", None)
+        key = None if types is None else types[idx]  # layers of one type share their rotary tables
+        if key not in memo:
+            memo[key] = self.adapter.rotary(self.base, h, positions, idx)
+        return memo[key]
+
+    def _mask(self, cache: KVCache, idx: int, rows: torch.Tensor | None, slots: slice) -> torch.Tensor | None:
+        """Boolean attention mask ``[b, 1, q, slots.stop]``, or None where sdpa's own causal rule is exact."""
+        q = slots.stop - slots.start
+        window = self.windows[idx]
+        windowed = window is not None and slots.stop >= window
+        if not windowed and cache.is_dense(idx, rows, slots) and (q == 1 or slots.start == 0):
+            return None
+        keys = cache.key_mask(idx, rows, slots)  # [b, S]
+        q_pos = torch.arange(slots.start, slots.stop, device=keys.device)[:, None]  # [q, 1]
+        k_pos = torch.arange(slots.stop, device=keys.device)[None, :]  # [1, S]
+        allowed = k_pos <= q_pos
+        if window is not None:
+            allowed = allowed & (k_pos > q_pos - window)
+        return keys[:, None, None, :] & allowed[None, None]  # [b, 1, q, S]

@@ -1,0 +1,81 @@
+"""Tiny random-weight models, one per adapter row, built from configs (no downloads)."""
+
+from __future__ import annotations
+
+import torch
+import transformers as tf
+
+VOCAB = 96
+
+
+def _configs() -> dict:
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, max_position_embeddings=256)
+    return {
+        "llama": lambda: tf.LlamaConfig(**common, num_key_value_heads=2),
+        "qwen2": lambda: tf.Qwen2Config(**common, num_key_value_heads=2),
+        "qwen3": lambda: tf.Qwen3Config(**common, num_key_value_heads=2, head_dim=16),
+        "mistral": lambda: tf.MistralConfig(**common, num_key_value_heads=2, sliding_window=6),
+        "gemma3_text": lambda: tf.Gemma3TextConfig(
+            **common, num_key_value_heads=2, head_dim=16, sliding_window=6,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            final_logit_softcapping=30.0,
+        ),
+        "gpt_neox": lambda: tf.GPTNeoXConfig(**common, rotary_pct=0.5),
+        "gpt2": lambda: tf.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=4, n_head=4, n_positions=256),
+        "opt": lambda: tf.OPTConfig(vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=4,
+                                    num_attention_heads=4, max_position_embeddings=256, word_embed_proj_dim=32),
+    }
+
+
+ARCHITECTURES = sorted(_configs())
+
+
+def tiny_model(arch: str, seed: int = 0, n_layers: int | None = None):
+    """A random fp32 CPU model of ``arch``; ``n_layers`` truncates a model built with the same seed."""
+    config = _configs()[arch]()
+    config._attn_implementation = "sdpa"
+    config.pad_token_id = 0
+    config.bos_token_id = 1
+    config.eos_token_id = None
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    _spread_weights(model, seed)
+    if n_layers is not None:
+        small = config.__class__.from_dict(config.to_dict())
+        small.num_hidden_layers = n_layers
+        if getattr(small, "layer_types", None) is not None:
+            small.layer_types = small.layer_types[:n_layers]
+        if hasattr(small, "n_layer"):
+            small.n_layer = n_layers
+        small._attn_implementation = "sdpa"
+        truncated = tf.AutoModelForCausalLM.from_config(small, dtype=torch.float32).eval()
+        truncated.load_state_dict(model.state_dict(), strict=False)
+        model = truncated
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def _spread_weights(model, seed: int) -> None:
+    """Larger random weights so that readouts are peaked and differ across layers (HF init is nearly uniform)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * (1.0 / p.shape[-1] ** 0.5) * 1.5)
+
+
+class TinyTokenizer:
+    """Just enough tokenizer for the decode loop: ids ↔ space-separated words."""
+
+    pad_token_id = 0
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return " ".join(f"t{i}" for i in ids)
+
+
+def random_prompts(n: int, lengths, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, VOCAB, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
