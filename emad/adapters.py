@@ -5,8 +5,9 @@ A new architecture is one new row in :data:`ADAPTERS`; no other module looks at 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn

@@ -7,6 +7,7 @@ are one small class registered in :data:`CRITERIA`.
 
 from __future__ import annotations
 
+import inspect
 from typing import ClassVar
 
 import torch
@@ -18,6 +19,19 @@ class Criterion:
     """Base class. Subclasses set :attr:`name` through the registry and override what they need."""
 
     name: ClassVar[str]
+
+    @classmethod
+    def from_options(cls, **options) -> Criterion:
+        """Build from a bag of options (CLI flags, params), taking the ones ``__init__`` names.
+
+        Raises:
+            ValueError: naming the option this criterion needs and did not get.
+        """
+        params = [p for p in inspect.signature(cls.__init__).parameters.values() if p.name != "self"]
+        missing = [p.name for p in params if p.default is p.empty and options.get(p.name) is None]
+        if missing:
+            raise ValueError(f"method {cls.name!r} needs {', '.join(missing)}")
+        return cls(**{p.name: options[p.name] for p in params if options.get(p.name) is not None})
 
     def validate(self, n_layers: int) -> None:
         """Raise ``ValueError`` naming the parameter when this criterion cannot run on an L-layer model."""

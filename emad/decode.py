@@ -7,8 +7,8 @@ depth never depends on other rows, and a layer is computed only for the rows sti
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 

