@@ -27,3 +27,18 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     p = torch.softmax(z, dim=-1)
     weighted = torch.where(p > 0, p * z, torch.zeros_like(z)).sum(dim=-1)  # Σ p z, skipping -inf entries
     return (log_norm - weighted).clamp_min(0.0)
+
+
+def readout_summary(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Entropy, argmax and max probability of softmax(logits) over the last axis, from one fp32 pass.
+
+    Returns:
+        ``(entropy [...] float32 nats, argmax [...] long, max_prob [...] float32)``.
+    """
+    z = logits.float()
+    top, argmax = z.max(dim=-1)
+    z = z - top[..., None]
+    log_norm = torch.logsumexp(z, dim=-1)  # [...]
+    p = torch.exp(z - log_norm[..., None])
+    weighted = torch.where(p > 0, p * z, torch.zeros_like(z)).sum(dim=-1)
+    return (log_norm - weighted).clamp_min(0.0), argmax, torch.exp(-log_norm)

@@ -1,0 +1,178 @@
+"""Mergeable calibration statistics of readout entropy per (stratum, probe layer).
+
+File format ``emad-stats`` version 1 (JSON): ``probe_layers`` (1-based, ascending, last = L), ``strata``
+(bucket edges), ``hist_bins`` / ``hist_max`` (fixed bins over ``[0, hist_max]`` nats, ``hist_max = log V``), and
+arrays: ``count[S][P]``, ``sum[S][P]``, ``sumsq[S][P]`` (of entropies, nats), ``hist[S][P][B]``, ``agree[P]``
+(tokens whose argmax at the probe equals the final argmax), ``oracle[P]`` (tokens whose oracle depth — the
+shallowest probe whose argmax equals the final argmax — is that probe), ``tokens``; plus ``model`` (fingerprint)
+and ``corpus`` (manifest hash). Two stats over disjoint tokens merge by adding every array.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from emad.io import atomic_write_text
+from emad.strata import Strata
+
+FORMAT, VERSION = "emad-stats", 1
+_ARRAYS = ("count", "sum", "sumsq", "hist", "agree", "oracle")
+
+
+class StatsFormatError(ValueError):
+    """A stats file is missing, truncated, of another format or version."""
+
+
+@dataclass
+class CalibrationStats:
+    """Accumulators for one model and one calibration corpus.
+
+    Attributes:
+        probe_layers: probe layers, 1-based ascending, ending at L.
+        strata: the stratification.
+        vocab_size: V (sets the histogram range ``[0, log V]``).
+        hist_bins: number of histogram bins.
+        model: the model fingerprint (dict).
+        corpus: the corpus manifest hash.
+    """
+
+    probe_layers: list[int]
+    strata: Strata
+    vocab_size: int
+    hist_bins: int = 100
+    model: dict = field(default_factory=dict)
+    corpus: str = ""
+
+    def __post_init__(self):
+        s, p = len(self.strata), len(self.probe_layers)
+        self.count = torch.zeros(s, p, dtype=torch.float64)
+        self.sum = torch.zeros(s, p, dtype=torch.float64)
+        self.sumsq = torch.zeros(s, p, dtype=torch.float64)
+        self.hist = torch.zeros(s, p, self.hist_bins, dtype=torch.float64)
+        self.agree = torch.zeros(p, dtype=torch.float64)
+        self.oracle = torch.zeros(p, dtype=torch.float64)
+
+    @property
+    def hist_max(self) -> float:
+        return math.log(self.vocab_size)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.count[:, -1].sum())
+
+    # ----------------------------------------------------------------- accumulate
+    def add(self, entropy: torch.Tensor, argmax: torch.Tensor, strata: torch.Tensor) -> None:
+        """Add tokens.
+
+        Args:
+            entropy: ``[N, P]`` readout entropy of each token at each probe (nats).
+            argmax: ``[N, P]`` readout argmax at each probe.
+            strata: ``[N]`` stratum index of each token.
+        """
+        entropy, argmax, strata = entropy.double().cpu(), argmax.cpu(), strata.cpu()
+        n, p = entropy.shape
+        s = len(self.strata)
+        index = strata[:, None] * p + torch.arange(p)[None, :]  # [N, P] flat (stratum, probe) cell
+        self.count += torch.bincount(index.flatten(), minlength=s * p).view(s, p).double()
+        self.sum += torch.zeros(s * p, dtype=torch.float64).index_add_(0, index.flatten(), entropy.flatten()).view(s, p)
+        self.sumsq += torch.zeros(s * p, dtype=torch.float64).index_add_(
+            0, index.flatten(), entropy.flatten() ** 2).view(s, p)
+        bins = (entropy / self.hist_max * self.hist_bins).long().clamp(0, self.hist_bins - 1)
+        cell = index * self.hist_bins + bins
+        self.hist += torch.bincount(cell.flatten(), minlength=s * p * self.hist_bins).view(s, p, -1).double()
+        agree = argmax == argmax[:, -1:]  # [N, P]
+        self.agree += agree.double().sum(0)
+        first = agree.double().argmax(-1)  # shallowest agreeing probe (the last one always agrees)
+        self.oracle += torch.bincount(first, minlength=p).double()
+
+    def merge(self, other: CalibrationStats) -> CalibrationStats:
+        """Add another accumulator over disjoint tokens (same probes, strata, bins) into this one."""
+        if (other.probe_layers, other.strata, other.hist_bins, other.vocab_size) != (
+                self.probe_layers, self.strata, self.hist_bins, self.vocab_size):
+            raise ValueError("cannot merge stats with different probe layers, strata, bins or vocabulary")
+        for name in _ARRAYS:
+            getattr(self, name).add_(getattr(other, name))
+        return self
+
+    def arrays(self) -> list[torch.Tensor]:
+        """The accumulator tensors (for all-reduce)."""
+        return [getattr(self, name) for name in _ARRAYS]
+
+    # ----------------------------------------------------------------- read
+    def mean(self) -> torch.Tensor:
+        """Mean entropy ``[S, P]`` (NaN where a cell is empty)."""
+        return self.sum / self.count
+
+    def quantile(self, q: float) -> torch.Tensor:
+        """The q-quantile of entropy ``[S, P]`` read off the histograms (linear within a bin)."""
+        cdf = self.hist.cumsum(-1)  # [S, P, B]
+        total = cdf[..., -1:]
+        target = q * total
+        idx = torch.searchsorted(cdf.contiguous(), target.contiguous()).clamp(max=self.hist_bins - 1)  # [S, P, 1]
+        below = torch.where(idx > 0, cdf.gather(-1, (idx - 1).clamp(min=0)), torch.zeros_like(target))
+        in_bin = self.hist.gather(-1, idx)
+        frac = torch.where(in_bin > 0, (target - below) / in_bin, torch.zeros_like(target))
+        width = self.hist_max / self.hist_bins
+        out = ((idx.double() + frac) * width).squeeze(-1)
+        return torch.where(total.squeeze(-1) > 0, out, torch.full_like(out, float("nan")))
+
+    def agreement(self) -> torch.Tensor:
+        """Per probe, the share of tokens whose argmax equals the final argmax ``[P]``."""
+        return self.agree / max(self.tokens, 1)
+
+    # ----------------------------------------------------------------- io
+    def to_dict(self) -> dict:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "probe_layers": list(self.probe_layers),
+            "strata": self.strata.as_dict(),
+            "strata_names": self.strata.names(),
+            "vocab_size": self.vocab_size,
+            "hist_bins": self.hist_bins,
+            "hist_max": self.hist_max,
+            "tokens": self.tokens,
+            "model": self.model,
+            "corpus": self.corpus,
+            **{name: getattr(self, name).tolist() for name in _ARRAYS},
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "stats") -> CalibrationStats:
+        if data.get("format") != FORMAT or data.get("version") != VERSION:
+            raise StatsFormatError(
+                f"{source}: not an {FORMAT} v{VERSION} file (format {data.get('format')!r}, "
+                f"version {data.get('version')!r})")
+        try:
+            stats = cls(list(data["probe_layers"]), Strata(**data["strata"]), int(data["vocab_size"]),
+                        int(data["hist_bins"]), data.get("model", {}), data.get("corpus", ""))
+            for name in _ARRAYS:
+                value = torch.tensor(data[name], dtype=torch.float64)
+                if value.shape != getattr(stats, name).shape:
+                    raise StatsFormatError(f"{source}: array {name!r} has shape {tuple(value.shape)}")
+                setattr(stats, name, value)
+        except (KeyError, TypeError, ValueError) as err:
+            if isinstance(err, StatsFormatError):
+                raise
+            raise StatsFormatError(f"{source}: malformed stats ({type(err).__name__}: {err})") from None
+        return stats
+
+    def save(self, path: str | Path) -> None:
+        """Write atomically as JSON."""
+        atomic_write_text(path, json.dumps(self.to_dict()))
+
+    @classmethod
+    def load(cls, path: str | Path) -> CalibrationStats:
+        path = Path(path)
+        if not path.is_file():
+            raise StatsFormatError(f"stats file {path} does not exist")
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise StatsFormatError(f"stats file {path} is truncated or not JSON: {err}") from None
+        return cls.from_dict(data, str(path))

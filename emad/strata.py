@@ -1,0 +1,105 @@
+"""Stratifiers: which stratum a token belongs to, from its position and its shallow-layer confidence.
+
+A stratum is a (position bucket, confidence bucket) pair flattened to one index. Position = number of tokens
+before it in the model's context; confidence = max softmax probability of the readout at the first probe layer.
+With no edges on an axis that axis has a single bucket, so the unstratified profile is the one stratum ``all``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+def _check_edges(name: str, edges: list[float], low: float, high: float | None) -> None:
+    for i, e in enumerate(edges):
+        if not (e > low and (high is None or e < high)):
+            bound = f"({low}, {high})" if high is not None else f"> {low}"
+            raise ValueError(f"{name}[{i}] = {e} is outside {bound}")
+    for i in range(1, len(edges)):
+        if edges[i] <= edges[i - 1]:
+            raise ValueError(f"{name} must be strictly increasing without duplicates, got {edges}")
+
+
+@dataclass(frozen=True)
+class Strata:
+    """Bucket edges on each axis (interior edges only).
+
+    Attributes:
+        position_edges: e.g. ``[16, 64]`` → buckets ``[0,16) [16,64) [64,∞)``.
+        confidence_edges: e.g. ``[0.3, 0.7]`` → buckets ``[0,0.3) [0.3,0.7) [0.7,1]``.
+    """
+
+    position_edges: tuple[int, ...] = field(default=())
+    confidence_edges: tuple[float, ...] = field(default=())
+
+    def __post_init__(self):
+        object.__setattr__(self, "position_edges", tuple(self.position_edges))
+        object.__setattr__(self, "confidence_edges", tuple(self.confidence_edges))
+        _check_edges("position_edges", list(self.position_edges), 0, None)
+        _check_edges("confidence_edges", list(self.confidence_edges), 0.0, 1.0)
+
+    @property
+    def n_position(self) -> int:
+        return len(self.position_edges) + 1
+
+    @property
+    def n_confidence(self) -> int:
+        return len(self.confidence_edges) + 1
+
+    def __len__(self) -> int:
+        return self.n_position * self.n_confidence
+
+    @property
+    def uses_confidence(self) -> bool:
+        return bool(self.confidence_edges)
+
+    def names(self) -> list[str]:
+        """Readable stratum names, index order (``all`` when unstratified)."""
+        pos = _bucket_names("pos", [0, *self.position_edges], "inf")
+        conf = _bucket_names("conf", [0, *self.confidence_edges], "1")
+        names = []
+        for p in pos:
+            for c in conf:
+                parts = [x for x in (p if self.position_edges else "", c if self.confidence_edges else "") if x]
+                names.append("|".join(parts) or "all")
+        return names
+
+    def assign(self, positions: torch.Tensor, confidence: torch.Tensor | None) -> torch.Tensor:
+        """Stratum index per token.
+
+        Args:
+            positions: ``[...]`` int, tokens before each token in its context.
+            confidence: ``[...]`` max probability at the first probe (needed only with confidence edges).
+
+        Returns:
+            ``[...]`` long stratum indices in ``0..len(self)-1``.
+        """
+        pos_edges = torch.tensor(self.position_edges, dtype=positions.dtype, device=positions.device)
+        p = torch.bucketize(positions, pos_edges, right=True)
+        if not self.uses_confidence:
+            return p
+        if confidence is None:
+            raise ValueError("confidence stratification needs the first probe's max probability")
+        conf_edges = torch.tensor(self.confidence_edges, dtype=confidence.dtype, device=confidence.device)
+        c = torch.bucketize(confidence, conf_edges, right=True)
+        return p * self.n_confidence + c
+
+    def parents(self) -> list[int | None]:
+        """Back-off chain step for each stratum: (position, confidence) → position-only marginal → global.
+
+        Returned as the index of the position bucket in the position-only marginal for two-axis strata, else None
+        (meaning: the global profile). See :meth:`marginal_of`.
+        """
+        if self.uses_confidence and self.position_edges:
+            return [s // self.n_confidence for s in range(len(self))]
+        return [None] * len(self)
+
+    def as_dict(self) -> dict:
+        return {"position_edges": list(self.position_edges), "confidence_edges": list(self.confidence_edges)}
+
+
+def _bucket_names(axis: str, starts: list, top: str) -> list[str]:
+    ends = [*starts[1:], top]
+    return [f"{axis}[{a},{b})" for a, b in zip(starts, ends)]
