@@ -27,7 +27,8 @@ class Criterion:
         Raises:
             ValueError: naming the option this criterion needs and did not get.
         """
-        params = [p for p in inspect.signature(cls.__init__).parameters.values() if p.name != "self"]
+        params = [p for p in inspect.signature(cls.__init__).parameters.values()
+                  if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
         missing = [p.name for p in params if p.default is p.empty and options.get(p.name) is None]
         if missing:
             raise ValueError(f"method {cls.name!r} needs {', '.join(missing)}")

@@ -1,0 +1,63 @@
+"""The ``emad`` console script: JSON output contract and errors that name the culprit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from emad.cli import main
+
+pytestmark = pytest.mark.slow
+
+
+def _run(capsys, *argv) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_generate_json_has_the_contract_fields(smollm2, capsys, tmp_path):
+    batch = tmp_path / "prompts.txt"
+    batch.write_text("Once upon a time\nThe capital of France is\n")
+    code, out, _ = _run(capsys, "generate", "--model", "smollm2-135m", "--batch-file", str(batch),
+                        "--max-new-tokens", "6", "--method", "fixed", "--depth", "20", "--json")
+    assert code == 0
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert len(rows) == 2
+    for row in rows:
+        assert len(row["token_ids"]) == 6 and row["depths"] == [20] * 6
+        assert isinstance(row["text"], str) and 0 < row["cost_ratio"] < 1
+        assert row["method"] == {"method": "fixed", "depth": 20}
+
+
+def test_score_reports_nll_and_logprobs(smollm2, capsys, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog.")
+    code, out, _ = _run(capsys, "score", "--model", "smollm2-135m", "--text-file", str(text), "--json")
+    assert code == 0
+    result = json.loads(out)
+    assert result["n_tokens"] == len(result["logprobs"]) == len(result["tokens"])
+    assert result["nll"] == pytest.approx(-sum(result["logprobs"]))
+
+
+@pytest.mark.parametrize("depth", ["0", "31"])
+def test_depth_outside_range_is_an_error_naming_the_range(smollm2, capsys, depth):
+    code, _, err = _run(capsys, "generate", "--model", "smollm2-135m", "--prompt", "hi", "--method", "fixed",
+                        "--depth", depth)
+    assert code == 2 and "1..30" in err
+
+
+def test_fixed_without_depth_names_the_missing_flag(smollm2, capsys):
+    code, _, err = _run(capsys, "generate", "--model", "smollm2-135m", "--prompt", "hi", "--method", "fixed")
+    assert code == 2 and "depth" in err
+
+
+def test_unknown_alias_lists_embedded_aliases(capsys):
+    code, _, err = _run(capsys, "generate", "--model", "smolm2-135", "--prompt", "hi")
+    assert code == 2 and "smolm2-135" in err and "smollm2-135m" in err
+
+
+def test_missing_text_file_is_named(capsys, tmp_path):
+    code, _, err = _run(capsys, "score", "--model", "smollm2-135m", "--text-file", str(tmp_path / "nope.txt"))
+    assert code == 2 and "nope.txt" in err
