@@ -53,6 +53,19 @@ def windows(documents: Iterable[Sequence[int]], length: int) -> list[list[int]]:
     return out
 
 
+def cap_tokens(token_windows: list[list[int]], max_tokens: int | None) -> list[list[int]]:
+    """The leading windows holding at most ``max_tokens`` tokens in all (None = all of them)."""
+    if max_tokens is None:
+        return token_windows
+    kept, total = [], 0
+    for w in token_windows:
+        if total + 2 > max_tokens:
+            break
+        kept.append(w[: max_tokens - total])
+        total += len(kept[-1])
+    return kept
+
+
 @torch.inference_mode()
 def accumulate_batch(stack: LayerStack, stats: CalibrationStats, batch: Sequence[Sequence[int]],
                      chunk: int = 2048) -> int:
@@ -161,3 +174,27 @@ def _resume(ckpt: Path | None, key: str, stats: CalibrationStats) -> int:
         return int(saved["done_batches"])
     except (json.JSONDecodeError, KeyError, StatsFormatError, ValueError):
         return 0  # a damaged checkpoint only costs the work it held
+
+
+def calibrate_texts(loaded, texts: Sequence[str], cfg, corpus: str = "", checkpoint: str | Path | None = None,
+                    on_batch: Callable[[int], None] | None = None,
+                    on_start: Callable[[int], None] | None = None) -> CalibrationStats:
+    """Calibrate a loaded model on texts with a :class:`~emad.calibration_config.CalibrateConfig`.
+
+    Checks the probe layers and window against the model before any work, tokenizes, cuts windows, caps them at
+    ``cfg.max_tokens`` and runs :func:`calibrate`. ``on_start`` receives the number of tokens to process.
+    """
+    stack = LayerStack(loaded.model)
+    probes = resolve_probe_layers(cfg.probe_layers, stack.n_layers)
+    if stack.max_positions is not None and cfg.window > stack.max_positions:
+        raise ValueError(f"calibrate.window = {cfg.window} exceeds the model's context of {stack.max_positions}")
+    strata = Strata(tuple(cfg.strata.position_edges), tuple(cfg.strata.confidence_edges))
+    docs = [loaded.tokenizer(t)["input_ids"] for t in texts]
+    wins = cap_tokens(windows(docs, cfg.window), cfg.max_tokens)
+    if not wins:
+        raise ValueError("no calibration window of at least 2 tokens: the texts are empty")
+    if on_start is not None:
+        on_start(sum(len(w) for w in wins))
+    return calibrate(stack, wins, probes, strata, cfg.batch_size, cfg.hist_bins,
+                     model=loaded.fingerprint.as_dict(), corpus=corpus, checkpoint=checkpoint,
+                     checkpoint_every=cfg.checkpoint_every, on_batch=on_batch)

@@ -41,6 +41,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(sc)
     sc.add_argument("--text-file", type=Path, required=True)
     sc.set_defaults(func=cmd_score)
+
+    cal = sub.add_parser("calibrate", help="calibrate an entropy profile (stats.json + profile.json in --out)")
+    cal.add_argument("--model", required=True, help="embedded alias, local folder or hub id")
+    src = cal.add_mutually_exclusive_group(required=True)
+    src.add_argument("--corpus", type=Path, help="sampled corpus folder (its calib.jsonl is used)")
+    src.add_argument("--text-file", type=Path, action="append", help="plain text file(s), one document each")
+    cal.add_argument("--out", type=Path, required=True, help="folder for stats.json and profile.json")
+    cal.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a calibrate/smooth param, e.g. --set calibrate.window=128 "
+                          "--set smooth.min_count=20 (YAML values)")
+    cal.set_defaults(func=cmd_calibrate)
+
+    prof = sub.add_parser("profile", help="inspect a profile")
+    prof_sub = prof.add_subparsers(dest="profile_command", required=True)
+    show = prof_sub.add_parser("show", help="print τ per stratum and probe layer")
+    show.add_argument("path", type=Path)
+    show.set_defaults(func=cmd_profile_show)
     return parser
 
 
@@ -139,3 +156,68 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _overrides(pairs: list[str]) -> dict[str, dict]:
+    """``section.key=value`` pairs → ``{section: {key: value}}`` (values parsed as YAML)."""
+    import yaml
+
+    out: dict[str, dict] = {"calibrate": {}, "smooth": {}}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        section, dot, name = key.partition(".")
+        if not sep or not dot or section not in out:
+            raise ValueError(f"--set {pair!r}: expected calibrate.KEY=VALUE or smooth.KEY=VALUE")
+        out[section][name] = yaml.safe_load(value)
+    return out
+
+
+def cmd_calibrate(args) -> None:
+    from emad.calibrate import calibrate_texts
+    from emad.calibration_config import CalibrateConfig, SmoothConfig
+    from emad.config import validate_section
+    from emad.corpus import read_split
+    from emad.models import load_model
+    from emad.profile import smooth
+
+    sets = _overrides(args.set)
+    cfg = validate_section("calibrate", sets["calibrate"], CalibrateConfig)
+    smooth_cfg = validate_section("smooth", sets["smooth"], SmoothConfig)
+    if args.corpus is not None:
+        texts, corpus_hash = read_split(args.corpus, "calib")
+    else:
+        for path in args.text_file:
+            if not path.is_file():
+                raise ValueError(f"--text-file {path}: no such file")
+        texts, corpus_hash = [p.read_text(encoding="utf-8") for p in args.text_file], ""
+    loaded = load_model(args.model, device=cfg.device, dtype=cfg.dtype)
+    stats = calibrate_texts(loaded, texts, cfg, corpus_hash, checkpoint=args.out / "stats.json.ckpt")
+    profile = smooth(stats, smooth_cfg.statistic, smooth_cfg.min_count, smooth_cfg.isotonic)
+    stats.save(args.out / "stats.json")
+    profile.save(args.out / "profile.json")
+    print(format_profile(profile))
+
+
+def format_profile(profile) -> str:
+    """A readable table: τ (raw) per stratum and probe layer, with counts, agreement and oracle depth."""
+    layers = profile.probe_layers
+    head = f"{'stratum':<28}" + "".join(f"{'L' + str(x):>14}" for x in layers)
+    lines = [head, "-" * len(head)]
+    for name in profile.strata.names():
+        cells = "".join(f"{t:>7.3f} ({r:>5.2f})" for t, r in zip(profile.tau[name], profile.raw[name]))
+        note = f"  <- {profile.backed_off[name]}" if name in profile.backed_off else ""
+        count = int(profile.count[name][-1]) if profile.count else 0
+        lines.append(f"{name[:20]:<20}{count:>8}" + cells + note)
+    lines.append(f"{'argmax = final':<28}" + "".join(f"{a:>14.3f}" for a in profile.agreement))
+    lines.append(f"{'oracle depth share':<28}" + "".join(f"{o:>14.3f}" for o in profile.oracle))
+    worst = max(profile.monotonicity.values(), key=lambda m: m["max"], default={"max": 0.0, "total": 0.0})
+    lines.append(f"tau = smoothed {profile.smoothing.get('statistic', '?')} entropy in nats (raw in brackets); "
+                 f"largest raw rise between probes {worst['max']:.3f}, total {worst['total']:.3f}; "
+                 f"model {profile.model.get('spec', '?')}, corpus {profile.corpus[:12] or '-'}")
+    return "\n".join(lines)
+
+
+def cmd_profile_show(args) -> None:
+    from emad.profile import Profile
+
+    print(format_profile(Profile.load(args.path)))

@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -77,6 +78,11 @@ class NullRun:
         return lambda *args, **kwargs: None
 
 
+def metric_name(name: str) -> str:
+    """A name MLflow accepts: characters other than letters, digits, ``_-. /`` become ``_`` (no commas)."""
+    return re.sub(r"[^A-Za-z0-9_\-. /]", "_", name)
+
+
 class Run:
     """A thin handle over the active MLflow run."""
 
@@ -86,13 +92,13 @@ class Run:
         self._mlflow, self.run_id = mlflow, run_id
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        clean = {k.replace(",", "_"): float(v) for k, v in metrics.items() if v is not None}
+        clean = {metric_name(k): float(v) for k, v in metrics.items() if v is not None}
         self._mlflow.log_metrics(clean, step=step)
 
     def log_series(self, name: str, values: dict[int, float]) -> None:
         """One metric over steps (e.g. τ per layer with step = layer)."""
         for step, value in values.items():
-            self._mlflow.log_metric(name.replace(",", "_"), float(value), step=int(step))
+            self._mlflow.log_metric(metric_name(name), float(value), step=int(step))
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         self._mlflow.log_artifact(str(path), artifact_path)

@@ -61,3 +61,22 @@ def test_unknown_alias_lists_embedded_aliases(capsys):
 def test_missing_text_file_is_named(capsys, tmp_path):
     code, _, err = _run(capsys, "score", "--model", "smollm2-135m", "--text-file", str(tmp_path / "nope.txt"))
     assert code == 2 and "nope.txt" in err
+
+
+def test_calibrate_then_profile_show(smollm2, capsys, tmp_path):
+    text = tmp_path / "doc.txt"
+    text.write_text("Entropy measures uncertainty. A confident model has low entropy. " * 6)
+    code, out, err = _run(capsys, "calibrate", "--model", "smollm2-135m", "--text-file", str(text), "--out",
+                          str(tmp_path / "prof"), "--set", "calibrate.max_tokens=60", "--set", "calibrate.window=30",
+                          "--set", "calibrate.probe_layers=10", "--set", "smooth.min_count=1")
+    assert code == 0, err
+    assert (tmp_path / "prof" / "stats.json").is_file()
+    code, out, _ = _run(capsys, "profile", "show", str(tmp_path / "prof" / "profile.json"))
+    assert code == 0
+    assert "L10" in out and "L30" in out and "argmax = final" in out and "all" in out
+
+
+def test_calibrate_bad_override_names_the_parameter(capsys, tmp_path):
+    code, _, err = _run(capsys, "calibrate", "--model", "smollm2-135m", "--text-file", str(tmp_path / "x"),
+                        "--out", str(tmp_path), "--set", "calibrate.windw=3")
+    assert code == 2 and "calibrate.windw" in err

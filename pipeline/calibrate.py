@@ -1,0 +1,74 @@
+"""Stage ``calibrate``: teacher-forcing entropy statistics of one model on one corpus's calibration split.
+
+Runs as a plain process or data-parallel under ``torchrun --nproc_per_node N pipeline/calibrate.py ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+from tqdm import tqdm
+
+from emad import tracking
+from emad.calibrate import calibrate_texts
+from emad.calibration_config import CalibrateConfig
+from emad.config import load_section
+from emad.corpus import read_split
+from emad.models import load_model
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", required=True, help="model spec (prepared folder, alias or hub id)")
+    parser.add_argument("--corpus", type=Path, required=True, help="sampled corpus folder (calib.jsonl)")
+    parser.add_argument("--out", type=Path, required=True, help="stats JSON to write")
+    parser.add_argument("--params", default="params.yaml")
+    args = parser.parse_args(argv)
+    cfg = load_section("calibrate", CalibrateConfig, args.params)
+    texts, corpus_hash = read_split(args.corpus, "calib")
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    device = cfg.device
+    if world > 1:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        device = f"cuda:{local}" if device.startswith("cuda") else device
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    loaded = load_model(args.model_dir, device=device, dtype=cfg.dtype)
+    bar = tqdm(unit="tok", desc=f"calibrate {args.corpus.name}", disable=rank != 0)
+    start = time.perf_counter()
+    stats = calibrate_texts(loaded, texts, cfg, corpus_hash, checkpoint=args.out.with_name(args.out.name + ".ckpt"),
+                            on_batch=lambda n: bar.update(n * world), on_start=lambda n: bar.reset(total=n))
+    bar.close()
+    probes = stats.probe_layers
+    elapsed = time.perf_counter() - start
+    if rank == 0:
+        params = {"calibrate": cfg.model_dump(), "model": args.model_dir, "corpus": str(args.corpus),
+                  "probe_layers_resolved": probes, "world_size": world}
+        with tracking.stage_run("calibrate", params, {"model_fingerprint": loaded.fingerprint.digest,
+                                                       "corpus_manifest": corpus_hash}) as run:
+            stats.save(args.out)
+            mean = stats.mean()
+            run.log_metrics({"tokens": stats.tokens, "tokens_per_s": stats.tokens / elapsed, "seconds": elapsed})
+            run.log_series("entropy_mean_all", dict(zip(probes, (stats.sum.sum(0) / stats.count.sum(0)).tolist())))
+            run.log_series("argmax_agreement", dict(zip(probes, stats.agreement().tolist())))
+            for name, row in zip(stats.strata.names(), mean.tolist()):
+                run.log_series(f"entropy_mean.{name}", dict(zip(probes, row)))
+        print(f"calibrate: {stats.tokens} tokens at {len(probes)} probes in {elapsed:.1f} s "
+              f"({stats.tokens / elapsed:.0f} tok/s) -> {args.out}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except (ValueError, FileNotFoundError) as err:
+        print(f"calibrate: error: {err}", file=sys.stderr)
+        sys.exit(2)

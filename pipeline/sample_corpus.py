@@ -1,0 +1,80 @@
+"""Stage sample_corpus: sample disjoint calibration and evaluation splits of one corpus source.
+
+Reads params section ``corpus``; counts tokens with the tokenizer of ``corpus.tokenizer_model`` (the
+tokenizer only, not the model). Writes calib.jsonl, eval.jsonl and manifest.json into --out and prints a
+one-line summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from emad.config import ConfigError, load_section
+from emad.corpus import SOURCES, CorpusError, sample_corpus
+from emad.corpus.config import CorpusConfig
+
+
+def load_tokenizer(spec: str) -> Any:
+    """The tokenizer of model `spec`: an embedded alias (converted once), a folder or a hub id."""
+    from transformers import AutoTokenizer
+
+    from emad import models
+
+    source: str | Path = spec
+    if spec in models.EMBEDDED:
+        source = models.convert_embedded(spec, models.model_cache_dir() / spec)
+    return AutoTokenizer.from_pretrained(source)
+
+
+def token_counter(tokenizer: Any):
+    """`count_tokens(text)`: tokens of `text` without special tokens (no length limit, no warning)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:  # fast tokenizer: skips the max-length warning of __call__
+        return lambda text: len(backend.encode(text, add_special_tokens=False).ids)
+    return lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Samples `--source` into `--out` with the ``corpus`` params of `--params`."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--source", required=True, help=f"corpus source: {', '.join(SOURCES.names())}")
+    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--params", default="params.yaml", help="params file (section 'corpus')")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_section("corpus", CorpusConfig, args.params)
+        if args.source not in SOURCES:
+            raise CorpusError(f"unknown corpus source {args.source!r}; valid: {', '.join(SOURCES.names())}")
+        if not SOURCES.get(args.source).needs_network:  # offline by default, before the hub libraries load
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")
+            os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+        tokenizer = load_tokenizer(cfg.tokenizer_model)
+        from emad.models import tokenizer_sha256
+
+        manifest = sample_corpus(
+            args.source,
+            token_counter(tokenizer),
+            calib_tokens=cfg.calib_tokens,
+            eval_tokens=cfg.eval_tokens,
+            seed=cfg.seed,
+            out_dir=args.out,
+            tokenizer_id=f"{cfg.tokenizer_model}@{tokenizer_sha256(tokenizer)[:16]}",
+            **cfg.source_options(args.source),
+        )
+    except (ConfigError, CorpusError) as err:
+        sys.exit(f"sample_corpus: {err}")
+    calib, evaluation = manifest["splits"]["calib"], manifest["splits"]["eval"]
+    skipped = sum(len(ids) for ids in manifest["skipped"].values())
+    print(
+        f"sample_corpus {args.source}: calib {calib['documents']} docs {calib['tokens']} tokens, "
+        f"eval {evaluation['documents']} docs {evaluation['tokens']} tokens, {skipped} skipped, "
+        f"seed {cfg.seed}, {manifest['tokenizer']}, manifest {manifest['manifest_sha256'][:12]} -> {args.out}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""Stage ``smooth``: calibration statistics → the target profile τ (JSON) and its figure (PNG)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from emad import tracking
+from emad.calibration_config import SmoothConfig
+from emad.config import load_section
+from emad.models import ModelFingerprint
+from emad.plots import profile_figure, save_figure
+from emad.profile import smooth
+from emad.stats import CalibrationStats
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stats", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True, help="profile JSON to write")
+    parser.add_argument("--plot", type=Path, required=True, help="PNG of raw vs smoothed profiles")
+    parser.add_argument("--params", default="params.yaml")
+    args = parser.parse_args(argv)
+    cfg = load_section("smooth", SmoothConfig, args.params)
+    stats = CalibrationStats.load(args.stats)
+    profile = smooth(stats, cfg.statistic, cfg.min_count, cfg.isotonic)
+    params = {"smooth": cfg.model_dump(), "stats": str(args.stats)}
+    tags = {"model_fingerprint": ModelFingerprint(**profile.model).digest if profile.model else "",
+            "corpus_manifest": profile.corpus}
+    with tracking.stage_run("smooth", params, tags) as run:
+        profile.save(args.out)
+        save_figure(profile_figure(profile, title=str(args.out.parent)), args.plot)
+        for name in profile.strata.names():
+            run.log_series(f"tau.{name}", dict(zip(profile.probe_layers, profile.tau[name])))
+            run.log_series(f"raw.{name}", dict(zip(profile.probe_layers, profile.raw[name])))
+            run.log_metrics({f"violation_max.{name}": profile.monotonicity[name]["max"],
+                             f"violation_total.{name}": profile.monotonicity[name]["total"]})
+        run.log_artifact(args.plot)
+        run.log_artifact(args.out)
+    worst = max(profile.monotonicity.values(), key=lambda m: m["max"])
+    print(f"smooth: {len(profile.tau)} strata x {len(profile.probe_layers)} probes -> {args.out}; "
+          f"largest raw rise {worst['max']:.3f} nats, backed off: {len(profile.backed_off)}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except ValueError as err:
+        print(f"smooth: error: {err}", file=sys.stderr)
+        sys.exit(2)
