@@ -204,7 +204,7 @@ def format_profile(profile) -> str:
     head = f"{'stratum':<28}" + "".join(f"{'L' + str(x):>14}" for x in layers)
     lines = [head, "-" * len(head)]
     for name in profile.strata.names():
-        cells = "".join(f"{t:>7.3f} ({r:>5.2f})" for t, r in zip(profile.tau[name], profile.raw[name]))
+        cells = "".join(f"{t:>6.3f} ({r:>5.2f})" for t, r in zip(profile.tau[name], profile.raw[name]))
         note = f"  <- {profile.backed_off[name]}" if name in profile.backed_off else ""
         count = int(profile.count[name][-1]) if profile.count else 0
         lines.append(f"{name[:20]:<20}{count:>8}" + cells + note)

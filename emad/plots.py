@@ -38,5 +38,5 @@ def profile_figure(profile, title: str = ""):
     axes[2].bar([str(x) for x in layers], profile.oracle)
     axes[2].set(xlabel="oracle depth (probe layer)", ylabel="share of tokens", title="oracle depth distribution")
     if title:
-        fig.suptitle(title)
+        fig.suptitle(title, y=1.03)
     return fig
