@@ -34,6 +34,7 @@ class Adapter:
         rotary: rotary position embeddings for a layer, or None when the architecture has none.
         cache_kwarg: name of the keyword through which a layer receives its cache.
         sliding_window: the layer's attention window (None = full attention).
+        qkv: names of the attention input projections inside a layer (their cost is a K/V copy's cost).
     """
 
     base: str
@@ -43,6 +44,7 @@ class Adapter:
     rotary: RotaryFn | None = None
     cache_kwarg: str = "past_key_values"
     sliding_window: Callable[[Any, int], int | None] = lambda config, idx: None
+    qkv: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
 
 
 def _embed_tokens(attr: str) -> EmbedFn:
@@ -98,9 +100,9 @@ ADAPTERS: dict[str, Adapter] = {
     ),
     "gpt_neox": Adapter(
         base="gpt_neox", layers="layers", final_norm=("final_layer_norm",),
-        embed=_embed_tokens("embed_in"), rotary=_rope, cache_kwarg="layer_past",
+        embed=_embed_tokens("embed_in"), rotary=_rope, cache_kwarg="layer_past", qkv=("query_key_value",),
     ),
-    "gpt2": Adapter(base="transformer", layers="h", final_norm=("ln_f",), embed=_embed_gpt2),
+    "gpt2": Adapter(base="transformer", layers="h", final_norm=("ln_f",), embed=_embed_gpt2, qkv=("c_attn",)),
     "opt": Adapter(
         base="model.decoder", layers="layers", final_norm=("final_layer_norm", "project_out"),
         embed=_embed_opt,

@@ -14,6 +14,18 @@ from __future__ import annotations
 
 import torch
 
+Slots = slice | torch.Tensor  # a contiguous range of slots, or scattered slot indices (LongTensor, ascending)
+
+
+def slot_end(slots: Slots) -> int:
+    """One past the last slot."""
+    return slots.stop if isinstance(slots, slice) else int(slots[-1]) + 1
+
+
+def slot_index(slots: Slots, device) -> torch.Tensor:
+    """The slots as a LongTensor ``[q]``."""
+    return torch.arange(slots.start, slots.stop, device=device) if isinstance(slots, slice) else slots
+
 
 class KVCache:
     """Preallocated per-layer K/V buffers with per-layer validity.
@@ -80,58 +92,76 @@ class KVCache:
         """Number of valid positions each row holds at ``layer`` (0-based): ``[B]``."""
         return self.valid[layer, :, : self.n_slots].sum(-1)
 
-    def is_dense(self, layer: int, rows: torch.Tensor | None, slots: slice) -> bool:
+    def is_dense(self, layer: int, rows: torch.Tensor | None, slots: Slots) -> bool:
         """True when every slot before ``slots`` is valid at ``layer`` for all rows and nothing is padded."""
-        return not self.padded and rows is None and self.filled[layer] >= slots.start
+        return (not self.padded and rows is None and isinstance(slots, slice)
+                and self.filled[layer] >= slots.start)
 
-    def key_mask(self, layer: int, rows: torch.Tensor | None, slots: slice) -> torch.Tensor:
-        """Which keys ``[0, slots.stop)`` are visible at ``layer``, before causality: ``[b, slots.stop]`` bool.
+    def key_mask(self, layer: int, rows: torch.Tensor | None, slots: Slots) -> torch.Tensor:
+        """Which keys ``[0, end(slots))`` are visible at ``layer``, before causality: ``[b, end]`` bool.
 
         Slots being written now count as valid where they are real tokens.
         """
-        valid = self.valid[layer, :, : slots.stop].clone()
+        valid = self.valid[layer, :, : slot_end(slots)].clone()
         valid[:, slots] = self.real[:, slots]
         return valid if rows is None else valid[rows]
 
-    def view(self, rows: torch.Tensor | None, slots: slice) -> CacheView:
-        """A write handle for one pass of some rows over some slots (what HF attention modules see)."""
-        return CacheView(self, rows, slots)
+    def view(self, rows: torch.Tensor | None, slots: Slots, kv_only: bool = False) -> CacheView:
+        """A write handle for one pass of some rows over some slots (what HF attention modules see).
+
+        With ``kv_only`` the layer is stopped right after its K/V are stored (see :class:`KVWritten`).
+        """
+        return CacheView(self, rows, slots, kv_only)
 
     # ----------------------------------------------------------------- writes
-    def write(self, layer: int, rows: torch.Tensor | None, slots: slice, key: torch.Tensor, value: torch.Tensor):
-        """Store K/V ``[b, H_kv, q, d_head]`` and return the layer's K/V over ``[0, slots.stop)`` for ``rows``."""
+    def write(self, layer: int, rows: torch.Tensor | None, slots: Slots, key: torch.Tensor, value: torch.Tensor):
+        """Store K/V ``[b, H_kv, q, d_head]`` and return the layer's K/V over ``[0, end(slots))`` for ``rows``."""
         if self.keys[layer] is None:
             shape = (self.batch_size, key.shape[1], self.capacity, key.shape[3])
             self.keys[layer] = key.new_zeros(shape)
             self.values[layer] = value.new_zeros(shape)
         keys, values = self.keys[layer], self.values[layer]
+        end = slot_end(slots)
         if rows is None:
             keys[:, :, slots] = key
             values[:, :, slots] = value
             self.valid[layer, :, slots] = self.real[:, slots]
-            if self.filled[layer] == slots.start and not self.padded:
+            if isinstance(slots, slice) and self.filled[layer] == slots.start and not self.padded:
                 self.filled[layer] = slots.stop
-            return keys[:, :, : slots.stop], values[:, :, : slots.stop]
-        keys[rows, :, slots] = key
-        values[rows, :, slots] = value
-        self.valid[layer, rows, slots] = self.real[rows, slots]
-        return keys[rows, :, : slots.stop], values[rows, :, : slots.stop]
+            return keys[:, :, :end], values[:, :, :end]
+        if isinstance(slots, slice):
+            keys[rows, :, slots] = key
+            values[rows, :, slots] = value
+            self.valid[layer, rows, slots] = self.real[rows, slots]
+        else:  # scattered slots (backfill): one row at a time keeps the indexing plain
+            for i, r in enumerate(rows.tolist()):
+                keys[r][:, slots] = key[i]
+                values[r][:, slots] = value[i]
+                self.valid[layer, r, slots] = self.real[r, slots]
+        return keys[rows, :, :end], values[rows, :, :end]
 
-    def invalidate(self, layer: int, rows: torch.Tensor | None, slots: slice) -> None:
+    def invalidate(self, layer: int, rows: torch.Tensor | None, slots: Slots) -> None:
         """Mark slots as not holding K/V at ``layer`` (e.g. a token that never ran it)."""
         if rows is None:
             self.valid[layer, :, slots] = False
         else:
             self.valid[layer, rows, slots] = False
-        self.filled[layer] = min(self.filled[layer], slots.start)
+        self.filled[layer] = min(self.filled[layer], slots.start if isinstance(slots, slice) else int(slots.min()))
+
+
+class KVWritten(Exception):  # noqa: N818 - a control-flow signal, not an error
+    """Raised by a ``kv_only`` view right after a layer stored its K/V, to skip the rest of the layer."""
 
 
 class CacheView:
     """The object HF attention modules receive as ``past_key_values``: routes ``update`` to one write."""
 
-    def __init__(self, cache: KVCache, rows: torch.Tensor | None, slots: slice):
-        self.cache, self.rows, self.slots = cache, rows, slots
+    def __init__(self, cache: KVCache, rows: torch.Tensor | None, slots: Slots, kv_only: bool = False):
+        self.cache, self.rows, self.slots, self.kv_only = cache, rows, slots, kv_only
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """HF ``Cache.update`` protocol: store the new K/V, return the layer's full K/V."""
-        return self.cache.write(layer_idx, self.rows, self.slots, key_states, value_states)
+        out = self.cache.write(layer_idx, self.rows, self.slots, key_states, value_states)
+        if self.kv_only:
+            raise KVWritten
+        return out

@@ -6,9 +6,12 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 from emad.criteria import CRITERIA
+from emad.estimators import ESTIMATORS
+from emad.policies import POLICIES
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -17,6 +20,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
     p.add_argument("--method", default="full", choices=CRITERIA.names(), help="exit criterion")
     p.add_argument("--depth", type=int, help="layers run per token for --method fixed (1..L)")
+    p.add_argument("--threshold", type=float, help="entropy threshold h0 (nats) for --method confidence")
+    p.add_argument("--probe-every", type=int, help="probe every k-th layer for --method confidence")
+    p.add_argument("--profile", type=Path, help="profile.json for --method emad")
+    p.add_argument("--margin", type=float, help="margin m (nats) for --method emad: exit when H <= tau - m")
+    p.add_argument("--min-exit-layer", type=int, help="no exit below this layer")
+    p.add_argument("--policy", default="monotone", choices=POLICIES.names(), help="KV-consistency policy")
+    p.add_argument("--estimator", default="exact", choices=ESTIMATORS.names(), help="entropy estimator at probes")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt / text")
 
 
@@ -76,14 +86,23 @@ def _read_prompts(args) -> list[str]:
 
 
 def _load(args):
+    """Model, layer stack and method from the flags; every check happens before any decoding."""
+    from emad.decode import Method
     from emad.models import load_model
+    from emad.profile import Profile
     from emad.stack import LayerStack
 
+    profile = Profile.load(args.profile) if args.profile is not None else None
+    options = {"depth": args.depth, "threshold": args.threshold, "probe_every": args.probe_every,
+               "profile": profile, "margin": args.margin, "min_exit_layer": args.min_exit_layer}
+    criterion = CRITERIA.get(args.method).from_options(**options)
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    if profile is not None:
+        profile.check_model(loaded.fingerprint.as_dict())
     stack = LayerStack(loaded.model)
-    criterion = CRITERIA.get(args.method).from_options(depth=args.depth)
-    criterion.validate(stack.n_layers)
-    return loaded, stack, criterion
+    method = Method(criterion, args.policy, ESTIMATORS.get(args.estimator)())
+    method.validate(stack.n_layers)
+    return loaded, stack, method
 
 
 def cmd_generate(args) -> None:
@@ -91,7 +110,7 @@ def cmd_generate(args) -> None:
 
     prompts = _read_prompts(args)
     sampling = Sampling(do_sample=args.sample, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    loaded, stack, criterion = _load(args)
+    loaded, stack, method = _load(args)
     tok = loaded.tokenizer
     if args.chat:
         ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
@@ -99,7 +118,7 @@ def cmd_generate(args) -> None:
         ids = [list(x["input_ids"]) if isinstance(x, dict) else list(x) for x in ids]
     else:
         ids = [tok(p)["input_ids"] for p in prompts]
-    out = generate(stack, tok, ids, criterion, args.max_new_tokens, sampling=sampling, stop_strings=args.stop)
+    out = generate(stack, tok, ids, method, args.max_new_tokens, sampling=sampling, stop_strings=args.stop)
     for i, prompt in enumerate(prompts):
         if args.json:
             print(json.dumps({
@@ -111,6 +130,8 @@ def cmd_generate(args) -> None:
                 "bytes_ratio": out.cost_ratio(i, "bytes"),
                 "finish_reason": out.finish_reasons[i],
                 "method": out.method,
+                "policy_flops": out.policy_flops[i],
+                "trace": [asdict(t) for t in out.traces[i]],
                 "model": loaded.fingerprint.as_dict(),
             }))
         else:
@@ -118,25 +139,29 @@ def cmd_generate(args) -> None:
 
 
 def cmd_score(args) -> None:
-    from emad.decode import score
+    from emad.decode import score_adaptive
 
     if not args.text_file.is_file():
         raise ValueError(f"--text-file {args.text_file}: no such file")
     text = args.text_file.read_text(encoding="utf-8")
-    loaded, stack, criterion = _load(args)
+    loaded, stack, method = _load(args)
     ids = loaded.tokenizer(text)["input_ids"]
-    depth = criterion.prefill_depth(stack.n_layers)
-    logprobs = score(stack, ids, depth=depth).tolist()
+    if len(ids) < 2:
+        raise ValueError(f"--text-file {args.text_file} holds fewer than 2 tokens")
+    scored = score_adaptive(stack, ids[:1], ids[1:], method)
+    logprobs = scored.logprobs
     nll = -sum(logprobs)
     result = {
         "n_tokens": len(logprobs),
         "nll": nll,
         "perplexity": math.exp(nll / len(logprobs)),
-        "method": criterion.describe(),
+        "cost_ratio": scored.cost_ratio,
+        "method": method.describe(),
     }
     if args.json:
         result["tokens"] = loaded.tokenizer.convert_ids_to_tokens(ids[1:])
         result["logprobs"] = logprobs
+        result["depths"] = scored.depths
         print(json.dumps(result))
     else:
         print(f"{result['n_tokens']} tokens  nll {nll:.3f}  perplexity {result['perplexity']:.3f}")

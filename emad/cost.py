@@ -8,6 +8,8 @@ Definitions (DESIGN.md §4; they must not drift):
   for the weighted sum of ``V``;
 - the head: ``2 × d × V``; a readout (probe with the exact estimator) = final norm + head, whose FLOPs are the head's
   (plus any output projection the architecture applies before it, e.g. OPT's ``project_out``);
+- a K/V copy (state propagation into a skipped layer): ``2 × (Q, K and V projection parameters)`` — the query
+  is computed and dropped — and the bytes of those weights;
 - embedding lookups are free;
 - bytes = bytes of the weights read: every parameter of each layer run (norms and biases included), and of the
   final norm + head for each readout. Per token, as at batch 1 (a batch shares weight reads; ratios are unchanged).
@@ -46,6 +48,8 @@ class CostModel:
         layer_bytes: bytes of all parameters of each layer, ``[L]``.
         readout_params: matmul parameters of one readout (head, plus any output projection).
         readout_bytes: bytes of the final norm + head weights.
+        kv_params: Q/K/V projection parameters of one layer (a K/V copy's matmuls).
+        kv_bytes: bytes of those weights.
     """
 
     d_model: int
@@ -53,17 +57,22 @@ class CostModel:
     layer_bytes: tuple[int, ...]
     readout_params: int
     readout_bytes: int
+    kv_params: int = 0
+    kv_bytes: int = 0
 
     @classmethod
     def from_stack(cls, stack) -> CostModel:
         """Count parameters of a :class:`~emad.stack.LayerStack`'s model."""
         norms = nn.ModuleList(stack.norms)
+        qkv = [m for name, m in stack.layers[0].named_modules() if name.split(".")[-1] in stack.adapter.qkv]
         return cls(
             d_model=stack.config.hidden_size,
             layer_params=tuple(_matmul_params(layer) for layer in stack.layers),
             layer_bytes=tuple(_param_bytes(layer) for layer in stack.layers),
             readout_params=stack.head.weight.numel() + _matmul_params(norms),
             readout_bytes=_param_bytes(stack.head) + _param_bytes(norms),
+            kv_params=sum(m.weight.numel() for m in qkv),
+            kv_bytes=sum(_param_bytes(m) for m in qkv),
         )
 
     @property
@@ -75,16 +84,22 @@ class CostModel:
         return 2 * self.layer_params[layer] + 4 * n_ctx * self.d_model
 
     @property
+    def kv_flops(self) -> int:
+        """FLOPs of one K/V copy into one skipped layer."""
+        return 2 * self.kv_params
+
+    @property
     def readout_flops(self) -> int:
         """FLOPs of one exact readout: ``2 × d × V`` (+ output projection if any)."""
         return 2 * self.readout_params
 
     def flops(self, n_ctx: torch.Tensor, readouts: torch.Tensor) -> torch.Tensor:
-        """FLOPs of tokens given where they ran.
+        """FLOPs of the layers tokens ran plus their exact readouts.
 
         Args:
             n_ctx: ``[N, L]`` keys attended by each token at each layer, 0 where the layer did not run.
-            readouts: ``[N]`` number of exact readouts each token paid for.
+            readouts: ``[N]`` number of exact readouts each token paid for (may be fractional for estimators
+                costed in readout units).
 
         Returns:
             ``[N]`` float64 FLOPs.

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from emad.adapters import Adapter, adapter_for
-from emad.cache import KVCache
+from emad.cache import KVCache, KVWritten, Slots, slot_end, slot_index
 
 
 def _resolve(module: nn.Module, dotted: str) -> nn.Module:
@@ -83,7 +83,7 @@ class LayerStack:
         stop: int,
         cache: KVCache,
         positions: torch.Tensor,
-        slots: slice,
+        slots: Slots,
         rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run layers ``[start, stop)`` (0-based) on h ``[b, q, d]``, writing their K/V into ``cache``.
@@ -94,7 +94,7 @@ class LayerStack:
             stop: one past the last layer to run.
             cache: the batch's cache; K/V of these tokens are stored at ``slots`` for ``rows``.
             positions: position ids ``[b, q]`` (rotary / learned positions).
-            slots: the cache slots these q tokens occupy.
+            slots: the cache slots these q tokens occupy (a range, or ascending scattered indices).
             rows: which cache rows ``h`` holds (LongTensor ``[b]``), or None for all rows.
 
         Returns:
@@ -111,6 +111,23 @@ class LayerStack:
             if isinstance(h, tuple):
                 h = h[0]
         return h
+
+    def write_kv(self, h: torch.Tensor, layer: int, cache: KVCache, positions: torch.Tensor, slots: Slots,
+                 rows: torch.Tensor | None = None) -> None:
+        """Store at ``layer`` (0-based) the K/V that hidden states ``h`` ``[b, q, d]`` project to, and nothing else.
+
+        The layer runs until its attention has stored K/V (input norm, Q/K/V projections, rotary), then stops:
+        the attention itself and the MLP are skipped. Used to propagate a copied state to skipped layers.
+        """
+        kwargs = {self.adapter.cache_kwarg: cache.view(rows, slots, kv_only=True), "use_cache": True,
+                  "position_ids": positions, "attention_mask": None}
+        if self.adapter.rotary is not None:
+            kwargs["position_embeddings"] = self._rotary(h, positions, layer, {})
+        try:
+            self.layers[layer](h, **kwargs)
+        except KVWritten:
+            return
+        raise RuntimeError(f"layer {layer} finished without storing K/V: its attention never called the cache")
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         """The model's final norm (and output projection where one exists): ``[..., d]`` → ``[..., d]``."""
@@ -133,16 +150,16 @@ class LayerStack:
             memo[key] = self.adapter.rotary(self.base, h, positions, idx)
         return memo[key]
 
-    def _mask(self, cache: KVCache, idx: int, rows: torch.Tensor | None, slots: slice) -> torch.Tensor | None:
-        """Boolean attention mask ``[b, 1, q, slots.stop]``, or None where sdpa's own causal rule is exact."""
-        q = slots.stop - slots.start
+    def _mask(self, cache: KVCache, idx: int, rows: torch.Tensor | None, slots: Slots) -> torch.Tensor | None:
+        """Boolean attention mask ``[b, 1, q, end]``, or None where sdpa's own causal rule is exact."""
+        end = slot_end(slots)
         window = self.windows[idx]
-        windowed = window is not None and slots.stop >= window
-        if not windowed and cache.is_dense(idx, rows, slots) and (q == 1 or slots.start == 0):
+        windowed = window is not None and end >= window
+        if not windowed and cache.is_dense(idx, rows, slots) and (end - slots.start == 1 or slots.start == 0):
             return None
         keys = cache.key_mask(idx, rows, slots)  # [b, S]
-        q_pos = torch.arange(slots.start, slots.stop, device=keys.device)[:, None]  # [q, 1]
-        k_pos = torch.arange(slots.stop, device=keys.device)[None, :]  # [1, S]
+        q_pos = slot_index(slots, keys.device)[:, None]  # [q, 1]
+        k_pos = torch.arange(end, device=keys.device)[None, :]  # [1, S]
         allowed = k_pos <= q_pos
         if window is not None:
             allowed = allowed & (k_pos > q_pos - window)

@@ -1,0 +1,25 @@
+"""The decode loop on the layer stack: ``prefill`` → ``step`` → ``generate``, and teacher-forced ``score``.
+
+One loop serves every method: a token runs from probe to probe, and at each probe the criterion decides, per
+row, whether it exits there (Ĥ from the estimator); the policy bounds its depth and keeps the KV cache
+consistent; the readout of the exit layer gives the token.
+"""
+
+from emad.decode.generate import Generation, TokenTrace, generate
+from emad.decode.score import Scored, score, score_adaptive
+from emad.decode.step import (
+    ContextLengthError,
+    Method,
+    Sampling,
+    StepOutput,
+    choose,
+    left_pad,
+    positions_of,
+    prefill,
+    step,
+)
+
+__all__ = [
+    "ContextLengthError", "Generation", "Method", "Sampling", "Scored", "StepOutput", "TokenTrace", "choose",
+    "generate", "left_pad", "positions_of", "prefill", "score", "score_adaptive", "step",
+]

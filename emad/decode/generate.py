@@ -1,0 +1,247 @@
+"""``generate``: prefill, then adaptive steps until EOS, a stop string or ``max_new_tokens``; with a trace."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from emad.cache import KVCache
+from emad.cost import CostModel
+from emad.criteria import Criterion
+from emad.decode.step import (
+    EXIT_REASONS,
+    ContextLengthError,
+    Method,
+    Sampling,
+    as_method,
+    choose,
+    left_pad,
+    prefill,
+    step,
+)
+from emad.stack import LayerStack
+
+
+@dataclass
+class TokenTrace:
+    """One generated token: depth, Ĥ at the probes it passed, why it exited, and its cost."""
+
+    token: int
+    logprob: float
+    depth: int
+    entropies: dict[int, float]
+    reason: str
+    flops: float
+    full_flops: float
+
+
+@dataclass
+class Generation:
+    """Generated continuations and their per-token trace.
+
+    Attributes:
+        token_ids: generated ids per row (prompt excluded; EOS included when produced).
+        texts: decoded continuations, cut before the first stop string.
+        depths: layers run per generated token, per row.
+        flops, bytes: cost per generated token, per row (layers, probes, exit readout, policy work);
+            ``full_flops``/``full_bytes`` the same tokens at full depth.
+        policy_flops: FLOPs of policy work (backfill, K/V copy) per row; ``policy_events`` how often it fired.
+        finish_reasons: "eos", "stop_string" or "length", per row.
+        traces: per row, a :class:`TokenTrace` per token.
+    """
+
+    token_ids: list[list[int]]
+    texts: list[str]
+    depths: list[list[int]]
+    flops: list[list[float]]
+    bytes: list[list[float]]
+    full_flops: list[list[float]]
+    full_bytes: list[list[float]]
+    finish_reasons: list[str]
+    policy_flops: list[float] = field(default_factory=list)
+    policy_token_layers: list[float] = field(default_factory=list)
+    policy_events: list[float] = field(default_factory=list)
+    traces: list[list[TokenTrace]] = field(default_factory=list)
+    method: dict = field(default_factory=dict)
+
+    def cost_ratio(self, row: int | None = None, kind: str = "flops") -> float:
+        """Cost of this generation over full depth for the same tokens (all rows, or one)."""
+        rows = range(len(self.token_ids)) if row is None else [row]
+        spent = sum(sum(getattr(self, kind)[r]) for r in rows)
+        full = sum(sum(getattr(self, "full_" + kind)[r]) for r in rows)
+        return spent / full if full else 1.0
+
+    def policy_share(self) -> float:
+        """Share of all FLOPs spent on policy work (backfill or K/V copy)."""
+        total = sum(sum(f) for f in self.flops)
+        return sum(self.policy_flops) / total if total else 0.0
+
+
+@dataclass
+class _Row:
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
+    n_ctx: list[torch.Tensor] = field(default_factory=list)  # per token: [L] keys attended per layer
+    context: list[int] = field(default_factory=list)
+    extra_flops: list[float] = field(default_factory=list)
+    extra_bytes: list[float] = field(default_factory=list)
+    entropies: list[dict[int, float]] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+    finish: str | None = None
+
+
+def generate(
+    stack: LayerStack,
+    tokenizer,
+    prompts: Sequence[Sequence[int]],
+    method: Method | Criterion,
+    max_new_tokens: int,
+    sampling: Sampling | None = None,
+    stop_strings: Sequence[str] = (),
+    eos_token_ids: Sequence[int] | None = None,
+    on_token: Callable[[int, int], None] | None = None,
+) -> Generation:
+    """Generate up to ``max_new_tokens`` per prompt with the method's exits.
+
+    Args:
+        stack: the model's layer stack.
+        tokenizer: its tokenizer (decodes continuations, checks stop strings).
+        prompts: token-id lists (batched with left padding; rows never affect each other).
+        method: a :class:`Method`, or a bare criterion (monotone policy, exact estimator).
+        max_new_tokens: at most this many tokens per row.
+        sampling: greedy by default.
+        stop_strings: a row stops once its continuation contains one; its text is cut before it.
+        eos_token_ids: a row stops after producing one of these (default: the model's EOS ids).
+        on_token: called as ``on_token(row, token_id)`` for each new token (streaming).
+    """
+    method = as_method(method)
+    sampling = sampling or Sampling()
+    method.validate(stack.n_layers)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    longest = max(len(p) for p in prompts)
+    if stack.max_positions is not None and longest + max_new_tokens > stack.max_positions:
+        raise ContextLengthError(
+            f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} exceeds the model's context of "
+            f"{stack.max_positions} tokens; shorten the prompt or lower max_new_tokens")
+    eos = set(eos_token_ids if eos_token_ids is not None else _eos_ids(stack, tokenizer))
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos), 0)
+    generator = torch.Generator(device=stack.device).manual_seed(sampling.seed) if sampling.do_sample else None
+    cost = CostModel.from_stack(stack)
+
+    ids, real = left_pad(prompts, pad_id, stack.device)
+    batch, depth0 = ids.shape[0], method.criterion.prefill_depth(stack.n_layers)
+    cache = stack.new_cache(batch, ids.shape[1] + max_new_tokens)
+    policy = method.new_policy(batch, stack.n_layers, cost)
+    logits = prefill(stack, cache, ids, real, depth0)  # [B, V]
+    tokens = choose(logits, sampling, generator)  # [B]
+    logps = _logprob(logits, tokens)
+    positions = real.long().sum(-1)  # next position id per row, [B]
+    rows_state = [_Row() for _ in range(batch)]
+    held = _held(cache)
+    for r in range(batch):  # the first token is read out of the prompt's last position
+        _record(rows_state[r], int(tokens[r]), float(logps[r]), depth0, held[r] * 0, int(positions[r]), cost.readout_flops,
+                cost.readout_bytes, {}, "prompt")
+    alive = torch.arange(batch, device=stack.device)
+    for t in range(1, max_new_tokens + 1):
+        alive = _drop_finished(rows_state, alive, tokenizer, eos, stop_strings, on_token)
+        if len(alive) == 0 or t == max_new_tokens:
+            break
+        before = policy.extra.flops.clone(), policy.extra.bytes.clone()
+        out = step(stack, cache, method, policy, cost, tokens[alive], positions[alive], alive)
+        new = choose(out.logits, sampling, generator)
+        logps = _logprob(out.logits, new)
+        tokens[alive] = new
+        positions[alive] += 1
+        held = _held(cache)
+        probes = method.criterion.probes(stack.n_layers)
+        for i, r in enumerate(alive.tolist()):
+            extra_f = float(out.probe_flops[i] + policy.extra.flops[r] - before[0][r])
+            extra_b = float(out.probe_bytes[i] + policy.extra.bytes[r] - before[1][r])
+            seen = {p: float(e) for p, e in zip(probes, out.entropies[i].tolist()) if e == e}
+            _record(rows_state[r], int(new[i]), float(logps[i]), int(out.depths[i]), held[r], int(positions[r]), extra_f, extra_b,
+                    seen, EXIT_REASONS[int(out.reasons[i])])
+    for s in rows_state:
+        s.finish = s.finish or "length"
+    return _assemble(rows_state, tokenizer, stop_strings, cost, method, policy)
+
+
+def _eos_ids(stack: LayerStack, tokenizer) -> list[int]:
+    ids = getattr(stack.model.generation_config, "eos_token_id", None)
+    if ids is None:
+        ids = tokenizer.eos_token_id
+    return [] if ids is None else ([ids] if isinstance(ids, int) else list(ids))
+
+
+def _held(cache: KVCache) -> torch.Tensor:
+    """Keys held per row and layer right now, ``[B, L]`` on CPU."""
+    return cache.valid[:, :, : cache.n_slots].sum(-1).T.cpu()
+
+
+def _logprob(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Log-probability of each chosen token under its exit readout: ``[b]`` on CPU."""
+    return torch.log_softmax(logits.float(), -1).gather(-1, tokens[:, None]).squeeze(-1).cpu()
+
+
+def _record(row: _Row, token: int, logprob: float, depth: int, held: torch.Tensor, context: int, extra_flops: float,
+            extra_bytes: float, entropies: dict[int, float], reason: str) -> None:
+    layers = torch.arange(held.shape[0])
+    row.ids.append(token)
+    row.logprobs.append(logprob)
+    row.depths.append(depth)
+    row.n_ctx.append(torch.where(layers < depth, held, 0))
+    row.context.append(context)
+    row.extra_flops.append(extra_flops)
+    row.extra_bytes.append(extra_bytes)
+    row.entropies.append(entropies)
+    row.reasons.append(reason)
+
+
+def _drop_finished(rows, alive, tokenizer, eos, stop_strings, on_token) -> torch.Tensor:
+    """Stream the newest token of each live row and drop rows that hit EOS or a stop string."""
+    keep = []
+    for r in alive.tolist():
+        row = rows[r]
+        if on_token is not None:
+            on_token(r, row.ids[-1])
+        if row.ids[-1] in eos:
+            row.finish = "eos"
+        elif stop_strings and any(s in tokenizer.decode(row.ids) for s in stop_strings):
+            row.finish = "stop_string"
+        else:
+            keep.append(r)
+    return alive.new_tensor(keep)
+
+
+def _cut_at_stop(text: str, stop_strings: Sequence[str]) -> str:
+    cut = min((i for s in stop_strings if (i := text.find(s)) >= 0), default=len(text))
+    return text[:cut]
+
+
+def _assemble(rows: list[_Row], tokenizer, stop_strings, cost: CostModel, method: Method, policy) -> Generation:
+    flops, bytes_, full_flops, full_bytes, traces = [], [], [], [], []
+    for r in rows:
+        n_ctx, context = torch.stack(r.n_ctx), torch.tensor(r.context)  # [N, L], [N]
+        zero = torch.zeros(len(r.ids))
+        f = cost.flops(n_ctx, zero) + torch.tensor(r.extra_flops, dtype=torch.float64)
+        b = cost.bytes(n_ctx, zero) + torch.tensor(r.extra_bytes, dtype=torch.float64)
+        ff, fb = cost.full_depth(context)
+        ff[0], fb[0] = cost.readout_flops, cost.readout_bytes  # the prompt's last position: its readout only
+        flops.append(f.tolist())
+        bytes_.append(b.tolist())
+        full_flops.append(ff.tolist())
+        full_bytes.append(fb.tolist())
+        traces.append([TokenTrace(*x) for x in zip(r.ids, r.logprobs, r.depths, r.entropies, r.reasons, f.tolist(),
+                                                   ff.tolist())])
+    return Generation(
+        token_ids=[r.ids for r in rows],
+        texts=[_cut_at_stop(tokenizer.decode(r.ids, skip_special_tokens=True), stop_strings) for r in rows],
+        depths=[r.depths for r in rows],
+        flops=flops, bytes=bytes_, full_flops=full_flops, full_bytes=full_bytes,
+        finish_reasons=[r.finish for r in rows],
+        policy_flops=policy.extra.flops.tolist(), policy_token_layers=policy.extra.token_layers.tolist(),
+        policy_events=policy.extra.events.tolist(), traces=traces, method=method.describe(),
+    )

@@ -1,0 +1,225 @@
+"""Building blocks of the decode loop: methods, padding, ``prefill``, one adaptive ``step``, token choice."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from emad.cache import KVCache
+from emad.cost import CostModel
+from emad.criteria import Criterion, ProbeView
+from emad.estimators import ESTIMATORS, Estimator
+from emad.policies import POLICIES, Policy
+from emad.stack import LayerStack
+
+
+class ContextLengthError(ValueError):
+    """A prompt (plus the tokens to generate) does not fit the model's context."""
+
+
+@dataclass
+class Sampling:
+    """How the next token is chosen from the exit readout.
+
+    Attributes:
+        do_sample: False = greedy (argmax).
+        temperature: softmax temperature (> 0) when sampling.
+        top_p: nucleus mass in (0, 1] when sampling.
+        seed: seed of the sampling generator (same seed, same output).
+    """
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class Method:
+    """An operating point: exit criterion × KV policy × entropy estimator.
+
+    Attributes:
+        criterion: where tokens exit.
+        policy: name of the KV-consistency policy (``monotone``, ``copy``, ``backfill``).
+        estimator: how Ĥ is computed at probes.
+    """
+
+    criterion: Criterion
+    policy: str = "monotone"
+    estimator: Estimator = field(default_factory=lambda: ESTIMATORS.get("exact")())
+
+    def __post_init__(self):
+        POLICIES.get(self.policy)  # unknown names fail here, listing the valid ones
+
+    def validate(self, n_layers: int) -> None:
+        self.criterion.validate(n_layers)
+
+    def new_policy(self, batch_size: int, n_layers: int, cost: CostModel) -> Policy:
+        return POLICIES.get(self.policy)(batch_size, n_layers, self.criterion.prefill_depth(n_layers), cost)
+
+    def describe(self) -> dict:
+        return {**self.criterion.describe(), "policy": self.policy, **self.estimator.describe()}
+
+
+def as_method(method: Method | Criterion) -> Method:
+    """A bare criterion means: monotone policy, exact estimator."""
+    return method if isinstance(method, Method) else Method(method)
+
+
+@dataclass
+class StepOutput:
+    """What one decode step produced for the rows it ran (in the order of ``rows``).
+
+    Attributes:
+        logits: ``[b, V]`` readout at each row's exit layer.
+        depths: ``[b]`` layers run.
+        probe_flops, probe_bytes: ``[b]`` cost of the probes and the exit readout.
+        entropies: ``[b, P]`` Ĥ seen at each probe (NaN where not probed).
+        reasons: ``[b]`` exit reason code (see :data:`EXIT_REASONS`).
+    """
+
+    logits: torch.Tensor
+    depths: torch.Tensor
+    probe_flops: torch.Tensor
+    probe_bytes: torch.Tensor
+    entropies: torch.Tensor
+    reasons: torch.Tensor
+
+
+EXIT_REASONS = ("criterion", "depth_cap", "last_probe")
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists: ids ``[B, T]`` and real-token mask ``[B, T]``."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    real = torch.zeros((len(prompts), width), dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+        ids[i, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
+        real[i, width - len(p):] = True
+    return ids.to(device), real.to(device)
+
+
+def positions_of(real: torch.Tensor) -> torch.Tensor:
+    """Position ids from a real-token mask ``[B, T]`` as HF computes them (padding gets position 1)."""
+    pos = real.long().cumsum(-1) - 1
+    return pos.masked_fill(~real, 1)
+
+
+@torch.inference_mode()
+def prefill(stack: LayerStack, cache: KVCache, ids: torch.Tensor, real: torch.Tensor, depth: int) -> torch.Tensor:
+    """Run the prompt ``[B, T]`` through layers 1..depth, filling the cache; return its last readout ``[B, V]``."""
+    slots = cache.allocate(real)
+    positions = positions_of(real)
+    h = stack.embed(ids, positions)  # [B, T, d]
+    h = stack.run(h, 0, depth, cache, positions, slots)
+    return stack.readout(h[:, -1])  # [B, V]
+
+
+@torch.inference_mode()
+def step(
+    stack: LayerStack,
+    cache: KVCache,
+    method: Method,
+    policy: Policy,
+    cost: CostModel,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    rows: torch.Tensor,
+) -> StepOutput:
+    """Decode one token for ``rows``, each exiting where the criterion says, within the policy's depth cap.
+
+    Args:
+        tokens: ``[b]`` the previous token of each row being run.
+        positions: ``[b]`` its position id.
+        rows: cache rows being run, LongTensor ``[b]`` (all B rows or a subset).
+
+    Returns:
+        A :class:`StepOutput` for the b rows, in order.
+    """
+    b, device = tokens.shape[0], tokens.device
+    real = torch.zeros(cache.batch_size, 1, dtype=torch.bool, device=device)
+    real[rows] = True
+    slots = cache.allocate(real)
+    pos = positions[:, None]  # [b, 1]
+    h = stack.embed(tokens[:, None], pos)  # [b, 1, d]
+    criterion, estimator = method.criterion, method.estimator
+    probes = criterion.probes(stack.n_layers)
+    cap = policy.max_depth(rows)  # [b]
+    probe_flops, probe_bytes = estimator.probe_cost(cost)
+    out = StepOutput(
+        logits=torch.empty(b, stack.vocab_size, dtype=stack.dtype, device=device),
+        depths=torch.zeros(b, dtype=torch.long, device=device),
+        probe_flops=torch.zeros(b, dtype=torch.float64), probe_bytes=torch.zeros(b, dtype=torch.float64),
+        entropies=torch.full((b, len(probes)), float("nan")), reasons=torch.zeros(b, dtype=torch.long),
+    )
+    first_conf = torch.ones(b, device=device)
+    active = torch.arange(b, device=device)  # indices into the b rows still running
+    done = 0
+    for k, probe in enumerate(probes):
+        cache_rows = rows[active]
+        subset = None if len(cache_rows) == cache.batch_size else cache_rows
+        policy.before_run(stack, cache, cache_rows, done, probe)
+        h = stack.run(h, done, probe, cache, pos[active], slots, subset)
+        done = probe
+        last = torch.full_like(active, k == len(probes) - 1, dtype=torch.bool)
+        capped = cap[active] <= probe
+        passed = torch.zeros_like(last)
+        logits = None
+        want = probe >= criterion.min_exit_layer or (k == 0 and criterion.needs_first_confidence())
+        if criterion.needs_estimate and want and not bool((last | capped).all()):
+            est = estimator.estimate(stack, h[:, -1], probe)
+            idx = active.cpu()
+            out.probe_flops[idx] += probe_flops
+            out.probe_bytes[idx] += probe_bytes
+            out.entropies[idx, k] = est.entropy.float().cpu()
+            if k == 0:
+                first_conf[active] = est.max_prob.float()
+            if probe >= criterion.min_exit_layer:
+                view = ProbeView(probe, est.entropy, pos[active, 0], first_conf[active])
+                passed = criterion.exits(view)
+            logits = est.logits
+        leave = passed | capped | last
+        if bool(leave.any()):
+            exit_logits = logits[leave] if logits is not None else _readout(stack, h[leave], cost, out, active[leave])
+            gone = active[leave]
+            out.logits[gone] = exit_logits.to(out.logits.dtype)
+            out.depths[gone] = probe
+            out.reasons[gone.cpu()] = torch.where(passed[leave], 0, torch.where(capped[leave], 1, 2)).cpu()
+            policy.after_exit(stack, cache, rows[gone], slots.start, h[leave], pos[gone, 0], probe)
+        active, h = active[~leave], h[~leave]
+        if len(active) == 0:
+            break
+    policy.record(rows, out.depths)
+    return out
+
+
+def _readout(stack: LayerStack, h: torch.Tensor, cost: CostModel, out: StepOutput, gone: torch.Tensor):
+    """The exit readout when no estimator produced it (charged as one readout)."""
+    idx = gone.cpu()
+    out.probe_flops[idx] += cost.readout_flops
+    out.probe_bytes[idx] += cost.readout_bytes
+    return stack.readout(h[:, -1])
+
+
+def choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
+    """Next token per row from readout logits ``[b, V]``: argmax, or a temperature/top-p sample."""
+    if not sampling.do_sample:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
+    if sampling.top_p < 1:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        keep = sorted_p.cumsum(-1) - sorted_p < sampling.top_p  # the smallest prefix with mass >= top_p
+        sorted_p = sorted_p * keep
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
