@@ -27,6 +27,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-exit-layer", type=int, help="no exit below this layer")
     p.add_argument("--policy", default="monotone", choices=POLICIES.names(), help="KV-consistency policy")
     p.add_argument("--estimator", default="exact", choices=ESTIMATORS.names(), help="entropy estimator at probes")
+    p.add_argument("--estimators", type=Path,
+                   help="fitted estimators file (default: estimators.json beside --profile)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt / text")
 
 
@@ -87,6 +89,7 @@ def _read_prompts(args) -> list[str]:
 
 def _load(args):
     """Model, layer stack and method from the flags; every check happens before any decoding."""
+    from emad import estimator_fit
     from emad.decode import Method
     from emad.models import load_model
     from emad.profile import Profile
@@ -100,8 +103,14 @@ def _load(args):
     if profile is not None:
         profile.check_model(loaded.fingerprint.as_dict())
     stack = LayerStack(loaded.model)
-    method = Method(criterion, args.policy, ESTIMATORS.get(args.estimator)())
-    method.validate(stack.n_layers)
+    criterion.validate(stack.n_layers)
+    fitted = args.estimators or (args.profile.parent / "estimators.json" if args.profile else None)
+    if args.estimator != "exact" and fitted is None:
+        raise ValueError(f"--estimator {args.estimator} needs a fitted estimators file: give --estimators or "
+                         "--profile (its folder holds estimators.json)")
+    estimator = estimator_fit.load(fitted, args.estimator, loaded.fingerprint.as_dict(),
+                                   criterion.probes(stack.n_layers))
+    method = Method(criterion, args.policy, estimator)
     return loaded, stack, method
 
 

@@ -50,6 +50,9 @@ class CostModel:
         readout_bytes: bytes of the final norm + head weights.
         kv_params: Q/K/V projection parameters of one layer (a K/V copy's matmuls).
         kv_bytes: bytes of those weights.
+        vocab_size: V (rows of the head).
+        head_in: width of the head's input (d, or the projected width where an output projection exists).
+        head_element_bytes: bytes per head weight.
     """
 
     d_model: int
@@ -59,6 +62,9 @@ class CostModel:
     readout_bytes: int
     kv_params: int = 0
     kv_bytes: int = 0
+    vocab_size: int = 0
+    head_in: int = 0
+    head_element_bytes: int = 4
 
     @classmethod
     def from_stack(cls, stack) -> CostModel:
@@ -73,6 +79,9 @@ class CostModel:
             readout_bytes=_param_bytes(stack.head) + _param_bytes(norms),
             kv_params=sum(m.weight.numel() for m in qkv),
             kv_bytes=sum(_param_bytes(m) for m in qkv),
+            vocab_size=stack.head.weight.shape[0],
+            head_in=stack.head.weight.shape[1],
+            head_element_bytes=stack.head.weight.element_size(),
         )
 
     @property

@@ -1,0 +1,62 @@
+"""Stage ``fit_estimators``: fit the cheap entropy estimators on calibration tokens, beside the profile.
+
+Writes ``estimators.json`` (shortlists, per-layer corrections, held-out MAE vs exact entropy in nats).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from emad import tracking
+from emad.calibrate import cap_tokens, windows
+from emad.config import load_section
+from emad.corpus import read_split
+from emad.estimator_config import EstimatorsConfig
+from emad.estimator_fit import build, collect, fit, save
+from emad.models import load_model
+from emad.profile import Profile
+from emad.stack import LayerStack
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--corpus", type=Path, required=True, help="sampled corpus folder (calib.jsonl)")
+    parser.add_argument("--profile", type=Path, required=True, help="profile.json (its probe layers are fitted)")
+    parser.add_argument("--out", type=Path, required=True, help="estimators.json to write")
+    parser.add_argument("--params", default="params.yaml")
+    args = parser.parse_args(argv)
+    cfg = load_section("estimators", EstimatorsConfig, args.params)
+    profile = Profile.load(args.profile)
+    texts, corpus_hash = read_split(args.corpus, "calib")
+    loaded = load_model(args.model_dir)
+    profile.check_model(loaded.fingerprint.as_dict())
+    stack = LayerStack(loaded.model)
+    docs = [loaded.tokenizer(t)["input_ids"] for t in texts]
+    sample = collect(stack, cap_tokens(windows(docs, cfg.window), cfg.tokens), profile.probe_layers)
+    fitted = {}
+    for name, options in cfg.fitted().items():
+        estimator = build(name, options, stack, sample)
+        report = fit(stack, estimator, sample, cfg.holdout)
+        fitted[name] = {"options": estimator.options(), **report}
+    params = {"estimators": cfg.model_dump(), "profile": str(args.profile)}
+    with tracking.stage_run("fit_estimators", params, {"model_fingerprint": loaded.fingerprint.digest,
+                                                      "corpus_manifest": corpus_hash}) as run:
+        save(args.out, fitted, loaded.fingerprint.as_dict(), profile.probe_layers)
+        for name, entry in fitted.items():
+            run.log_metrics({f"{name}.mae_raw": entry["mae_raw"]["all"], f"{name}.mae": entry["mae"]["all"]})
+            run.log_series(f"{name}.mae_by_layer", {int(k): v for k, v in entry["mae"].items() if k != "all"})
+    for name, entry in fitted.items():
+        print(f"fit_estimators: {name} held-out MAE {entry['mae']['all']:.3f} nats "
+              f"(uncorrected {entry['mae_raw']['all']:.3f}) -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except (ValueError, FileNotFoundError) as err:
+        print(f"fit_estimators: error: {err}", file=sys.stderr)
+        sys.exit(2)
