@@ -7,7 +7,6 @@ and held-out errors ``mae_raw`` / ``mae`` (nats, per layer and overall).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import torch
 
 from emad.entropy import readout_summary
 from emad.estimators import ESTIMATORS, Estimator
-from emad.io import atomic_write_json
+from emad.io import atomic_write_json, read_json
 from emad.stack import LayerStack
 
 FORMAT, VERSION = "emad-estimators", 1
@@ -103,14 +102,8 @@ def load(path: str | Path, name: str, model: dict | None = None, probe_layers: l
     """The fitted estimator ``name`` from ``path``; refuses another model or probe set, or an unfitted name."""
     if name == "exact":
         return ESTIMATORS.get("exact")()
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise EstimatorFitError(f"estimator file {path} does not exist (run the fit_estimators stage)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise EstimatorFitError(f"estimator file {path} is truncated or not JSON: {err}") from None
-    if data.get("format") != FORMAT or data.get("version") != VERSION:
+    data = read_json(path, "estimator file", EstimatorFitError)
+    if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:
         raise EstimatorFitError(f"{path} is not an {FORMAT} v{VERSION} file")
     if name not in data.get("estimators", {}):
         raise EstimatorFitError(f"estimator {name!r} was not fitted in {path}; fitted: "

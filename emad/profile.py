@@ -9,7 +9,6 @@ the raw values were from non-increasing), ``agreement`` and ``oracle`` (per prob
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import numpy as np
 import torch
 from scipy.optimize import isotonic_regression
 
-from emad.io import atomic_write_json
+from emad.io import atomic_write_json, read_json
 from emad.stats import CalibrationStats
 from emad.strata import Strata
 
@@ -82,13 +81,7 @@ class Profile:
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
-        path = Path(path)
-        if not path.is_file():
-            raise ProfileError(f"profile {path} does not exist")
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ProfileError(f"profile {path} is truncated or not JSON: {err}") from None
+        data = read_json(path, "profile", ProfileError)
         if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:
             raise ProfileError(f"{path} is not an {FORMAT} v{VERSION} file")
         try:

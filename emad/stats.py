@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from emad.io import atomic_write_text
+from emad.io import atomic_write_text, read_json
 from emad.strata import Strata
 
 FORMAT, VERSION = "emad-stats", 1
@@ -168,11 +168,4 @@ class CalibrationStats:
 
     @classmethod
     def load(cls, path: str | Path) -> CalibrationStats:
-        path = Path(path)
-        if not path.is_file():
-            raise StatsFormatError(f"stats file {path} does not exist")
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise StatsFormatError(f"stats file {path} is truncated or not JSON: {err}") from None
-        return cls.from_dict(data, str(path))
+        return cls.from_dict(read_json(path, "stats file", StatsFormatError), str(path))

@@ -215,17 +215,30 @@ def test_bad_layers_fail_before_decoding(llama, profile, criterion, culprit):
 
 
 def test_profile_of_another_depth_or_model_is_refused(profile):
-    stack6 = LayerStack(tiny_model("llama", seed=1, n_layers=None))
-    other = tiny_model("qwen2")
-    with pytest.raises(ProfileError, match="tokenizer_sha256|model_type"):
-        profile.model = {"model_type": "llama", "n_layers": 4, "tokenizer_sha256": "x"}
-        profile.check_model({"model_type": other.config.model_type, "n_layers": 4, "tokenizer_sha256": "y"})
-    assert stack6.n_layers == 4
     shallow = LayerStack(tiny_model("llama", n_layers=3))
     with pytest.raises(ValueError, match="probe layers"):
         _gen(shallow, Emad(profile, 0.5))
+    mine = {"model_type": "llama", "n_layers": 4, "tokenizer_sha256": "x"}
+    with pytest.raises(ProfileError, match="tokenizer_sha256"):
+        type(profile)(profile.probe_layers, profile.strata, profile.tau, model=mine).check_model(
+            {**mine, "tokenizer_sha256": "y"})
 
 
 def test_unknown_policy_lists_valid_names():
     with pytest.raises(KeyError, match="backfill, copy, monotone"):
         Method(Full(), "sometimes")
+
+
+@pytest.mark.parametrize("criterion", ["emad", "confidence", "fixed", "min_exit"])
+def test_parallel_monotone_scoring_equals_token_by_token(llama, profile, criterion):
+    crit = {"emad": lambda: Emad(profile, 0.0), "fixed": lambda: Fixed(2),
+            "confidence": lambda: Confidence(_median_threshold(llama), probe_every=1),
+            "min_exit": lambda: Confidence(_median_threshold(llama), probe_every=1, min_exit_layer=3)}[criterion]()
+    prompt = random_prompts(1, [7], seed=24)[0]
+    cont = random_prompts(1, [20], seed=25)[0]
+    fast = score_adaptive(llama, prompt, cont, Method(crit), parallel=True)
+    slow = score_adaptive(llama, prompt, cont, Method(crit), parallel=False)
+    assert fast.depths == slow.depths
+    assert fast.logprobs == pytest.approx(slow.logprobs, abs=1e-5)
+    assert fast.flops == pytest.approx(slow.flops, rel=1e-9)
+    assert fast.full_flops == pytest.approx(slow.full_flops, rel=1e-9)

@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from emad.corpus.sources import CorpusError, Document, Source, build_source
+from emad.io import atomic_write_bytes
 
 SPLITS = ("eval", "calib")  # fill order
 MANIFEST = "manifest.json"
@@ -147,27 +146,6 @@ def _jsonl(records: list[dict[str, Any]]) -> bytes:
     return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Writes `data` to `path` via a temp file in the same folder and `os.replace` (never a partial file)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual permissions
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def sample_corpus(
     source: str | Source,
     count_tokens: Callable[[str], int],
@@ -244,6 +222,6 @@ def sample_corpus(
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).unlink(missing_ok=True)
     for name, blob in blobs.items():
-        write_atomic(out / f"{name}.jsonl", blob)
-    write_atomic(out / MANIFEST, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
+        atomic_write_bytes(out / f"{name}.jsonl", blob)
+    atomic_write_bytes(out / MANIFEST, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
     return manifest

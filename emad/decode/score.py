@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from emad.cost import CostModel
-from emad.criteria import Criterion
+from emad.criteria import Criterion, ProbeView
 from emad.decode.step import ContextLengthError, Method, as_method, left_pad, positions_of, prefill, step
 from emad.stack import LayerStack
 
@@ -61,17 +61,25 @@ class Scored:
 
 @torch.inference_mode()
 def score_adaptive(stack: LayerStack, prompt: Sequence[int], continuation: Sequence[int],
-                   method: Method | Criterion) -> Scored:
+                   method: Method | Criterion, parallel: bool | None = None) -> Scored:
     """Score ``continuation`` after ``prompt`` with generation semantics.
 
     The prompt is prefilled exactly as :func:`~emad.decode.generate` does; continuation token t is predicted by the
     step that consumes token t-1, so depths and log-probabilities equal those of a generation that produced it.
+    Under the ``monotone`` policy the positions still running at each layer form a prefix, so the continuation
+    is scored with one parallel pass per layer (``parallel``, the default there); otherwise token by token.
     """
     method = as_method(method)
     method.validate(stack.n_layers)
     if not prompt or not continuation:
         raise ValueError("score_adaptive needs a non-empty prompt and continuation")
     _check_length(stack, len(prompt) + len(continuation))
+    if parallel is None:
+        parallel = method.policy == "monotone"
+    if parallel:
+        if method.policy != "monotone":
+            raise ValueError(f"parallel scoring needs the monotone policy, not {method.policy!r}")
+        return _score_monotone(stack, prompt, continuation, method)
     cost = CostModel.from_stack(stack)
     ids, real = left_pad([prompt], 0, stack.device)
     cache = stack.new_cache(1, len(prompt) + len(continuation))
@@ -95,3 +103,70 @@ def score_adaptive(stack: LayerStack, prompt: Sequence[int], continuation: Seque
         flops += float(out.probe_flops[0]) + float(policy.extra.flops[0]) - before
         full += float(cost.full_depth(torch.tensor([len(prompt) + t + 1]))[0][0])
     return Scored(logprobs, depths, flops, full)
+
+
+def _score_monotone(stack: LayerStack, prompt: Sequence[int], continuation: Sequence[int], method: Method) -> Scored:
+    """Monotone scoring, one pass per layer over the prefix of positions still running.
+
+    At probe ℓ, if the first running position whose criterion passes is i*, then i* exits at ℓ and so must every
+    later running position (their depth may not exceed i*'s: they are capped, as in generation); the prefix
+    shrinks to ``[0, i*)``. The first position's cap is the prompt's depth, which is the deepest probe.
+    Costs are charged as generation charges them: a probe for each position evaluated at that probe, and a
+    readout for each exit the estimator did not already read out.
+    """
+    criterion, estimator = method.criterion, method.estimator
+    cost = CostModel.from_stack(stack)
+    device, n_prompt, m = stack.device, len(prompt), len(continuation) - 1
+    ids, real = left_pad([prompt], 0, device)
+    cache = stack.new_cache(1, n_prompt + len(continuation))
+    probes = criterion.probes(stack.n_layers)
+    depth0 = criterion.prefill_depth(stack.n_layers)
+    assert depth0 == probes[-1], "monotone scoring assumes the prompt runs to the deepest probe"
+    first_logits = prefill(stack, cache, ids, real, depth0)[0]
+    logprobs = [float(torch.log_softmax(first_logits.float(), -1)[continuation[0]])]
+    flops = full = float(cost.readout_flops)
+    x = torch.tensor([list(continuation[:-1])], device=device)  # [1, m] inputs
+    positions = torch.arange(n_prompt, n_prompt + m, device=device)[None]  # [1, m]
+    slots = cache.allocate(torch.ones_like(x, dtype=torch.bool))
+    h = stack.embed(x, positions)  # [1, m, d]
+    probe_flops, _ = estimator.probe_cost(cost)
+    exit_logits = torch.empty(m, stack.vocab_size, dtype=stack.dtype, device=device)
+    depth = torch.zeros(m, dtype=torch.long)
+    charged = torch.zeros(m, dtype=torch.float64)
+    first_conf = torch.ones(m, device=device)
+    running, done = m, 0
+    for k, probe in enumerate(probes):
+        if running == 0:
+            break
+        h = stack.run(h[:, :running], done, probe, cache, positions[:, :running],
+                      slice(slots.start, slots.start + running))
+        done = probe
+        first, logits = running, None  # first: the first position that passes here
+        want = probe >= criterion.min_exit_layer or (k == 0 and criterion.needs_first_confidence())
+        if k < len(probes) - 1 and criterion.needs_estimate and want:
+            est = estimator.estimate(stack, h[0], probe)
+            if k == 0:
+                first_conf[:running] = est.max_prob.float()
+            if probe >= criterion.min_exit_layer:
+                view = ProbeView(probe, est.entropy, positions[0, :running], first_conf[:running])
+                hits = criterion.exits(view).nonzero()
+                first = int(hits[0]) if len(hits) else running
+            charged[: min(first + 1, running)] += probe_flops
+            logits = est.logits
+        elif k == len(probes) - 1:
+            first = 0
+        if first < running:
+            leave = slice(first, running)
+            exit_logits[leave] = (logits[leave] if logits is not None else stack.readout(h[0, leave])).to(
+                exit_logits.dtype)
+            read_from = first + 1 if logits is not None else first  # the passer reuses the estimator's readout
+            charged[read_from:running] += cost.readout_flops
+            depth[leave] = probe
+        running = first
+    targets = torch.tensor(continuation[1:], device=device)[:, None]
+    logprobs += torch.log_softmax(exit_logits.float(), -1).gather(-1, targets)[:, 0].tolist()
+    for i in range(m):
+        keys = n_prompt + i + 1  # every earlier position ran at least as deep (monotone)
+        flops += float(sum(cost.layer_flops(j, keys) for j in range(int(depth[i])))) + float(charged[i])
+        full += float(cost.full_depth(torch.tensor([keys]))[0][0])
+    return Scored(logprobs, [depth0, *depth.tolist()], flops, full)
