@@ -88,9 +88,9 @@ class KVCache:
         self.capacity = new
 
     # ----------------------------------------------------------------- queries
-    def held(self, layer: int) -> torch.Tensor:
-        """Number of valid positions each row holds at ``layer`` (0-based): ``[B]``."""
-        return self.valid[layer, :, : self.n_slots].sum(-1)
+    def held(self) -> torch.Tensor:
+        """Number of valid positions each row holds at each layer: ``[B, L]``."""
+        return self.valid[:, :, : self.n_slots].sum(-1).T
 
     def is_dense(self, layer: int, rows: torch.Tensor | None, slots: Slots) -> bool:
         """True when every slot before ``slots`` is valid at ``layer`` for all rows and nothing is padded."""
@@ -139,14 +139,6 @@ class KVCache:
                 values[r][:, slots] = value[i]
                 self.valid[layer, r, slots] = self.real[r, slots]
         return keys[rows, :, :end], values[rows, :, :end]
-
-    def invalidate(self, layer: int, rows: torch.Tensor | None, slots: Slots) -> None:
-        """Mark slots as not holding K/V at ``layer`` (e.g. a token that never ran it)."""
-        if rows is None:
-            self.valid[layer, :, slots] = False
-        else:
-            self.valid[layer, rows, slots] = False
-        self.filled[layer] = min(self.filled[layer], slots.start if isinstance(slots, slice) else int(slots.min()))
 
 
 class KVWritten(Exception):  # noqa: N818 - a control-flow signal, not an error

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from emad.cache import KVCache
 from emad.cost import CostModel
 from emad.criteria import Criterion
 from emad.decode.step import (
@@ -141,11 +140,12 @@ def generate(
     logps = _logprob(logits, tokens)
     positions = real.long().sum(-1)  # next position id per row, [B]
     rows_state = [_Row() for _ in range(batch)]
-    held = _held(cache)
+    held = cache.held().cpu()
     for r in range(batch):  # the first token is read out of the prompt's last position
         _record(rows_state[r], int(tokens[r]), float(logps[r]), depth0, held[r] * 0, int(positions[r]), cost.readout_flops,
                 cost.readout_bytes, {}, "prompt")
     alive = torch.arange(batch, device=stack.device)
+    probes = method.criterion.probes(stack.n_layers)
     for t in range(1, max_new_tokens + 1):
         alive = _drop_finished(rows_state, alive, tokenizer, eos, stop_strings, on_token)
         if len(alive) == 0 or t == max_new_tokens:
@@ -156,8 +156,7 @@ def generate(
         logps = _logprob(out.logits, new)
         tokens[alive] = new
         positions[alive] += 1
-        held = _held(cache)
-        probes = method.criterion.probes(stack.n_layers)
+        held = cache.held().cpu()
         for i, r in enumerate(alive.tolist()):
             extra_f = float(out.probe_flops[i] + policy.extra.flops[r] - before[0][r])
             extra_b = float(out.probe_bytes[i] + policy.extra.bytes[r] - before[1][r])
@@ -174,11 +173,6 @@ def _eos_ids(stack: LayerStack, tokenizer) -> list[int]:
     if ids is None:
         ids = tokenizer.eos_token_id
     return [] if ids is None else ([ids] if isinstance(ids, int) else list(ids))
-
-
-def _held(cache: KVCache) -> torch.Tensor:
-    """Keys held per row and layer right now, ``[B, L]`` on CPU."""
-    return cache.valid[:, :, : cache.n_slots].sum(-1).T.cpu()
 
 
 def _logprob(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
