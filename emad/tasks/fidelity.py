@@ -1,0 +1,43 @@
+"""Fidelity to full depth: greedy continuations of the same prompts under a method and at full depth."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rouge_score import rouge_scorer
+
+from emad.criteria import Full
+from emad.decode import Method, generate
+from emad.stack import LayerStack
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int:
+    """Tokens until the first position where the sequences differ (the shorter length if one is a prefix)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def fidelity(stack: LayerStack, tokenizer, prompts: Sequence[Sequence[int]], method: Method,
+             max_new_tokens: int = 32, reference=None) -> dict:
+    """Exact-match rate, mean tokens until first divergence, token agreement and ROUGE-L F1 vs full depth.
+
+    Args:
+        reference: a full-depth :class:`~emad.decode.Generation` of the same prompts (computed when None).
+    """
+    reference = reference or generate(stack, tokenizer, prompts, Full(), max_new_tokens)
+    ours = generate(stack, tokenizer, prompts, method, max_new_tokens)
+    scorer = rouge_scorer.RougeScorer(["rougeL"])
+    agree = total = 0
+    exact, diverge, rouge = [], [], []
+    for a, b, ta, tb in zip(ours.token_ids, reference.token_ids, ours.texts, reference.texts):
+        exact.append(a == b)
+        diverge.append(first_divergence(a, b))
+        agree += sum(x == y for x, y in zip(a, b))
+        total += max(len(a), len(b))
+        rouge.append(scorer.score(tb, ta)["rougeL"].fmeasure)
+    n = len(prompts)
+    return {"exact_match": sum(exact) / n, "tokens_to_divergence": sum(diverge) / n,
+            "token_agreement": agree / max(total, 1), "rouge_l": sum(rouge) / n,
+            "flops_ratio": ours.cost_ratio(), "bytes_ratio": ours.cost_ratio(kind="bytes")}

@@ -1,0 +1,58 @@
+"""Tasks: perplexity with DESIGN §4 semantics, fidelity to full depth."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from emad.criteria import Fixed, Full
+from emad.decode import Method
+from emad.stack import LayerStack
+from emad.tasks import fidelity, perplexity
+from emad.tasks.fidelity import first_divergence
+from emad.tasks.perplexity import windows_with_prefix
+from tests.tiny import TinyTokenizer, random_prompts, tiny_model
+
+
+def test_windows_score_every_token_after_the_first_prefix_once():
+    ids = list(range(23))
+    pairs = windows_with_prefix(ids, window=8, prefix=3)
+    scored = [t for _, cont in pairs for t in cont]
+    assert scored == ids[3:]
+    assert all(len(p) == 3 and p == ids[ids.index(c[0]) - 3: ids.index(c[0])] for p, c in pairs)
+    with pytest.raises(ValueError, match="prefix"):
+        windows_with_prefix(ids, 8, 8)
+
+
+def test_full_depth_perplexity_equals_hf_window_nll():
+    model = tiny_model("llama")
+    stack = LayerStack(model)
+    doc = random_prompts(1, [30], seed=31)[0]
+    got = perplexity(stack, [doc], Method(Full()), window=12, prefix=4)
+    nll = 0.0
+    with torch.inference_mode():
+        for prompt, cont in windows_with_prefix(doc, 12, 4):
+            seq = torch.tensor([prompt + cont])
+            logp = torch.log_softmax(model(seq).logits[0, len(prompt) - 1:-1].float(), -1)
+            nll -= logp.gather(-1, torch.tensor(cont)[:, None]).sum().item()
+    assert got["tokens"] == 26
+    assert got["nll"] == pytest.approx(nll, rel=1e-5)
+    assert got["perplexity"] == pytest.approx(math.exp(nll / 26), rel=1e-5)
+    assert got["flops_ratio"] == pytest.approx(1.0)
+
+
+def test_fidelity_of_full_is_perfect_and_of_a_shallow_model_is_not():
+    stack = LayerStack(tiny_model("llama"))
+    prompts = random_prompts(3, [5, 7, 6], seed=32)
+    same = fidelity(stack, TinyTokenizer(), prompts, Method(Full()), 12)
+    assert same["exact_match"] == 1 and same["token_agreement"] == 1 and same["rouge_l"] == pytest.approx(1.0)
+    assert same["tokens_to_divergence"] == 12
+    shallow = fidelity(stack, TinyTokenizer(), prompts, Method(Fixed(1)), 12)
+    assert shallow["token_agreement"] < 1 and shallow["flops_ratio"] < 1
+
+
+def test_first_divergence():
+    assert first_divergence([1, 2, 3], [1, 2, 4]) == 2
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
