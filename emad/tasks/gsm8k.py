@@ -1,0 +1,59 @@
+"""GSM8K accuracy with lm-eval's ``strict-match`` answer extraction.
+
+lm-eval (gsm8k task, strict-match filter) takes the first ``#### <number>`` of the completion and compares it
+with the reference after removing ``,``, ``$``, everything up to ``#### `` and a trailing ``.``, ignoring case.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from emad.decode import Method, generate
+from emad.stack import LayerStack
+
+STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
+IGNORE = (",", r"\$", r"(?s).*#### ", r"\.$")
+STOP = ("Question:", "</s>", "<|im_end|>")
+
+
+def normalize(text: str) -> str:
+    for pattern in IGNORE:
+        text = re.sub(pattern, "", text)
+    return text.strip().lower()
+
+
+def extract(completion: str) -> str | None:
+    """The strict-match answer of a completion, or None when it states no ``#### <number>``."""
+    match = STRICT.search(completion)
+    return normalize(match.group(1)) if match else None
+
+
+def reference(answer: str) -> str:
+    """The gold answer of a GSM8K ``answer`` field (which ends with ``#### <number>``)."""
+    gold = extract(answer)
+    if gold is None:
+        raise ValueError(f"GSM8K reference answer has no '#### <number>': {answer[-80:]!r}")
+    return gold
+
+
+def prompt(question: str, shots: Sequence[tuple[str, str]]) -> str:
+    """lm-eval's format: ``Question: ...\\nAnswer: ...`` few-shot examples, then the question."""
+    parts = [f"Question: {q}\nAnswer: {a}" for q, a in shots]
+    return "\n\n".join([*parts, f"Question: {question}\nAnswer:"])
+
+
+def gsm8k(stack: LayerStack, tokenizer, problems: Sequence[tuple[str, str]], method: Method,
+          shots: Sequence[tuple[str, str]] = (), max_new_tokens: int = 256) -> dict:
+    """Accuracy (strict match) of greedy answers to (question, answer) problems.
+
+    Returns:
+        ``{"accuracy", "invalid" (share with no extractable answer), "n", "flops_ratio"}``.
+    """
+    golds = [reference(a) for _, a in problems]
+    prompts = [tokenizer(prompt(q, shots))["input_ids"] for q, _ in problems]
+    out = generate(stack, tokenizer, prompts, method, max_new_tokens, stop_strings=STOP)
+    answers = [extract(text) for text in out.texts]
+    correct = sum(a is not None and a == g for a, g in zip(answers, golds))
+    return {"accuracy": correct / len(problems), "invalid": sum(a is None for a in answers) / len(problems),
+            "n": len(problems), "flops_ratio": out.cost_ratio()}
