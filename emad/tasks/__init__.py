@@ -2,6 +2,7 @@
 
 from emad.tasks.fidelity import fidelity
 from emad.tasks.gsm8k import gsm8k
+from emad.tasks.humaneval import humaneval
 from emad.tasks.perplexity import perplexity
 
-__all__ = ["fidelity", "gsm8k", "perplexity"]
+__all__ = ["fidelity", "gsm8k", "humaneval", "perplexity"]
