@@ -242,3 +242,5 @@ def test_parallel_monotone_scoring_equals_token_by_token(llama, profile, criteri
     assert fast.logprobs == pytest.approx(slow.logprobs, abs=1e-5)
     assert fast.flops == pytest.approx(slow.flops, rel=1e-9)
     assert fast.full_flops == pytest.approx(slow.full_flops, rel=1e-9)
+    one = score_adaptive(llama, prompt, cont[:1], Method(crit))  # a one-token continuation
+    assert one.logprobs == pytest.approx(slow.logprobs[:1], abs=1e-5) and one.depths == slow.depths[:1]

@@ -84,3 +84,35 @@ def test_gsm8k_on_embedded_data_runs_end_to_end(smollm2):
     result = gsm8k(LayerStack(smollm2.model), smollm2.tokenizer, problems[1:], Method(Full()),
                    shots=problems[:1], max_new_tokens=8)
     assert result["n"] == 2 and 0 <= result["accuracy"] <= 1 and 0 <= result["invalid"] <= 1
+
+
+def test_multiple_choice_on_a_tiny_local_arc_file(smollm2, tmp_path):
+    import json
+
+    from emad.tasks.multiple_choice import Item, arc_items, multiple_choice
+
+    rows = [
+        {"question": "What is the capital of France?", "answerKey": "B",
+         "choices": {"text": ["Berlin", "Paris", "Madrid"], "label": ["A", "B", "C"]}},
+        {"question": "How many legs does a spider have?", "answerKey": "2",
+         "choices": {"text": ["six", "eight"], "label": ["1", "2"]}},
+    ]
+    path = tmp_path / "arc.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    items = arc_items(data_files=str(path))
+    assert items[0] == Item("Question: What is the capital of France?\nAnswer:", (" Berlin", " Paris", " Madrid"), 1)
+    model, tok = smollm2.model, smollm2.tokenizer
+    result = multiple_choice(LayerStack(model), tok, items, Method(Full()))
+    expected = 0
+    with torch.inference_mode():  # reference: HF log-likelihood of each choice after the context
+        for item in items:
+            n = len(tok(item.context)["input_ids"])
+            lls = []
+            for choice in item.choices:
+                ids = torch.tensor([tok(item.context + choice)["input_ids"]])
+                logp = torch.log_softmax(model(ids).logits[0, n - 1:-1].float(), -1)
+                lls.append(logp.gather(-1, ids[0, n:, None]).sum().item())
+            expected += lls.index(max(lls)) == item.answer
+    assert result["n"] == 2 and result["acc"] == expected / 2 and result["flops_ratio"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="outside"):
+        Item("q", ("a",), 3)

@@ -125,7 +125,9 @@ def _score_monotone(stack: LayerStack, prompt: Sequence[int], continuation: Sequ
     first_logits = prefill(stack, cache, ids, real, depth0)[0]
     logprobs = [float(torch.log_softmax(first_logits.float(), -1)[continuation[0]])]
     flops = full = float(cost.readout_flops)
-    x = torch.tensor([list(continuation[:-1])], device=device)  # [1, m] inputs
+    if m == 0:  # a one-token continuation is read out of the prompt alone
+        return Scored(logprobs, [depth0], flops, full)
+    x = torch.tensor([list(continuation[:-1])], dtype=torch.long, device=device)  # [1, m] inputs
     positions = torch.arange(n_prompt, n_prompt + m, device=device)[None]  # [1, m]
     slots = cache.allocate(torch.ones_like(x, dtype=torch.bool))
     h = stack.embed(x, positions)  # [1, m, d]
