@@ -1,5 +1,5 @@
 """Shared fixtures. Tests run offline; the embedded SmolLM2 is converted once per machine (~20 s) and cached
-under $EMAD_CACHE_DIR (default ~/.cache/emad), so later sessions load it in well under a second."""
+under $EMAD_CACHE_DIR (default ~/.cache/emad), so later runs load it in well under a second."""
 
 from __future__ import annotations
 
