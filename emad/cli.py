@@ -89,28 +89,18 @@ def _read_prompts(args) -> list[str]:
 
 def _load(args):
     """Model, layer stack and method from the flags; every check happens before any decoding."""
-    from emad import estimator_fit
-    from emad.decode import Method
     from emad.models import load_model
-    from emad.profile import Profile
+    from emad.operating_point import PointConfig, build_method
     from emad.stack import LayerStack
 
-    profile = Profile.load(args.profile) if args.profile is not None else None
-    options = {"depth": args.depth, "threshold": args.threshold, "probe_every": args.probe_every,
-               "profile": profile, "margin": args.margin, "min_exit_layer": args.min_exit_layer}
-    criterion = CRITERIA.get(args.method).from_options(**options)
+    point = PointConfig(method=args.method, depth=args.depth, threshold=args.threshold,
+                        probe_every=args.probe_every, margin=args.margin, min_exit_layer=args.min_exit_layer,
+                        policy=args.policy, estimator=args.estimator)
+    if args.profile is not None and not args.profile.is_file():
+        raise ValueError(f"--profile {args.profile}: no such file")
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
-    if profile is not None:
-        profile.check_model(loaded.fingerprint.as_dict())
     stack = LayerStack(loaded.model)
-    criterion.validate(stack.n_layers)
-    fitted = args.estimators or (args.profile.parent / "estimators.json" if args.profile else None)
-    if args.estimator != "exact" and fitted is None:
-        raise ValueError(f"--estimator {args.estimator} needs a fitted estimators file: give --estimators or "
-                         "--profile (its folder holds estimators.json)")
-    estimator = estimator_fit.load(fitted, args.estimator, loaded.fingerprint.as_dict(),
-                                   criterion.probes(stack.n_layers))
-    method = Method(criterion, args.policy, estimator)
+    method = build_method(point, stack.n_layers, loaded.fingerprint.as_dict(), args.profile, args.estimators)
     return loaded, stack, method
 
 

@@ -1,0 +1,109 @@
+"""An operating point as data: the options that name a method, checked once and built into a :class:`Method`.
+
+The CLI flags, a ``decode.points`` entry of params.yaml and lm-eval's ``model_args`` all become a
+:class:`PointConfig`, and :func:`build_method` turns it into criterion × policy × estimator for a loaded model —
+checking the profile and fitted estimators against the model before any decoding.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import field_validator
+
+from emad import estimator_fit
+from emad.config import Section
+from emad.criteria import CRITERIA
+from emad.decode import Method
+from emad.estimators import ESTIMATORS
+from emad.policies import POLICIES
+from emad.profile import Profile
+
+
+def _one_of(kind: str, names: list[str], value: str) -> str:
+    if value not in names:
+        raise ValueError(f"unknown {kind} {value!r}; valid: {', '.join(names)}")
+    return value
+
+
+class PointConfig(Section):
+    """One operating point. ``method`` picks the criterion; the other fields are its options (unused ones ignored).
+
+    ``profile`` names the calibration source whose profile an ``emad`` point uses (in the decode stage: one of
+    ``calibrate.sources``; None = every one of them, which gives the domain-shift matrix).
+    """
+
+    method: str = "full"
+    depth: int | None = None
+    threshold: float | None = None
+    probe_every: int | None = None
+    margin: float | None = None
+    min_exit_layer: int | None = None
+    policy: str = "monotone"
+    estimator: str = "exact"
+    profile: str | None = None
+
+    @field_validator("method")
+    @classmethod
+    def _method(cls, v: str) -> str:
+        return _one_of("method", CRITERIA.names(), v)
+
+    @field_validator("policy")
+    @classmethod
+    def _policy(cls, v: str) -> str:
+        return _one_of("policy", POLICIES.names(), v)
+
+    @field_validator("estimator")
+    @classmethod
+    def _estimator(cls, v: str) -> str:
+        return _one_of("estimator", ESTIMATORS.names(), v)
+
+    @property
+    def needs_profile(self) -> bool:
+        return "profile" in _init_params(self.method)
+
+    def options(self) -> dict[str, Any]:
+        """The options that matter for this method (for run files, MLflow params and ablation tables)."""
+        used = _init_params(self.method) - {"profile"}
+        out = {"method": self.method, **{k: v for k, v in self.model_dump().items() if k in used and v is not None}}
+        if self.method != "full" and self.method != "fixed":
+            out.update(policy=self.policy, estimator=self.estimator)
+        return out
+
+
+def _init_params(method: str) -> set[str]:
+    import inspect
+
+    return set(inspect.signature(CRITERIA.get(method).__init__).parameters) - {"self"}
+
+
+def build_method(point: PointConfig, n_layers: int, fingerprint: dict, profile_path: str | Path | None = None,
+                 estimators_path: str | Path | None = None) -> Method:
+    """The :class:`Method` of ``point`` for a model with ``n_layers`` layers and the given fingerprint.
+
+    Args:
+        profile_path: profile.json for methods that need one.
+        estimators_path: fitted estimators (default: ``estimators.json`` beside the profile).
+
+    Raises:
+        ValueError: a missing option, a missing/mismatched profile or estimator file — before any decoding.
+    """
+    profile = None
+    if point.needs_profile:
+        if profile_path is None:
+            raise ValueError(f"method {point.method!r} needs a profile (profile.json from the smooth stage)")
+        if not Path(profile_path).is_file():
+            raise FileNotFoundError(f"profile {profile_path} does not exist (run the calibrate and smooth stages, "
+                                    "or `emad calibrate`)")
+        profile = Profile.load(profile_path)
+        profile.check_model(fingerprint)
+    options = {**point.model_dump(exclude={"method", "policy", "estimator"}), "profile": profile}
+    criterion = CRITERIA.get(point.method).from_options(**options)
+    criterion.validate(n_layers)
+    fitted = estimators_path or (Path(profile_path).parent / "estimators.json" if profile_path else None)
+    if point.estimator != "exact" and fitted is None:
+        raise ValueError(f"estimator {point.estimator!r} needs a fitted estimators file (estimators.json beside "
+                         "the profile, from the fit_estimators stage)")
+    estimator = estimator_fit.load(fitted, point.estimator, fingerprint, criterion.probes(n_layers))
+    return Method(criterion, point.policy, estimator)

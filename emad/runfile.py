@@ -1,0 +1,83 @@
+"""Run files: one JSON per (model, operating point, calibration source, domain) evaluation, in ``reports/runs/``.
+
+The decode stage writes them; the aggregate stage reads only them (never MLflow), so runs restored from DVC's
+run cache still count. Format ``emad-run`` version 1::
+
+    {"format": "emad-run", "version": 1,
+     "run_id": "smollm2-135m--emad-m05--cal-stdlib-prose--stdlib-code",
+     "model": "smollm2-135m", "model_fingerprint": "<digest>", "n_layers": 30,
+     "point": "emad-m05",                       # name in params.yaml decode.points
+     "family": "emad",                          # the criterion: full, fixed, confidence, emad, ...
+     "options": {"method": "emad", "margin": 0.5, "policy": "monotone", "estimator": "exact", ...},
+     "factors": {"margin": 0.5, "policy": "monotone", "estimator": "exact", "probe_every": 3,
+                 "strata": "none"},            # what ablation tables vary (emad points only, else {})
+     "calibration": "stdlib-prose" | null,      # profile's calibration source (null: no profile)
+     "profile_fingerprint": "<sha256[:16]>" | null,
+     "domain": "stdlib-code",
+     "tasks": {"perplexity": {"perplexity": 12.3, ...}, "fidelity": {...}, ...},
+     "quality": {"perplexity": 12.3, "fidelity.token_agreement": 0.97, ...},   # one number per quality metric
+     "cost": {"flops_ratio": 0.8, "bytes_ratio": 0.85, "mean_depth": 24.1, "backfill_share": 0.0,
+              "policy_events": 0, "tokens": 4096, "seconds": 40.2, "tokens_per_s": 101.9},
+     "depth_histogram": {"3": 10, "30": 4086},  # tokens per exit depth (generated and scored)
+     "oracle": {"3": 0.05, ...} | null,         # share of calibration tokens per oracle depth (profile)
+     "mlflow_run_id": "<id>" | null}
+
+Quality metrics and their direction live in :data:`QUALITY`: perplexity is lower-better (relative tolerance in
+the verdict), every other metric higher-better in [0, 1] (absolute tolerance, in points = 0.01).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from emad.io import atomic_write_json, read_json
+
+FORMAT, VERSION = "emad-run", 1
+
+# quality metric → (task it comes from, key in that task's result, higher is better)
+QUALITY: dict[str, tuple[str, str, bool]] = {
+    "perplexity": ("perplexity", "perplexity", False),
+    "fidelity.token_agreement": ("fidelity", "token_agreement", True),
+    "fidelity.exact_match": ("fidelity", "exact_match", True),
+    "fidelity.rouge_l": ("fidelity", "rouge_l", True),
+    "gsm8k.accuracy": ("gsm8k", "accuracy", True),
+    "humaneval.pass_at_1": ("humaneval", "pass_at_1", True),
+    "multiple_choice.acc": ("multiple_choice", "acc", True),
+    "multiple_choice.acc_norm": ("multiple_choice", "acc_norm", True),
+}
+
+
+class RunFileError(ValueError):
+    """A run file is missing, unreadable or not an ``emad-run`` v1 file."""
+
+
+def quality_of(tasks: dict[str, dict]) -> dict[str, float]:
+    """The quality metrics (see :data:`QUALITY`) present in a run's task results."""
+    return {name: float(tasks[task][key]) for name, (task, key, _) in QUALITY.items()
+            if task in tasks and key in tasks[task]}
+
+
+def run_id(model: str, point: str, domain: str, calibration: str | None) -> str:
+    """``<model>--<point>[--cal-<source>]--<domain>``: unique per run, stable across reruns."""
+    parts = [model, point] + ([f"cal-{calibration}"] if calibration else []) + [domain]
+    return "--".join(parts)
+
+
+def save(path: str | Path, record: dict[str, Any]) -> None:
+    atomic_write_json(path, {"format": FORMAT, "version": VERSION, **record})
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    data = read_json(path, "run file", RunFileError)
+    if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:
+        raise RunFileError(f"{path} is not an {FORMAT} v{VERSION} file")
+    return data
+
+
+def load_all(folder: str | Path) -> list[dict[str, Any]]:
+    """Every run file under ``folder`` (recursively), sorted by run id; an error if there is none."""
+    paths = sorted(Path(folder).rglob("*.json"))
+    if not paths:
+        raise RunFileError(f"no run files in {folder} (run the decode stage first)")
+    return sorted((load(p) for p in paths), key=lambda r: r["run_id"])
