@@ -172,11 +172,15 @@ class Emad(Criterion):
         profile: the target profile (its probe layers are the probes).
         margin: m in nats (>= 0; +inf never exits early).
         min_exit_layer: no exit below this layer.
+        probe_stride: probe every k-th of the profile's probe layers, counted down from L (1 = all of them).
     """
 
-    def __init__(self, profile, margin: float, min_exit_layer: int = 1):
+    def __init__(self, profile, margin: float, min_exit_layer: int = 1, probe_stride: int = 1):
         _check_threshold("margin", margin)
+        if isinstance(probe_stride, bool) or not isinstance(probe_stride, int) or probe_stride < 1:
+            raise ValueError(f"probe_stride must be an integer >= 1, got {probe_stride!r}")
         self.profile, self.margin, self.min_exit_layer = profile, float(margin), min_exit_layer
+        self.probe_stride = probe_stride
         self._tau: torch.Tensor | None = None  # [S, P] on the decoding device
         self._column = {layer: i for i, layer in enumerate(profile.probe_layers)}
 
@@ -186,9 +190,12 @@ class Emad(Criterion):
         if any(not 1 <= x <= n_layers for x in layers) or layers[-1] != n_layers:
             raise ValueError(f"profile probe layers {layers} do not fit a {n_layers}-layer model "
                              f"(they must lie in 1..{n_layers} and end at {n_layers})")
+        if self.probe_stride > 1 and self.profile.strata.uses_confidence:
+            raise ValueError("probe_stride > 1 would move the first probe that confidence strata were calibrated "
+                             "at; use a profile without confidence strata")
 
     def probes(self, n_layers: int) -> list[int]:
-        return list(self.profile.probe_layers)
+        return list(self.profile.probe_layers)[::-1][:: self.probe_stride][::-1]
 
     def needs_first_confidence(self) -> bool:
         return self.profile.strata.uses_confidence
@@ -202,4 +209,4 @@ class Emad(Criterion):
 
     def describe(self) -> dict:
         return {"method": self.name, "margin": self.margin, "min_exit_layer": self.min_exit_layer,
-                "profile_model": self.profile.model.get("spec", ""), "profile_corpus": self.profile.corpus}
+                "probe_stride": self.probe_stride, "profile_model": self.profile.model.get("spec", ""), "profile_corpus": self.profile.corpus}

@@ -238,6 +238,26 @@ def convert_embedded(alias: str, out_dir: str | Path) -> Path:
     return out
 
 
+def prepare_model(spec: str, out_dir: str | Path) -> Path:
+    """A self-contained safetensors folder for any model spec: embedded aliases are converted
+    (:func:`convert_embedded`); a local folder or hub id is loaded (float32) and saved, atomically, with its spec
+    recorded in SOURCE_FILE."""
+    if spec in EMBEDDED:
+        return convert_embedded(spec, out_dir)
+    out = Path(out_dir)
+    loaded = load_model(spec, device="cpu", dtype="float32")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.tmp-") as tmp:
+        staging = Path(tmp) / "model"
+        loaded.model.save_pretrained(staging, safe_serialization=True)
+        loaded.tokenizer.save_pretrained(staging)
+        (staging / SOURCE_FILE).write_text(json.dumps({"spec": spec}, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(staging, out)
+    return out
+
+
 def _gguf_path(alias: str, entry: EmbeddedModel, workdir: Path) -> Path:
     """Returns the GGUF file of `entry`, assembling a chunked one into `workdir`."""
     if not entry.chunks:

@@ -38,6 +38,7 @@ class PointConfig(Section):
     depth: int | None = None
     threshold: float | None = None
     probe_every: int | None = None
+    probe_stride: int | None = None
     margin: float | None = None
     min_exit_layer: int | None = None
     policy: str = "monotone"

@@ -40,3 +40,15 @@ def profile_figure(profile, title: str = ""):
     if title:
         fig.suptitle(title, y=1.03)
     return fig
+
+
+def depth_histogram_figure(histogram: dict[int, int], n_layers: int, title: str = ""):
+    """Tokens per exit depth (1..L)."""
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    depths = sorted(histogram)
+    ax.bar(depths, [histogram[d] for d in depths], color="C0")
+    ax.set_xlim(0.5, n_layers + 0.5)
+    ax.set_xlabel("exit depth (layers run)")
+    ax.set_ylabel("tokens")
+    ax.set_title(title, fontsize=9)
+    return fig

@@ -73,6 +73,7 @@ class NullRun:
     """Stands in for an MLflow run when the store is unavailable: every call does nothing."""
 
     active = False
+    run_id = None
 
     def __getattr__(self, name):
         return lambda *args, **kwargs: None

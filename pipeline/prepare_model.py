@@ -1,23 +1,31 @@
-"""Stage prepare_model: convert an embedded GGUF model to a safetensors folder and print its fingerprint."""
+"""Stage ``prepare_model``: make a self-contained safetensors folder for one model spec and print its fingerprint.
+
+A spec is an embedded alias (converted from its GGUF), a local folder or a hub id (loaded and saved as is).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 
-from emad.models import convert_embedded, load_model
+from emad.models import load_model, prepare_model
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Converts `--alias` into `--out` (skipped when already there) and prints the fingerprint as JSON."""
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--alias", required=True, help="embedded model alias, e.g. smollm2-135m")
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", required=True, help="embedded alias (e.g. smollm2-135m), local folder or hub id")
     parser.add_argument("--out", required=True, help="output folder")
     args = parser.parse_args(argv)
-    out = convert_embedded(args.alias, args.out)
+    out = prepare_model(args.spec, args.out)
     fp = load_model(str(out), device="cpu").fingerprint
     print(json.dumps({**fp.as_dict(), "digest": fp.digest, "path": str(out)}, indent=2))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        sys.exit(main())
+    except (ValueError, OSError, RuntimeError) as err:
+        print(f"prepare_model: error: {err}", file=sys.stderr)
+        sys.exit(2)

