@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
-from emad.config import Section
+from emad.config import Section, validate_section
 from emad.operating_point import PointConfig
 from emad.tasks.registry import TASKS
 
@@ -91,10 +91,7 @@ class DecodeConfig(Section):
         if name not in self.ablations:
             raise ValueError(f"unknown ablation {name!r}; valid: {', '.join(self.ablations) or 'none'}")
         base = self.points[self.default_point].model_dump()
-        try:
-            return PointConfig(**{**base, **self.ablations[name]})
-        except ValueError as err:
-            raise ValueError(f"ablations.{name}: {err}") from None
+        return validate_section(f"decode.ablations.{name}", {**base, **self.ablations[name]}, PointConfig)
 
     def point(self, kind: str, name: str) -> PointConfig:
         """The operating point ``name`` of ``kind`` (``baseline``, ``point`` or ``ablation``)."""

@@ -119,8 +119,11 @@ def _open(stage: str):
 
     uri = tracking_uri()
     mlflow.set_tracking_uri(uri)
-    lock = (repo_root() / "mlflow.db.lock") if uri.startswith("sqlite:///") else None
-    with FileLock(str(lock)) if lock else contextlib.nullcontext():
+    db = Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
+    with FileLock(str(db.with_name(db.name + ".lock"))) if db else contextlib.nullcontext():
+        if db is not None and mlflow.get_experiment_by_name(EXPERIMENT) is None:
+            # artifacts beside the store, absolute: never under whatever the working directory happens to be
+            mlflow.create_experiment(EXPERIMENT, artifact_location=(db.parent / "mlruns").resolve().as_uri())
         mlflow.set_experiment(EXPERIMENT)
     return mlflow
 

@@ -1,0 +1,53 @@
+"""The aggregate stage's library: Pareto data, the falsification verdict, tables, figures and the report.
+
+Every function takes run records (dicts in the ``emad-run`` format of :mod:`emad.runfile`) and returns plain
+data, a matplotlib figure or text; nothing here reads run files or knows about reports/. A typical sequence::
+
+    runs = emad.runfile.load_all("reports/runs")
+    series = pareto_data(runs)                         # dvc plots data: series.plot_rows() per series.name
+    verdicts = verdict(runs)                           # {model: ModelVerdict} for EMAD
+    others = family_verdicts(runs)                     # {family: {model: ModelVerdict}}
+    tables = {"domain_shift": domain_shift_table(runs),
+              "ablations": ablation_tables(runs, default_point="emad-m05")}
+    index = write_pareto_figures(series, "reports/figures")
+    text = report_markdown(runs, verdicts, tables, index, family_verdicts=others, relative_to="reports")
+    metrics = metrics_summary(runs, verdicts)
+"""
+
+from emad.report.figures import pareto_figure, write_pareto_figures
+from emad.report.pareto import (
+    ParetoSeries,
+    baselines,
+    frontier,
+    oracle_bounds,
+    oracle_flops_ratio,
+    pareto_data,
+    point_label,
+    speedup,
+)
+from emad.report.render import metrics_summary, report_markdown
+from emad.report.tables import (
+    ablation_markdown,
+    ablation_tables,
+    domain_shift_markdown,
+    domain_shift_table,
+)
+from emad.report.verdict import (
+    C1Result,
+    C2Result,
+    Check,
+    ModelVerdict,
+    PointAssessment,
+    Thresholds,
+    family_verdicts,
+    model_verdict,
+    verdict,
+)
+
+__all__ = [
+    "C1Result", "C2Result", "Check", "ModelVerdict", "ParetoSeries", "PointAssessment", "Thresholds",
+    "ablation_markdown", "ablation_tables", "baselines", "domain_shift_markdown", "domain_shift_table",
+    "family_verdicts", "frontier", "metrics_summary", "model_verdict", "oracle_bounds", "oracle_flops_ratio",
+    "pareto_data", "pareto_figure", "point_label", "report_markdown", "speedup", "verdict",
+    "write_pareto_figures",
+]

@@ -1,0 +1,210 @@
+"""Pareto frontiers of quality against cost, the speed-up against the full-depth run, and the oracle bound.
+
+Every function reads run records in the ``emad-run`` format (see :mod:`emad.runfile`). The baseline of a run is
+the ``full`` run of the same model and domain; its speed-up is ``tokens_per_s / tokens_per_s(full)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from emad.runfile import QUALITY
+
+FULL = "full"
+
+
+def higher_is_better(metric: str) -> bool:
+    """Direction of a quality metric (:data:`emad.runfile.QUALITY`); unknown metrics count as higher-better."""
+    return QUALITY.get(metric, ("", "", True))[2]
+
+
+def point_label(run: dict[str, Any]) -> str:
+    """The operating point of a run as one string: ``<point>`` or ``<point>@<calibration source>``."""
+    cal = run.get("calibration")
+    return f"{run['point']}@{cal}" if cal else str(run["point"])
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def baselines(runs: Iterable[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    """The full-depth run per (model, domain).
+
+    Raises:
+        ValueError: two full runs for the same model and domain (the baseline would be ambiguous).
+    """
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for run in runs:
+        if run.get("family") != FULL:
+            continue
+        key = (run["model"], run["domain"])
+        if key in out:
+            raise ValueError(f"two full-depth runs for model {key[0]!r} on domain {key[1]!r}: "
+                             f"{out[key]['run_id']} and {run['run_id']} (keep one full point per model)")
+        out[key] = run
+    return out
+
+
+def speedup(run: dict[str, Any], base: dict[str, Any] | None) -> float | None:
+    """``tokens_per_s`` of ``run`` over that of its full-depth ``base``; None when either is missing or zero."""
+    if base is None:
+        return None
+    tps, ref = run.get("cost", {}).get("tokens_per_s"), base.get("cost", {}).get("tokens_per_s")
+    if not (_finite(tps) and _finite(ref)) or ref <= 0:
+        return None
+    return tps / ref
+
+
+def _dominates(a: dict, b: dict, cost_key: str, quality_key: str, higher_better: bool,
+               cost_lower_better: bool) -> bool:
+    ca, cb = (a[cost_key], b[cost_key]) if cost_lower_better else (-a[cost_key], -b[cost_key])
+    qa, qb = (a[quality_key], b[quality_key]) if higher_better else (-a[quality_key], -b[quality_key])
+    return ca <= cb and qa >= qb and (ca < cb or qa > qb)
+
+
+def frontier(points: Sequence[dict[str, Any]], cost_key: str, quality_key: str, higher_better: bool,
+             cost_lower_better: bool = True) -> list[dict[str, Any]]:
+    """The Pareto-optimal subset of ``points``: no other point is at least as cheap and at least as good.
+
+    Args:
+        points: dicts holding ``cost_key`` and ``quality_key``; points where either is missing or not finite are
+            left out.
+        cost_key: the cost axis (minimised; maximised when ``cost_lower_better`` is False, e.g. a speed-up).
+        quality_key: the quality axis.
+        higher_better: the direction of the quality axis.
+        cost_lower_better: the direction of the cost axis.
+
+    Returns:
+        The frontier points (the same dict objects), sorted by ascending ``cost_key``, then best quality first,
+        then input order. Ties: points with identical cost and quality do not dominate each other, so all of
+        them stay on the frontier.
+    """
+    valid = [(i, p) for i, p in enumerate(points) if _finite(p.get(cost_key)) and _finite(p.get(quality_key))]
+    keep = [(i, p) for i, p in valid
+            if not any(_dominates(q, p, cost_key, quality_key, higher_better, cost_lower_better)
+                       for _, q in valid)]
+    sign = -1.0 if higher_better else 1.0
+    keep.sort(key=lambda ip: (ip[1][cost_key], sign * ip[1][quality_key], ip[0]))
+    return [p for _, p in keep]
+
+
+def oracle_flops_ratio(oracle: dict[str, float] | None, n_layers: int) -> float | None:
+    """FLOPs ratio an oracle reaches that exits every token at its oracle depth: ≈ Σ_ℓ share_ℓ · ℓ / L.
+
+    The approximation counts decoder layers only: every layer costs the same, and the probes, the output head
+    and KV-cache consistency are free. So it is a lower bound on what any exit criterion on these probes can
+    reach at full-depth quality. Shares are normalised by their sum.
+
+    Args:
+        oracle: share of calibration tokens per oracle depth, keyed by layer number as a string.
+        n_layers: L, the model's number of decoder layers.
+    """
+    if not oracle or not n_layers:
+        return None
+    total = sum(oracle.values())
+    if total <= 0:
+        return None
+    return sum(float(share) * int(layer) for layer, share in oracle.items()) / (total * n_layers)
+
+
+def oracle_bounds(runs: Iterable[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Oracle FLOPs ratio per model and calibration source (from the runs that carry a profile's oracle)."""
+    out: dict[str, dict[str, float]] = {}
+    for run in runs:
+        ratio = oracle_flops_ratio(run.get("oracle"), run.get("n_layers") or 0)
+        if ratio is not None and run.get("calibration"):
+            out.setdefault(run["model"], {})[run["calibration"]] = ratio
+    return {m: dict(sorted(v.items())) for m, v in sorted(out.items())}
+
+
+@dataclass
+class ParetoSeries:
+    """One model × domain × quality metric: every run as a row, with frontier flags and the oracle bound.
+
+    Attributes:
+        rows: one dict per run (``run_id, point, family, calibration, flops_ratio, bytes_ratio, speedup,
+            tokens_per_s, quality, on_frontier_flops, on_frontier_speed, mlflow_run_id``), sorted by
+            descending ``flops_ratio`` then run id — the data file of a ``dvc plots`` definition.
+        full_quality: the metric of the full-depth run (None when there is none).
+        oracle: ``{calibration source: oracle FLOPs ratio}`` for the model (see :func:`oracle_flops_ratio`).
+    """
+
+    model: str
+    domain: str
+    metric: str
+    higher_better: bool
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    full_quality: float | None = None
+    oracle: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        """``<model>--<domain>--<metric>``: a stable file stem."""
+        return f"{self.model}--{self.domain}--{self.metric}"
+
+    def run_ids(self) -> list[str]:
+        return [r["run_id"] for r in self.rows]
+
+    def mlflow_run_ids(self) -> list[str]:
+        return [r["mlflow_run_id"] for r in self.rows if r.get("mlflow_run_id")]
+
+    def plot_rows(self) -> list[dict[str, Any]]:
+        """``rows`` plus one row per oracle bound (family ``oracle``, at the full-depth quality)."""
+        extra = [{"run_id": None, "point": f"oracle@{cal}", "family": "oracle", "calibration": cal,
+                  "flops_ratio": ratio, "bytes_ratio": None, "speedup": None, "tokens_per_s": None,
+                  "quality": self.full_quality, "on_frontier_flops": False, "on_frontier_speed": False,
+                  "mlflow_run_id": None} for cal, ratio in self.oracle.items()]
+        return self.rows + extra
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, **asdict(self)}
+
+
+def _row(run: dict[str, Any], metric: str, base: dict[str, Any] | None) -> dict[str, Any]:
+    cost = run.get("cost", {})
+    return {"run_id": run["run_id"], "point": point_label(run), "family": run.get("family"),
+            "calibration": run.get("calibration"), "flops_ratio": cost.get("flops_ratio"),
+            "bytes_ratio": cost.get("bytes_ratio"), "speedup": speedup(run, base),
+            "tokens_per_s": cost.get("tokens_per_s"), "quality": run["quality"][metric],
+            "on_frontier_flops": False, "on_frontier_speed": False, "mlflow_run_id": run.get("mlflow_run_id")}
+
+
+def _series(model: str, domain: str, metric: str, runs: list[dict], base: dict | None,
+            oracle: dict[str, float]) -> ParetoSeries:
+    hb = higher_is_better(metric)
+    rows = [_row(r, metric, base) for r in runs if metric in r.get("quality", {})]
+    rows.sort(key=lambda r: (-(r["flops_ratio"] if _finite(r["flops_ratio"]) else math.inf), r["run_id"]))
+    for r in frontier(rows, "flops_ratio", "quality", hb):
+        r["on_frontier_flops"] = True
+    for r in frontier(rows, "speedup", "quality", hb, cost_lower_better=False):
+        r["on_frontier_speed"] = True
+    full_q = base["quality"].get(metric) if base else None
+    return ParetoSeries(model, domain, metric, hb, rows, full_q, oracle)
+
+
+def pareto_data(runs: Sequence[dict[str, Any]]) -> list[ParetoSeries]:
+    """One :class:`ParetoSeries` per (model, domain, quality metric) present in ``runs``, sorted by name.
+
+    Speed-ups need the full-depth run of the model × domain; without one they are None (and no point is on
+    the speed frontier), while the FLOPs frontier is still drawn.
+
+    Raises:
+        ValueError: empty ``runs``, or two full runs for one model × domain.
+    """
+    if not runs:
+        raise ValueError("no run records to aggregate (run the decode stage first)")
+    base = baselines(runs)
+    oracles = oracle_bounds(runs)
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for run in runs:
+        groups.setdefault((run["model"], run["domain"]), []).append(run)
+    out = []
+    for (model, domain), group in sorted(groups.items()):
+        metrics = sorted({m for r in group for m in r.get("quality", {})})
+        out += [_series(model, domain, m, group, base.get((model, domain)), oracles.get(model, {}))
+                for m in metrics]
+    return out

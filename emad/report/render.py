@@ -1,0 +1,176 @@
+"""reports/report.md and reports/metrics.json from runs, verdicts, tables and the figures index.
+
+The output depends only on the inputs (no timestamps, sorted keys), so an unchanged run set gives an unchanged
+report.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from emad.report.pareto import FULL, baselines, point_label, speedup
+from emad.report.tables import ablation_markdown, domain_shift_markdown, fmt, markdown_table
+from emad.report.verdict import ModelVerdict
+
+REPRODUCE = ("`dvc repro` rebuilds every stage from params.yaml (only what changed reruns); `make mlflow` opens "
+             "the MLflow UI on the logged runs; `dvc metrics show` and `dvc plots show` read reports/metrics.json "
+             "and reports/pareto/.")
+
+
+def _yes(ok: bool) -> str:
+    return "pass" if ok else "fail"
+
+
+def _point_rows(v: ModelVerdict) -> list[list[str]]:
+    rows = []
+    for p in sorted(v.points, key=lambda p: (-p.reduction, p.label)):
+        worst = p.worst
+        rows.append([p.label, p.family, fmt(p.reduction, ".1%"), fmt(p.speedup, ".2f"),
+                     "yes" if p.within_tolerance else "no", worst.describe() if worst else "–"])
+    return rows
+
+
+def verdict_markdown(verdicts: Mapping[str, ModelVerdict]) -> str:
+    """Per model: C1, the literal reading, C2 (deciding points named), and the table of complete points."""
+    out = []
+    for model, v in verdicts.items():
+        t = v.thresholds
+        lines = [f"### {model} — method: {'/'.join(v.methods)}", "",
+                 f"- **C1 {_yes(v.c1.passed)}.** {v.c1.sentence()}",
+                 f"- {v.c1.literal_sentence(t.min_flops_reduction)}",
+                 f"- **C2 {_yes(v.c2.passed)}.** {v.c2.sentence()}",
+                 f"- Domains: {', '.join(v.domains)}. Tolerances: perplexity +{t.ppl_rel_tol:.0%} relative, other "
+                 f"metrics −{100 * t.acc_abs_tol:g} point absolute; FLOPs token-weighted over domains."]
+        if v.incomplete:
+            lines.append(f"- Not on every domain (left out): {', '.join(v.incomplete)}.")
+        if v.points:
+            lines += ["", markdown_table(["point", "family", "FLOPs reduction", "speed-up", "within tolerance",
+                                          "worst check"], _point_rows(v))]
+        out.append("\n".join(lines))
+    return "\n\n".join(out) if out else "_No verdict._"
+
+
+def baselines_markdown(family_verdicts: Mapping[str, Mapping[str, ModelVerdict]]) -> str:
+    """One row per family × model: does a baseline pass the same criteria?"""
+    rows = []
+    for family, per_model in family_verdicts.items():
+        for model, v in per_model.items():
+            rows.append([family, model, _yes(v.c1.passed), v.c1.deciding.label if v.c1.deciding else "–",
+                         _yes(v.c2.passed), v.c2.deciding.label if v.c2.deciding else "–",
+                         fmt(v.c2.deciding.speedup if v.c2.deciding else None, ".2f")])
+    if not rows:
+        return "_No families to compare._"
+    return markdown_table(["family", "model", "C1", "C1 deciding point", "C2", "C2 deciding point", "speed-up"],
+                          rows)
+
+
+def _result_order(run: dict) -> tuple:
+    return (run.get("family") != FULL, run.get("family") or "", point_label(run))
+
+
+def results_markdown(runs: Sequence[dict[str, Any]]) -> str:
+    """One table per model × domain: every run's quality metrics and costs."""
+    base = baselines(runs)
+    out = []
+    for model, domain in sorted({(r["model"], r["domain"]) for r in runs}):
+        mine = sorted((r for r in runs if (r["model"], r["domain"]) == (model, domain)), key=_result_order)
+        metrics = sorted({m for r in mine for m in r.get("quality", {})})
+        rows = []
+        for r in mine:
+            c = r.get("cost", {})
+            rows.append([point_label(r), r.get("family", "")] + [fmt(r.get("quality", {}).get(m)) for m in metrics]
+                        + [fmt(c.get("flops_ratio")), fmt(c.get("bytes_ratio")),
+                           fmt(speedup(r, base.get((model, domain))), ".2f"), fmt(c.get("mean_depth"), ".1f")])
+        header = ["point", "family"] + metrics + ["FLOPs ratio", "bytes ratio", "speed-up", "mean depth"]
+        out.append(f"### {model} · {domain}\n\n" + markdown_table(header, rows))
+    return "\n\n".join(out)
+
+
+def _link(path: str, relative_to: str | Path | None) -> str:
+    rel = os.path.relpath(path, relative_to) if relative_to is not None else path
+    return Path(rel).as_posix()
+
+
+def _codes(items: Sequence[str]) -> str:
+    return ", ".join(f"`{i}`" for i in items)
+
+
+def figures_markdown(figures_index: Sequence[dict[str, Any]], relative_to: str | Path | None = None) -> str:
+    """Each figure as an image link followed by the MLflow runs it shows."""
+    out = []
+    for f in figures_index:
+        ids = f.get("mlflow_run_ids") or []
+        runs = _codes(ids) if ids else f"none logged (run files: {_codes(f.get('run_ids', []))})"
+        out.append(f"![{f['name']}]({_link(f['path'], relative_to)})\n\nMLflow runs: {runs}")
+    return "\n\n".join(out) if out else "_No figures._"
+
+
+def report_markdown(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, ModelVerdict],
+                    tables: Mapping[str, Any], figures_index: Sequence[dict[str, Any]], *,
+                    family_verdicts: Mapping[str, Mapping[str, ModelVerdict]] | None = None,
+                    relative_to: str | Path | None = None) -> str:
+    """The whole report as markdown.
+
+    Args:
+        runs: run records.
+        verdicts: ``{model: ModelVerdict}`` for the method (:func:`emad.report.verdict.verdict`).
+        tables: ``{"domain_shift": cells, "ablations": {factor: rows}}`` (either may be absent).
+        figures_index: from :func:`emad.report.figures.write_pareto_figures`.
+        family_verdicts: optional ``{family: {model: ModelVerdict}}`` to show whether baselines pass too.
+        relative_to: folder of the report; figure links are made relative to it.
+    """
+    parts = ["# EMAD report", "## Verdict (DESIGN.md §4)", verdict_markdown(verdicts)]
+    if family_verdicts:
+        parts += ["## Every family against the same criteria", baselines_markdown(family_verdicts)]
+    parts += ["## Results per model and domain",
+              "Speed-up = tokens/s over the full-depth run of the same model and domain.", results_markdown(runs)]
+    if "domain_shift" in tables:
+        parts += ["## Domain shift", domain_shift_markdown(tables["domain_shift"])]
+    if "ablations" in tables:
+        parts += ["## Ablations", ablation_markdown(tables["ablations"])]
+    parts += ["## Figures", figures_markdown(figures_index, relative_to), "## How to reproduce", REPRODUCE]
+    return "\n\n".join(parts) + "\n"
+
+
+def _clean(d: dict[str, Any]) -> dict[str, Any]:
+    """Without nulls; floats rounded to 6 decimals for reading."""
+    return {k: round(v, 6) if isinstance(v, float) else v for k, v in d.items() if v is not None}
+
+
+def _run_metrics(run: dict[str, Any], base: dict | None) -> dict[str, Any]:
+    c = run.get("cost", {})
+    return _clean({"flops_ratio": c.get("flops_ratio"), "bytes_ratio": c.get("bytes_ratio"),
+                   "speedup": speedup(run, base), "mean_depth": c.get("mean_depth"),
+                   **dict(sorted(run.get("quality", {}).items()))})
+
+
+def _best(v: ModelVerdict) -> dict[str, Any]:
+    c1, c2 = v.c1.deciding, v.c2.deciding
+    return _clean({"c1_point": c1.label if c1 else None, "flops_reduction": c1.reduction if c1 else None,
+                   "c2_point": c2.label if c2 else None, "speedup": c2.speedup if c2 else None})
+
+
+def metrics_summary(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, ModelVerdict]) -> dict[str, Any]:
+    """reports/metrics.json: ``{model: {verdict, best, runs: {point: {domain: metrics}}}}``, no nulls.
+
+    ``verdict``: ``c1``, ``c2`` (True = passes, not falsified) and ``c1_literal`` (the literal reading);
+    ``best``: the deciding points with the FLOPs reduction (C1) and speed-up (C2); ``runs``: FLOPs and bytes
+    ratios, speed-up, mean depth and quality metrics per operating point and domain.
+    """
+    base = baselines(runs)
+    out: dict[str, Any] = {}
+    for model in sorted({r["model"] for r in runs}):
+        per_point: dict[str, dict[str, Any]] = {}
+        for r in sorted((r for r in runs if r["model"] == model), key=lambda r: r["run_id"]):
+            per_point.setdefault(point_label(r), {})[r["domain"]] = _run_metrics(r, base.get((model, r["domain"])))
+        entry: dict[str, Any] = {}
+        if model in verdicts:
+            v = verdicts[model]
+            entry["verdict"] = {"c1": v.c1.passed, "c2": v.c2.passed, "c1_literal": v.c1.literal}
+            entry["best"] = _best(v)
+        entry["runs"] = dict(sorted(per_point.items()))
+        out[model] = entry
+    return out

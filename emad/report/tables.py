@@ -1,0 +1,195 @@
+"""The report's tables as plain data (lists of dicts), with markdown renderers.
+
+Domain-shift table — for the runs that use a profile (``calibration`` set): one row per calibration source, one
+column per evaluation domain, per model and point. A cell holds the savings ``1 − flops_ratio``, the quality
+metrics, their change against the full-depth run of that domain (``vs_full``: relative for lower-better metrics
+such as perplexity, absolute for the others, as in the verdict) and, when the model × point has an in-domain run
+on that domain (calibration source == domain), the change against it (``vs_in_domain``: savings as a plain
+difference, this cell minus the in-domain cell; metrics relative / absolute as in ``vs_full``).
+
+Ablation tables — the runs of the default operating point and every run whose ``factors`` differ from the
+default's in exactly one key (same model, domain and calibration source). One table per varied factor; its rows
+are the default plus each variant, each with the factor value, quality metrics, ``flops_ratio``, ``speedup`` and
+``backfill_share``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from emad.report.pareto import baselines, higher_is_better, speedup
+
+_MISSING = object()
+
+
+def quality_change(metric: str, value: float | None, ref: float | None) -> float | None:
+    """Change of ``value`` against ``ref``: relative for lower-better metrics, absolute difference otherwise."""
+    if value is None or ref is None:
+        return None
+    if higher_is_better(metric):
+        return value - ref
+    return value / ref - 1.0 if ref else None
+
+
+def _savings(run: dict[str, Any]) -> float | None:
+    ratio = run.get("cost", {}).get("flops_ratio")
+    return None if ratio is None else 1.0 - ratio
+
+
+def _shift_cell(run: dict, base: dict | None, in_domain: dict | None) -> dict[str, Any]:
+    q = run.get("quality", {})
+    bq = base.get("quality", {}) if base else {}
+    cell = {"model": run["model"], "point": run["point"], "calibration": run["calibration"],
+            "domain": run["domain"], "run_id": run["run_id"], "in_domain": run["calibration"] == run["domain"],
+            "savings": _savings(run), "quality": dict(sorted(q.items())),
+            "vs_full": {m: quality_change(m, v, bq.get(m)) for m, v in sorted(q.items())}, "vs_in_domain": None}
+    if in_domain is not None and in_domain is not run:
+        iq = in_domain.get("quality", {})
+        s, s0 = cell["savings"], _savings(in_domain)
+        cell["vs_in_domain"] = {"savings": None if s is None or s0 is None else s - s0,
+                                **{m: quality_change(m, v, iq[m]) for m, v in sorted(q.items()) if m in iq}}
+    return cell
+
+
+def domain_shift_table(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One cell per run with a calibration source, sorted by (model, point, calibration, domain).
+
+    Each cell: ``model, point, calibration, domain, run_id, in_domain, savings, quality, vs_full, vs_in_domain``
+    (see the module docstring).
+    """
+    base = baselines(runs)
+    cal_runs = [r for r in runs if r.get("calibration")]
+    in_dom = {(r["model"], r["point"], r["domain"]): r for r in cal_runs if r["calibration"] == r["domain"]}
+    cells = [_shift_cell(r, base.get((r["model"], r["domain"])), in_dom.get((r["model"], r["point"], r["domain"])))
+             for r in cal_runs]
+    return sorted(cells, key=lambda c: (c["model"], c["point"], c["calibration"], c["domain"]))
+
+
+def _diff_keys(a: dict, b: dict) -> list[str]:
+    return sorted(k for k in set(a) | set(b) if a.get(k, _MISSING) != b.get(k, _MISSING))
+
+
+def _ablation_row(run: dict, factor: str, base: dict | None, is_default: bool) -> dict[str, Any]:
+    cost = run.get("cost", {})
+    return {"model": run["model"], "domain": run["domain"], "calibration": run.get("calibration"),
+            "factor": factor, "value": run.get("factors", {}).get(factor), "point": run["point"],
+            "run_id": run["run_id"], "is_default": is_default, "quality": dict(sorted(run.get("quality", {}).items())),
+            "flops_ratio": cost.get("flops_ratio"), "speedup": speedup(run, base),
+            "backfill_share": cost.get("backfill_share")}
+
+
+def _value_key(v: Any) -> tuple:
+    if isinstance(v, int | float) and not isinstance(v, bool):
+        return (0, float(v), "")
+    return (1, 0.0, str(v))
+
+
+def ablation_tables(runs: Sequence[dict[str, Any]], default_point: str) -> dict[str, list[dict[str, Any]]]:
+    """``{factor: rows}`` for every factor that some run varies alone against ``default_point``.
+
+    Rows: ``model, domain, calibration, factor, value, point, run_id, is_default, quality, flops_ratio, speedup,
+    backfill_share``, sorted by (model, domain, calibration, value); the default row is in every table.
+
+    Raises:
+        ValueError: no run of ``default_point``, or its runs carry no factors.
+    """
+    defaults = [r for r in runs if r["point"] == default_point]
+    if not defaults:
+        points = ", ".join(sorted({r["point"] for r in runs})) or "none"
+        raise ValueError(f"default operating point {default_point!r} has no runs (points with runs: {points})")
+    if not any(r.get("factors") for r in defaults):
+        raise ValueError(f"runs of {default_point!r} carry no factors (only emad points do); pick an emad point "
+                         "as the default for the ablation tables")
+    base = baselines(runs)
+    tables: dict[str, list[dict[str, Any]]] = {}
+    for d in defaults:
+        key = (d["model"], d["domain"], d.get("calibration"))
+        variants = {}
+        for r in runs:
+            if r is d or (r["model"], r["domain"], r.get("calibration")) != key or not r.get("factors"):
+                continue
+            diff = _diff_keys(r["factors"], d.get("factors", {}))
+            if len(diff) == 1:
+                variants.setdefault(diff[0], []).append(r)
+        b = base.get((d["model"], d["domain"]))
+        for factor, rs in variants.items():
+            rows = tables.setdefault(factor, [])
+            rows.append(_ablation_row(d, factor, b, True))
+            rows += [_ablation_row(r, factor, b, False) for r in rs]
+    order = lambda row: (row["model"], row["domain"], row["calibration"] or "", _value_key(row["value"]),
+                         row["run_id"])
+    return {f: sorted(rows, key=order) for f, rows in sorted(tables.items())}
+
+
+# --- markdown -------------------------------------------------------------------------------------------------
+
+def fmt(x: Any, spec: str = ".3f") -> str:
+    """A number for a table (``–`` when missing)."""
+    if x is None:
+        return "–"
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return str(x)
+    return format(x, spec)
+
+
+def fmt_change(metric: str, change: float | None) -> str:
+    """A quality change: ``+1.23%`` for relative (lower-better) metrics, ``-0.8 pt`` for absolute ones."""
+    if change is None:
+        return "–"
+    return f"{100 * change:+.1f} pt" if higher_is_better(metric) else f"{change:+.2%}"
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A GitHub-flavoured markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _cell_text(cell: dict[str, Any]) -> str:
+    parts = [f"savings {fmt(cell['savings'], '.1%')}"]
+    parts += [f"{m} {fmt_change(m, c)}" for m, c in cell["vs_full"].items()]
+    vs = cell["vs_in_domain"]
+    if vs:
+        parts.append("vs in-domain: savings " + fmt(vs.get("savings"), "+.1%")
+                     + "".join(f", {m} {fmt_change(m, v)}" for m, v in vs.items() if m != "savings"))
+    return "<br>".join(parts)
+
+
+def domain_shift_markdown(cells: Sequence[dict[str, Any]]) -> str:
+    """One matrix per model × point: rows = calibration source, columns = evaluation domain."""
+    if not cells:
+        return "_No runs with a calibration profile._"
+    out = []
+    groups = sorted({(c["model"], c["point"]) for c in cells})
+    for model, point in groups:
+        mine = [c for c in cells if (c["model"], c["point"]) == (model, point)]
+        domains = sorted({c["domain"] for c in mine})
+        cals = sorted({c["calibration"] for c in mine})
+        by = {(c["calibration"], c["domain"]): c for c in mine}
+        rows = [[cal] + [_cell_text(by[(cal, d)]) if (cal, d) in by else "–" for d in domains] for cal in cals]
+        out.append(f"**{model} · {point}** (quality vs full depth; in-domain differences where available)\n\n"
+                   + markdown_table(["calibration \\ domain"] + domains, rows))
+    return "\n\n".join(out)
+
+
+def ablation_markdown(tables: dict[str, list[dict[str, Any]]]) -> str:
+    """One markdown table per factor (``backfill_share`` only for the policy factor)."""
+    if not tables:
+        return "_No single-factor ablations among the runs._"
+    out = []
+    for factor, rows in tables.items():
+        metrics = sorted({m for r in rows for m in r["quality"]})
+        extra = ["backfill share"] if factor == "policy" else []
+        header = ["model", "domain", factor, "point"] + metrics + ["FLOPs ratio", "speed-up"] + extra
+        body = []
+        for r in rows:
+            value = f"**{r['value']}** (default)" if r["is_default"] else str(r["value"])
+            line = [r["model"], r["domain"], value, r["point"]] + [fmt(r["quality"].get(m)) for m in metrics]
+            line += [fmt(r["flops_ratio"]), fmt(r["speedup"], ".2f")]
+            line += [fmt(r["backfill_share"])] if extra else []
+            body.append(line)
+        out.append(f"**{factor}**\n\n" + markdown_table(header, body))
+    return "\n\n".join(out)
+

@@ -1,0 +1,136 @@
+"""The decode stage on a tiny model: config checks, the run file, its artifacts, MLflow, and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from emad import runfile
+from emad.calibrate import calibrate_texts
+from emad.calibration_config import CalibrateConfig
+from emad.config import ConfigError, validate_section
+from emad.eval_config import DecodeConfig
+from emad.heatmap import heatmap_html
+from emad.models import load_model
+from emad.profile import smooth
+from tests.tiny import save_tiny_pretrained
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXT = "Entropy falls with depth for easy tokens. The quick brown fox jumps over the lazy dog. " * 12
+DECODE = {
+    "domains": {"toy": ["perplexity", "fidelity"]},
+    "tasks": {"perplexity": {"tokens": 96, "window": 48, "prefix": 16},
+              "fidelity": {"prompts": 2, "prompt_tokens": 12, "new_tokens": 6}},
+    "baselines": {"full": {"method": "full"}, "fixed-2": {"method": "fixed", "depth": 2}},
+    "points": {"emad-m0": {"method": "emad", "margin": 0.0}},
+    "default_point": "emad-m0",
+    "ablations": {"backfill": {"policy": "backfill"}},
+    "ablation_domains": ["toy"],
+    "heatmap_texts": 2, "device": "cpu", "dtype": "float32",
+}
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory, smollm2):
+    root = tmp_path_factory.mktemp("decode")
+    save_tiny_pretrained(root / "model", smollm2.tokenizer)
+    corpus = root / "corpus"
+    corpus.mkdir()
+    docs = [{"id": str(i), "text": TEXT[i * 5:], "n_tokens": 0} for i in range(3)]
+    (corpus / "eval.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (corpus / "manifest.json").write_text(json.dumps({"manifest_sha256": "toy"}))
+    loaded = load_model(str(root / "model"), device="cpu", dtype="float32")
+    cfg = CalibrateConfig(window=32, probe_layers=[1, 2, 3], device="cpu", dtype="float32")
+    smooth(calibrate_texts(loaded, [TEXT] * 2, cfg, "toy"), min_count=1).save(root / "profile.json")
+    (root / "params.yaml").write_text(yaml.safe_dump({"decode": DECODE}))
+    return root
+
+
+def _decode(root: Path, kind: str, point: str, monkeypatch, **extra) -> int:
+    import pipeline.decode as stage
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+    args = ["--kind", kind, "--point", point, "--model", "tiny", "--model-dir", str(root / "model"),
+            "--domain", extra.pop("domain", "toy"), "--corpus", str(root / "corpus"),
+            "--out", str(root / extra.pop("runs", "runs") / f"{kind}-{point}.json"),
+            "--artifacts", str(root / "art" / point),
+            "--params", str(root / "params.yaml")]
+    if kind != "baseline":
+        args += ["--calibration", "toy", "--profile", str(extra.pop("profile", root / "profile.json"))]
+    return stage.main(args)
+
+
+def test_baseline_run_file_artifacts_and_mlflow(workspace, monkeypatch):
+    assert _decode(workspace, "baseline", "full", monkeypatch) == 0
+    record = runfile.load(workspace / "runs" / "baseline-full.json")
+    assert record["run_id"] == "tiny--full--toy" and record["family"] == "full"
+    assert record["cost"]["flops_ratio"] == pytest.approx(1.0)
+    assert record["tasks"]["fidelity"]["exact_match"] == 1.0
+    assert set(record["quality"]) >= {"perplexity", "fidelity.token_agreement"}
+    assert record["depth_histogram"] == {"4": record["cost"]["tokens"]}
+    assert (workspace / "art" / "full" / "depth.png").stat().st_size > 1000
+    html = (workspace / "art" / "full" / "heatmap.html").read_text()
+    assert html.count('title="layer 4"') >= 2
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{workspace / 'mlflow.db'}")
+    runs = mlflow.search_runs(experiment_names=["emad"], filter_string="tags.run_id = 'tiny--full--toy'")
+    assert record["mlflow_run_id"] in set(runs["run_id"])
+    assert runs.iloc[0]["metrics.cost.flops_ratio"] == pytest.approx(1.0)
+
+
+def test_point_and_ablation_runs_carry_profile_factors(workspace, monkeypatch):
+    assert _decode(workspace, "point", "emad-m0", monkeypatch) == 0
+    assert _decode(workspace, "ablation", "backfill", monkeypatch) == 0
+    point = runfile.load(workspace / "runs" / "point-emad-m0.json")
+    ablation = runfile.load(workspace / "runs" / "ablation-backfill.json")
+    assert point["run_id"] == "tiny--emad-m0--cal-toy--toy" and point["calibration"] == "toy"
+    assert point["factors"] == {"margin": 0.0, "policy": "monotone", "estimator": "exact", "probe_stride": 1,
+                                "strata": "none"}
+    assert {k for k, v in ablation["factors"].items() if point["factors"][k] != v} == {"policy"}
+    assert set(point["oracle"]) == {"1", "2", "3", "4"} and len(point["profile_fingerprint"]) == 16
+
+
+def test_missing_profile_fails_before_work_and_writes_nothing(workspace, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="nowhere.json"):
+        _decode(workspace, "point", "emad-m0", monkeypatch, profile=workspace / "nowhere.json", runs="failed")
+    assert not (workspace / "failed").exists()
+
+
+def test_unknown_domain_or_point_is_named(workspace, monkeypatch):
+    with pytest.raises(ValueError, match="'nope'.*decode.domains"):
+        _decode(workspace, "baseline", "full", monkeypatch, domain="nope")
+    with pytest.raises(ValueError, match="unknown baseline 'fixed-9'.*full"):
+        _decode(workspace, "baseline", "fixed-9", monkeypatch)
+
+
+@pytest.mark.parametrize("change, culprit", [
+    ({"domains": {"toy": ["poetry"]}}, "unknown or no tasks"),
+    ({"tasks": {"perplexity": {"tokens": 0}}}, "decode.tasks.perplexity.tokens"),
+    ({"baselines": {"e": {"method": "emad", "margin": 1}}}, "baselines.e: method 'emad' needs a profile"),
+    ({"points": {"m0.5": {"method": "emad", "margin": 0.5}}}, "no dots"),
+    ({"default_point": "missing"}, "default_point 'missing'"),
+    ({"ablations": {"x": {"policy": "teleport"}}}, "decode.ablations.x.policy: .*unknown policy 'teleport'"),
+    ({"ablation_domains": ["elsewhere"]}, "ablation_domains"),
+    ({"baselines": {"f": {"method": "fixed", "dept": 3}}}, "decode.baselines.f.dept"),
+])
+def test_bad_decode_params_name_the_culprit(change, culprit):
+    with pytest.raises(ConfigError, match=culprit):
+        validate_section("decode", {**DECODE, **change}, DecodeConfig)
+
+
+def test_heatmap_escapes_tokens_and_shades_by_depth():
+    page = heatmap_html([[("<b>", 1), (" ok", 30)]], 30, "run & co")
+    assert "&lt;b&gt;" in page and "<b>" not in page.split("<body>")[1]
+    assert 'title="layer 1"' in page and 'title="layer 30"' in page and "run &amp; co" in page
+
+
+def test_runs_do_not_depend_on_the_working_directory(workspace, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    assert _decode(workspace, "baseline", "fixed-2", monkeypatch) == 0
+    assert runfile.load(workspace / "runs" / "baseline-fixed-2.json")["cost"]["mean_depth"] < 4
+    assert os.listdir(tmp_path) == []

@@ -1,0 +1,287 @@
+"""The aggregate stage's library (emad.report) on synthetic run records."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from emad.report import (
+    ablation_markdown,
+    ablation_tables,
+    domain_shift_markdown,
+    domain_shift_table,
+    family_verdicts,
+    frontier,
+    metrics_summary,
+    oracle_flops_ratio,
+    pareto_data,
+    report_markdown,
+    verdict,
+    write_pareto_figures,
+)
+from emad.runfile import run_id
+
+DOMAINS = ("code", "prose")
+
+
+def make_run(point: str, domain: str, family: str | None = None, *, model: str = "m", calibration: str | None = None,
+             flops: float = 1.0, ppl: float | None = 10.0, acc: float | None = 0.5, tps: float = 100.0,
+             tokens: int = 1000, factors: dict | None = None, oracle: dict | None = None,
+             backfill: float = 0.0) -> dict:
+    """A run record in the emad-run format with the fields the report reads."""
+    family = family or point.split("-")[0]
+    quality = {k: v for k, v in (("perplexity", ppl), ("fidelity.token_agreement", acc)) if v is not None}
+    rid = run_id(model, point, domain, calibration)
+    return {"run_id": rid, "model": model, "n_layers": 30, "point": point, "family": family, "options": {},
+            "factors": factors or {}, "calibration": calibration, "domain": domain, "tasks": {},
+            "quality": quality,
+            "cost": {"flops_ratio": flops, "bytes_ratio": flops, "mean_depth": 30 * flops, "backfill_share": backfill,
+                     "policy_events": 0, "tokens": tokens, "seconds": tokens / tps, "tokens_per_s": tps},
+            "depth_histogram": {}, "oracle": oracle, "mlflow_run_id": f"ml-{rid}"}
+
+
+def full_runs(model: str = "m", ppl: float = 10.0, acc: float = 0.5) -> list[dict]:
+    return [make_run("full", d, model=model, ppl=ppl, acc=acc) for d in DOMAINS]
+
+
+def point_runs(point: str, **kw) -> list[dict]:
+    return [make_run(point, d, **kw) for d in DOMAINS]
+
+
+# --- Pareto ---------------------------------------------------------------------------------------------------
+
+def test_frontier_removes_dominated_points_and_keeps_ties_sorted_by_cost():
+    pts = [{"id": "a", "c": 1.0, "q": 0.9}, {"id": "b", "c": 0.8, "q": 0.9}, {"id": "c", "c": 0.8, "q": 0.9},
+           {"id": "d", "c": 0.5, "q": 0.7}, {"id": "e", "c": 0.6, "q": 0.6}, {"id": "f", "c": None, "q": 1.0}]
+    assert [p["id"] for p in frontier(pts, "c", "q", higher_better=True)] == ["d", "b", "c"]
+
+
+def test_frontier_lower_better_quality_and_maximised_speed():
+    pts = [{"id": "a", "s": 1.0, "ppl": 10.0}, {"id": "b", "s": 1.3, "ppl": 10.5}, {"id": "c", "s": 1.2, "ppl": 11.0}]
+    assert [p["id"] for p in frontier(pts, "s", "ppl", higher_better=False, cost_lower_better=False)] == ["a", "b"]
+    assert [p["id"] for p in frontier(pts, "s", "ppl", higher_better=False)] == ["a"]
+
+
+def test_oracle_bound_is_share_weighted_depth_over_layers():
+    assert oracle_flops_ratio({"3": 0.5, "30": 0.5}, 30) == pytest.approx(0.55)
+    assert oracle_flops_ratio({"15": 2.0}, 30) == pytest.approx(0.5)  # shares are normalised
+    assert oracle_flops_ratio(None, 30) is None
+
+
+def test_pareto_data_rows_speedup_frontier_and_oracle():
+    oracle = {"3": 0.2, "30": 0.8}
+    runs = full_runs() + point_runs("emad-a", calibration="prose", flops=0.8, ppl=10.05, tps=120, oracle=oracle) \
+        + point_runs("fixed-b", flops=0.7, ppl=12.0, tps=110) + point_runs("fixed-c", flops=0.9, ppl=12.5, tps=105)
+    series = pareto_data(runs)
+    assert [s.name for s in series] == [f"m--{d}--{m}" for d in DOMAINS
+                                        for m in ("fidelity.token_agreement", "perplexity")]
+    ppl = next(s for s in series if s.name == "m--code--perplexity")
+    rows = {r["point"]: r for r in ppl.rows}
+    assert rows["emad-a@prose"]["speedup"] == pytest.approx(1.2)
+    assert rows["full"]["speedup"] == pytest.approx(1.0)
+    assert [p for p, r in rows.items() if r["on_frontier_flops"]] == ["full", "emad-a@prose", "fixed-b"]
+    assert not rows["fixed-c"]["on_frontier_flops"]
+    assert ppl.oracle == {"prose": pytest.approx((0.2 * 3 + 0.8 * 30) / 30)}
+    assert ppl.full_quality == 10.0
+    assert ppl.plot_rows()[-1]["family"] == "oracle"
+    json.dumps([s.to_dict() for s in series])
+
+
+def test_pareto_data_without_full_run_has_no_speedups_and_rejects_empty():
+    series = pareto_data(point_runs("fixed-b", flops=0.7))
+    assert all(r["speedup"] is None and not r["on_frontier_speed"] for s in series for r in s.rows)
+    with pytest.raises(ValueError, match="no run records"):
+        pareto_data([])
+
+
+# --- verdict --------------------------------------------------------------------------------------------------
+
+def test_c1_and_c2_pass():
+    runs = full_runs() + point_runs("emad-a", flops=0.8, ppl=10.09, acc=0.492, tps=120)
+    v = verdict(runs)["m"]
+    assert v.c1.passed and not v.c1.falsified and v.c1.deciding.label == "emad-a"
+    assert v.c1.deciding.reduction == pytest.approx(0.2)
+    assert v.c2.passed and v.c2.deciding.speedup == pytest.approx(1.2)
+    assert not v.c1.literal
+    assert "not falsified" in v.c1.sentence() and "not falsified" in v.c2.sentence()
+    assert "— false" in v.sentence()
+    json.dumps(v.to_dict())
+
+
+def test_c1_fails_on_perplexity_and_names_worst_violation():
+    runs = full_runs() + point_runs("emad-a", flops=0.8, ppl=10.2, tps=130) + point_runs("emad-b", flops=0.95)
+    v = verdict(runs)["m"]
+    assert not v.c1.passed and v.c1.falsified
+    assert v.c1.deciding.label == "emad-a"
+    assert v.c1.deciding.worst.metric == "perplexity"
+    assert "C1 fails (falsified)" in v.c1.sentence() and "perplexity" in v.c1.sentence()
+    assert v.c1.literal and v.c1.literal_points == ["emad-a"]
+    # emad-b is within tolerance (matched accuracy) but gives no speed-up
+    assert not v.c2.passed and v.c2.deciding.label == "emad-b" and "C2 fails (falsified)" in v.c2.sentence()
+
+
+def test_c1_fails_when_no_point_reaches_the_reduction():
+    v = verdict(full_runs() + point_runs("emad-a", flops=0.9))["m"]
+    assert not v.c1.passed and not v.c1.literal
+    assert "no operating point reaches a 15% FLOP reduction" in v.c1.sentence()
+
+
+def test_literal_reading_can_be_true_while_c1_passes():
+    runs = full_runs() + point_runs("emad-a", flops=0.8) + point_runs("emad-b", flops=0.6, acc=0.45)
+    v = verdict(runs)["m"]
+    assert v.c1.passed and v.c1.deciding.label == "emad-a"
+    assert v.c1.literal and v.c1.literal_points == ["emad-b"]
+    assert "— true: emad-b" in v.c1.literal_sentence(0.15)
+
+
+def test_perplexity_tolerance_is_relative_and_accuracy_tolerance_absolute():
+    base = full_runs(ppl=100.0, acc=0.5)
+    ok = verdict(base + point_runs("emad-a", flops=0.8, ppl=100.9, acc=0.4905))["m"]
+    assert ok.c1.passed  # +0.9 perplexity is 0.9% relative; -0.95 point is within 1 point
+    bad_acc = verdict(base + point_runs("emad-a", flops=0.8, ppl=100.0, acc=0.489))["m"]
+    assert not bad_acc.c1.passed and bad_acc.c1.deciding.worst.metric == "fidelity.token_agreement"
+    bad_ppl = verdict(base + point_runs("emad-a", flops=0.8, ppl=101.1, acc=0.5))["m"]
+    assert not bad_ppl.c1.passed and bad_ppl.c1.deciding.worst.metric == "perplexity"
+
+
+def test_thresholds_are_keyword_arguments():
+    runs = full_runs() + point_runs("emad-a", flops=0.8, ppl=10.2, tps=105)
+    assert not verdict(runs)["m"].c1.passed
+    loose = verdict(runs, ppl_rel_tol=0.05, min_speed_gain=0.05)["m"]
+    assert loose.c1.passed and loose.c2.passed
+
+
+def test_c2_fails_when_nothing_is_within_tolerance():
+    v = verdict(full_runs() + point_runs("emad-a", flops=0.5, acc=0.3, tps=300))["m"]
+    assert not v.c2.passed and v.c2.deciding is None and "no operating point" in v.c2.sentence()
+
+
+def test_flops_are_token_weighted_and_speedup_is_a_time_ratio():
+    runs = full_runs() + [make_run("emad-a", "code", flops=0.8, tokens=3000, tps=200),
+                          make_run("emad-a", "prose", flops=0.9, tokens=1000, tps=100)]
+    p = verdict(runs)["m"].points[0]
+    assert p.flops_ratio == pytest.approx(0.825)
+    assert p.speedup == pytest.approx((3000 / 100 + 1000 / 100) / (3000 / 200 + 1000 / 100))
+
+
+def test_points_must_cover_every_domain_and_share_the_calibration():
+    runs = full_runs() + [make_run("emad-a", "code", calibration="code", flops=0.7),
+                          make_run("emad-a", "prose", calibration="prose", flops=0.7)]
+    v = verdict(runs)["m"]
+    assert v.points == [] and v.incomplete == ["emad-a@code", "emad-a@prose"]
+    assert not v.c1.passed and "evaluated on every domain" in v.c1.sentence()
+
+
+def test_verdict_errors_name_what_is_missing():
+    with pytest.raises(ValueError, match="no run records"):
+        verdict([])
+    with pytest.raises(ValueError, match="no full-depth run"):
+        verdict(point_runs("emad-a"))
+    with pytest.raises(ValueError, match="domain\\(s\\) prose"):
+        verdict([make_run("full", "code")] + point_runs("emad-a"))
+    with pytest.raises(ValueError, match="two full-depth runs"):
+        verdict(full_runs() + [make_run("full", "code")])
+
+
+def test_family_verdicts_show_whether_baselines_pass():
+    runs = full_runs() + point_runs("emad-a", flops=0.8, tps=120) + point_runs("fixed-b", flops=0.5, acc=0.3)
+    fams = family_verdicts(runs)
+    assert sorted(fams) == ["emad", "fixed"]
+    assert fams["emad"]["m"].c1.passed and not fams["fixed"]["m"].c1.passed
+
+
+# --- tables ---------------------------------------------------------------------------------------------------
+
+def shift_runs() -> list[dict]:
+    runs = full_runs()
+    for cal, flops in (("code", 0.7), ("prose", 0.8)):
+        runs += [make_run("emad-a", d, calibration=cal, flops=flops + (0.05 if d != cal else 0.0),
+                          ppl=10.0 if d == cal else 10.5) for d in DOMAINS]
+    return runs
+
+
+def test_domain_shift_table_against_full_and_in_domain():
+    cells = domain_shift_table(shift_runs())
+    assert [(c["calibration"], c["domain"]) for c in cells] == [(c, d) for c in ("code", "prose") for d in DOMAINS]
+    cell = next(c for c in cells if (c["calibration"], c["domain"]) == ("code", "prose"))
+    assert not cell["in_domain"]
+    assert cell["savings"] == pytest.approx(0.25)
+    assert cell["vs_full"]["perplexity"] == pytest.approx(0.05)
+    assert cell["vs_in_domain"]["savings"] == pytest.approx(0.25 - 0.2)  # in-domain prose cell saves 20%
+    assert cell["vs_in_domain"]["perplexity"] == pytest.approx(0.05)  # relative, as against full depth
+    own = next(c for c in cells if (c["calibration"], c["domain"]) == ("code", "code"))
+    assert own["in_domain"] and own["vs_in_domain"] is None
+    md = domain_shift_markdown(cells)
+    assert "calibration \\ domain" in md and "savings 25.0%" in md and "perplexity +5.00%" in md
+
+
+def ablation_runs() -> list[dict]:
+    default = {"margin": 0.5, "policy": "monotone", "estimator": "exact", "probe_every": 3, "strata": "none"}
+    runs = full_runs(model="m")
+    runs += [make_run("emad-m05", "code", factors=default, flops=0.8)]
+    runs += [make_run("emad-m10", "code", factors={**default, "margin": 1.0}, flops=0.7)]
+    runs += [make_run("emad-m00", "code", factors={**default, "margin": 0.0}, flops=0.9)]
+    runs += [make_run("emad-bf", "code", factors={**default, "policy": "backfill"}, flops=0.75, backfill=0.1)]
+    runs += [make_run("emad-two", "code", factors={**default, "policy": "copy", "margin": 1.0}, flops=0.6)]
+    return runs
+
+
+def test_ablation_tables_group_single_factor_variants_with_the_default():
+    tables = ablation_tables(ablation_runs(), "emad-m05")
+    assert sorted(tables) == ["margin", "policy"]
+    assert [(r["value"], r["is_default"]) for r in tables["margin"]] == [(0.0, False), (0.5, True), (1.0, False)]
+    assert [r["point"] for r in tables["policy"]] == ["emad-bf", "emad-m05"]
+    assert tables["policy"][0]["backfill_share"] == 0.1
+    assert tables["margin"][2]["speedup"] == pytest.approx(1.0)
+    md = ablation_markdown(tables)
+    assert "**margin**" in md and "**0.5** (default)" in md and "backfill share" in md
+
+
+def test_ablation_tables_reject_an_unknown_default_point():
+    with pytest.raises(ValueError, match="emad-zz.*emad-m05"):
+        ablation_tables(ablation_runs(), "emad-zz")
+    with pytest.raises(ValueError, match="no factors"):
+        ablation_tables(ablation_runs(), "full")
+
+
+# --- figures and report ---------------------------------------------------------------------------------------
+
+def report_runs() -> list[dict]:
+    oracle = {"3": 0.3, "30": 0.7}
+    return full_runs() + point_runs("emad-a", calibration="prose", flops=0.8, tps=120, oracle=oracle) \
+        + point_runs("fixed-b", flops=0.6, acc=0.45, tps=150)
+
+
+def test_figures_are_written_as_png_with_their_run_ids(tmp_path):
+    series = [s for s in pareto_data(report_runs()) if s.domain == "code"]
+    index = write_pareto_figures(series, tmp_path / "figures")
+    assert len(index) == 2
+    for entry in index:
+        data = (tmp_path / "figures" / f"{entry['name']}.png").read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+        assert "m--emad-a--cal-prose--code" in entry["run_ids"]
+        assert "ml-m--full--code" in entry["mlflow_run_ids"]
+
+
+def test_report_markdown_and_metrics(tmp_path):
+    runs = report_runs()
+    verdicts = verdict(runs)
+    index = [{"path": str(tmp_path / "figures" / "m--code--perplexity.png"), "name": "m--code--perplexity",
+              "run_ids": ["r1"], "mlflow_run_ids": ["abc", "def"]}]
+    tables = {"domain_shift": domain_shift_table(runs), "ablations": {}}
+    md = report_markdown(runs, verdicts, tables, index, family_verdicts=family_verdicts(runs),
+                         relative_to=tmp_path)
+    assert md == report_markdown(runs, verdicts, tables, index, family_verdicts=family_verdicts(runs),
+                                 relative_to=tmp_path)
+    assert "**C1 pass.** C1 passes (not falsified)" in md
+    assert "C2 passes (not falsified)" in md and "Literal reading" in md
+    assert "![m--code--perplexity](figures/m--code--perplexity.png)" in md
+    assert "MLflow runs: `abc`, `def`" in md
+    assert "### m · code" in md and "`dvc repro`" in md and "`make mlflow`" in md
+    assert "| fixed | m | fail |" in md
+    metrics = metrics_summary(runs, verdicts)
+    assert metrics["m"]["verdict"] == {"c1": True, "c2": True, "c1_literal": False}
+    assert metrics["m"]["best"]["c1_point"] == "emad-a@prose"
+    assert metrics["m"]["runs"]["emad-a@prose"]["code"]["flops_ratio"] == 0.8
+    json.dumps(metrics)
