@@ -15,7 +15,7 @@ export MLFLOW_DISABLE_TELEMETRY ?= true
 export TOKENIZERS_PARALLELISM ?= false
 export DVC_NO_ANALYTICS ?= 1
 
-.PHONY: setup test repro lint bench clean-venv
+.PHONY: setup test repro lint bench mlflow clean-venv
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,12 @@ test: $(STAMP)
 
 repro: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/dvc repro
+
+MLFLOW_PORT ?= 5000
+mlflow: $(STAMP)
+	@echo "MLflow UI: http://127.0.0.1:$(MLFLOW_PORT)/#/experiments  (experiment 'emad': runs table; Ctrl-C stops)"
+	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(BIN)/mlflow server --host 127.0.0.1 --port $(MLFLOW_PORT) \
+	  --backend-store-uri "sqlite:///$(CURDIR)/mlflow.db" --default-artifact-root "$(CURDIR)/mlruns" -w 1
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -110,6 +110,18 @@ class Run:
     def set_tags(self, tags: dict[str, Any]) -> None:
         self._mlflow.set_tags({k: str(v) for k, v in tags.items()})
 
+    def adopt(self, run_ids: list[str]) -> int:
+        """Nest existing runs under this one in the MLflow UI (tag ``mlflow.parentRunId``); returns how many were
+        found in this store (runs logged elsewhere, or deleted, are skipped)."""
+        client, found = self._mlflow.MlflowClient(), 0
+        for rid in run_ids:
+            try:
+                client.set_tag(rid, "mlflow.parentRunId", self.run_id)
+                found += 1
+            except self._mlflow.exceptions.MlflowException:
+                continue
+        return found
+
 
 def _open(stage: str):
     """Import mlflow, point it at the store, make sure the experiment exists (creation serialised by a lock)."""

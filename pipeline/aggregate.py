@@ -1,0 +1,99 @@
+"""Stage ``aggregate``: run files → metrics.json, Pareto data and figures, verdict, tables and report.md.
+
+Reads only the run files (never MLflow), so runs restored from DVC's run cache count. Logs one MLflow run that
+carries every figure and the report, with the decode runs nested under it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from emad import runfile, tracking
+from emad.config import load_section
+from emad.io import atomic_write_json, atomic_write_text
+from emad.report import (
+    ablation_tables,
+    domain_shift_table,
+    family_verdicts,
+    metrics_summary,
+    pareto_data,
+    report_markdown,
+    verdict,
+    write_pareto_figures,
+)
+from emad.report_config import AggregateConfig
+
+PLOT_KEYS = ("run_id", "point", "family", "calibration", "flops_ratio", "bytes_ratio", "speedup", "quality",
+             "on_frontier_flops", "on_frontier_speed")
+
+
+def _write_plot_data(series, folder: Path) -> None:
+    """One JSON per series for ``dvc plots`` (every record with the same keys, as DVC requires), under
+    ``flops/`` and ``speed/`` — one plot definition per x axis in dvc.yaml."""
+    for s in series:
+        rows = [{k: row.get(k) for k in PLOT_KEYS} for row in s.plot_rows()]
+        for axis in ("flops", "speed"):
+            atomic_write_json(folder / axis / f"{s.name}.json", rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=Path, required=True, help="folder of run files (reports/runs)")
+    parser.add_argument("--default-point", required=True, help="the EMAD point the ablations vary")
+    parser.add_argument("--metrics", type=Path, required=True, help="metrics.json to write")
+    parser.add_argument("--pareto", type=Path, required=True, help="folder for dvc plots data")
+    parser.add_argument("--figures", type=Path, required=True, help="folder for Pareto PNGs")
+    parser.add_argument("--report", type=Path, required=True, help="report.md to write")
+    parser.add_argument("--params", default="params.yaml")
+    args = parser.parse_args(argv)
+    cfg = load_section("aggregate", AggregateConfig, args.params)
+    runs = runfile.load_all(args.runs)
+    verdicts = verdict(runs, tuple(cfg.methods), **cfg.thresholds())
+    others = family_verdicts(runs, **cfg.thresholds())
+    tables = {"domain_shift": domain_shift_table(runs),
+              "ablations": ablation_tables(runs, default_point=args.default_point)
+              if any(r["point"] == args.default_point for r in runs) else {}}
+    series = pareto_data(runs)
+
+    with tempfile.TemporaryDirectory(dir=args.figures.parent if args.figures.parent.exists() else None) as tmp:
+        staged = Path(tmp)  # figures and plot data appear whole, or not at all
+        index = write_pareto_figures(series, staged / "figures")
+        _write_plot_data(series, staged / "pareto")
+        for src, dst in ((staged / "figures", args.figures), (staged / "pareto", args.pareto)):
+            shutil.rmtree(dst, ignore_errors=True)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(src), dst)
+    for entry in index:
+        entry["path"] = str(args.figures / Path(entry["path"]).name)
+    text = report_markdown(runs, verdicts, tables, index, family_verdicts=others, relative_to=args.report.parent)
+    summary = metrics_summary(runs, verdicts)
+
+    params = {"aggregate": cfg.model_dump(), "default_point": args.default_point, "runs": len(runs)}
+    with tracking.stage_run("aggregate", params) as run:
+        atomic_write_text(args.report, text)
+        atomic_write_json(args.metrics, summary)
+        for model, v in verdicts.items():
+            run.log_dict(v.to_dict(), f"verdict/{model}.json")
+            run.log_metrics({f"{model}.c1_passed": float(v.c1.passed), f"{model}.c2_passed": float(v.c2.passed)})
+        for entry in index:
+            run.log_artifact(entry["path"], "figures")
+        run.log_artifact(args.report)
+        run.log_artifact(args.metrics)
+        nested = run.adopt(sorted({r["mlflow_run_id"] for r in runs if r.get("mlflow_run_id")}))
+        run.set_tags({"decode_runs": len(runs), "decode_runs_in_store": nested})
+    for model, v in verdicts.items():
+        print(f"aggregate: {model}: {v.sentence()}")
+    print(f"aggregate: {len(runs)} runs -> {args.report}, {args.metrics}, {len(index)} figures")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except (ValueError, FileNotFoundError) as err:
+        print(f"aggregate: error: {err}", file=sys.stderr)
+        sys.exit(2)

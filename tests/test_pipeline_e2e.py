@@ -1,0 +1,151 @@
+"""`dvc repro` of the whole graph on a tiny random model and a tiny corpus, then a queued 2-job sweep.
+
+The project's dvc.yaml, pipeline/ and emad/ are copied into a fresh git + DVC repository; params.yaml is shrunk
+so the graph runs in about a minute on 2 cores. Checks every output, the report's verdict, `dvc metrics show`,
+and that MLflow holds one run per stage execution — including the runs of two experiments run in parallel.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.tiny import save_tiny_pretrained
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+def _params(model_dir: Path) -> dict:
+    return {
+        "models": {"tiny": str(model_dir)},
+        "corpus": {"seed": 0, "calib_tokens": 600, "eval_tokens": 400, "tokenizer_model": str(model_dir),
+                   "sources": ["stdlib-prose", "gsm8k"]},
+        "calibrate": {"sources": ["stdlib-prose"], "window": 32, "batch_size": 4, "probe_layers": 1,
+                      "device": "cpu", "dtype": "float32"},
+        "smooth": {"statistic": "mean", "min_count": 5},
+        "estimators": {"topk": {"k": 64}, "lowrank": {"rank": 8}, "tokens": 256, "window": 32},
+        "decode": {
+            "domains": {"stdlib-prose": ["perplexity", "fidelity"], "gsm8k": ["gsm8k"]},
+            "tasks": {"perplexity": {"tokens": 128, "window": 64, "prefix": 16},
+                      "fidelity": {"prompts": 2, "prompt_tokens": 16, "new_tokens": 8},
+                      "gsm8k": {"problems": 2, "shots": 0, "max_new_tokens": 8}},
+            "baselines": {"full": {"method": "full"}, "fixed-2": {"method": "fixed", "depth": 2}},
+            "points": {"emad-m0": {"method": "emad", "margin": 0.0}},
+            "default_point": "emad-m0",
+            "ablations": {"backfill": {"policy": "backfill"}},
+            "ablation_domains": ["stdlib-prose"],
+            "heatmap_texts": 1, "device": "cpu", "dtype": "float32",
+        },
+        "aggregate": {"methods": ["emad"]},
+    }
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}  # the repo's own default store
+    return {**env, "PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}", "OMP_NUM_THREADS": "1",
+            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "DVC_NO_ANALYTICS": "1",
+            "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+            "GIT_COMMITTER_EMAIL": "t@t"}
+
+
+def _sh(repo: Path, *cmd: str, timeout: int = 600) -> str:
+    done = subprocess.run(cmd, cwd=repo, env=_env(), capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+def _mlflow_runs(repo: Path):
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{repo / 'mlflow.db'}")
+    return mlflow.search_runs(experiment_names=["emad"])
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory, smollm2) -> Path:
+    base = tmp_path_factory.mktemp("e2e")
+    model_dir = save_tiny_pretrained(base / "tiny-model", smollm2.tokenizer)
+    repo = base / "repo"
+    repo.mkdir()
+    for name in ("pipeline", "emad"):
+        shutil.copytree(ROOT / name, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "dvc.yaml", repo / "dvc.yaml")
+    (repo / "params.yaml").write_text(yaml.safe_dump(_params(model_dir), sort_keys=False))
+    (repo / ".gitignore").write_text("mlflow.db\nmlflow.db.lock\nmlruns/\n/data/\n")
+    _sh(repo, "git", "init", "-q")
+    _sh(repo, "dvc", "init", "-q")
+    shutil.copytree(ROOT / ".dvc" / "plots", repo / ".dvc" / "plots")
+    _sh(repo, "dvc", "config", "plots.html_template", "plots/offline.html")
+    started = time.perf_counter()
+    _sh(repo, "dvc", "repro", timeout=900)
+    repo_seconds = time.perf_counter() - started
+    print(f"dvc repro of the tiny graph: {repo_seconds:.0f} s")
+    return repo
+
+
+def test_repro_writes_every_output(repo):
+    runs = sorted(p.name for p in (repo / "reports" / "runs").glob("*.json"))
+    assert runs == sorted([
+        "tiny--full--stdlib-prose.json", "tiny--full--gsm8k.json", "tiny--fixed-2--stdlib-prose.json",
+        "tiny--fixed-2--gsm8k.json", "tiny--emad-m0--cal-stdlib-prose--stdlib-prose.json",
+        "tiny--emad-m0--cal-stdlib-prose--gsm8k.json", "tiny--backfill--cal-stdlib-prose--stdlib-prose.json"])
+    for stem in (p[:-5] for p in runs):
+        assert (repo / "reports" / "artifacts" / stem / "heatmap.html").is_file()
+    for path in ("data/profiles/tiny/stdlib-prose/profile.json", "data/profiles/tiny/stdlib-prose/estimators.json",
+                 "reports/profiles/tiny-stdlib-prose.png", "reports/report.md", "reports/metrics.json"):
+        assert (repo / path).is_file(), path
+    assert list((repo / "reports" / "figures").glob("*.png"))
+    assert list((repo / "reports" / "pareto" / "flops").glob("*.json"))
+    report = (repo / "reports" / "report.md").read_text()
+    assert "C1" in report and "C2" in report and "MLflow runs" in report
+    metrics = json.loads(_sh(repo, "dvc", "metrics", "show", "--json"))
+    assert "tiny" in json.dumps(metrics)
+    status = _sh(repo, "dvc", "status")
+    assert "changed" not in status
+
+
+def test_mlflow_holds_one_run_per_stage_execution(repo):
+    runs = _mlflow_runs(repo)
+    stages = runs["tags.dvc_stage"].value_counts().to_dict()
+    assert stages == {"calibrate": 1, "smooth": 1, "fit_estimators": 1, "decode_baseline": 4, "decode": 2,
+                      "decode_ablation": 1, "aggregate": 1}
+    parent = runs[runs["tags.dvc_stage"] == "aggregate"].iloc[0]["run_id"]
+    nested = runs[runs["tags.mlflow.parentRunId"] == parent]
+    assert len(nested) == 7
+
+
+def test_offline_plots_render(repo):
+    _sh(repo, "dvc", "plots", "show", "--out", "plots-html")
+    page = (repo / "plots-html" / "index.html").read_text()
+    assert "<script src" not in page and "flops_ratio" in page
+
+
+def test_queued_two_job_sweep_keeps_every_mlflow_run(repo):
+    _sh(repo, "git", "add", "-A")
+    _sh(repo, "git", "commit", "-qm", "baseline")
+    before = len(_mlflow_runs(repo))
+    for margin in ("0.5", "1.0"):
+        _sh(repo, "dvc", "exp", "run", "--queue", "-S", f"decode.points.emad-m0.margin={margin}")
+    _sh(repo, "dvc", "queue", "start", "-j", "2")
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        status = _sh(repo, "dvc", "queue", "status")
+        if "Queued" not in status and "Running" not in status:
+            break
+        time.sleep(3)
+    assert "Failed" not in status, _sh(repo, "dvc", "queue", "logs", status.split()[0]) if status else status
+    runs = _mlflow_runs(repo).iloc[: len(_mlflow_runs(repo)) - before]
+    per_stage = runs["tags.dvc_stage"].value_counts().to_dict()
+    # each experiment reruns the two emad-m0 decodes, the ablation built on it, and the aggregate
+    assert per_stage == {"decode": 4, "decode_ablation": 2, "aggregate": 2}, per_stage
+    margins = sorted(float(m) for m in runs[runs["tags.dvc_stage"] == "decode"]["params.decode.point.margin"])
+    assert margins == [0.5, 0.5, 1.0, 1.0]
