@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -60,6 +60,7 @@ class Scored:
     flops: float
     full_flops: float
     seconds: float = 0.0
+    greedy: list[bool] = field(default_factory=list)  # per token: is it the argmax of its exit readout
 
     @property
     def nll(self) -> float:
@@ -106,8 +107,10 @@ def _score_adaptive(stack: LayerStack, prompt: Sequence[int], continuation: Sequ
     logits = prefill(stack, cache, ids, real, depth0)[0]
     rows = torch.zeros(1, dtype=torch.long, device=stack.device)
     logprobs, depths, flops, full = [], [depth0], float(cost.readout_flops), float(cost.readout_flops)
+    greedy = []
     for t, token in enumerate(continuation):
         logprobs.append(float(torch.log_softmax(logits.float(), -1)[token]))
+        greedy.append(int(logits.argmax()) == token)
         if t == len(continuation) - 1:
             break
         position = torch.tensor([len(prompt) + t], device=stack.device)
@@ -120,7 +123,7 @@ def _score_adaptive(stack: LayerStack, prompt: Sequence[int], continuation: Sequ
         flops += float(sum(cost.layer_flops(i, int(n)) for i, n in enumerate(held)))
         flops += float(out.probe_flops[0]) + float(policy.extra.flops[0]) - before
         full += float(cost.full_depth(torch.tensor([len(prompt) + t + 1]))[0][0])
-    return Scored(logprobs, depths, flops, full)
+    return Scored(logprobs, depths, flops, full, greedy=greedy)
 
 
 def _score_monotone(stack: LayerStack, prompt: Sequence[int], continuation: Sequence[int], method: Method) -> Scored:
@@ -142,9 +145,10 @@ def _score_monotone(stack: LayerStack, prompt: Sequence[int], continuation: Sequ
     assert depth0 == probes[-1], "monotone scoring assumes the prompt runs to the deepest probe"
     first_logits = prefill(stack, cache, ids, real, depth0)[0]
     logprobs = [float(torch.log_softmax(first_logits.float(), -1)[continuation[0]])]
+    greedy = [int(first_logits.argmax()) == continuation[0]]
     flops = full = float(cost.readout_flops)
     if m == 0:  # a one-token continuation is read out of the prompt alone
-        return Scored(logprobs, [depth0], flops, full)
+        return Scored(logprobs, [depth0], flops, full, greedy=greedy)
     x = torch.tensor([list(continuation[:-1])], dtype=torch.long, device=device)  # [1, m] inputs
     positions = torch.arange(n_prompt, n_prompt + m, device=device)[None]  # [1, m]
     slots = cache.allocate(torch.ones_like(x, dtype=torch.bool))
@@ -185,8 +189,9 @@ def _score_monotone(stack: LayerStack, prompt: Sequence[int], continuation: Sequ
         running = first
     targets = torch.tensor(continuation[1:], device=device)[:, None]
     logprobs += torch.log_softmax(exit_logits.float(), -1).gather(-1, targets)[:, 0].tolist()
+    greedy += (exit_logits.argmax(-1) == targets[:, 0]).tolist()
     for i in range(m):
         keys = n_prompt + i + 1  # every earlier position ran at least as deep (monotone)
         flops += float(sum(cost.layer_flops(j, keys) for j in range(int(depth[i])))) + float(charged[i])
         full += float(cost.full_depth(torch.tensor([keys]))[0][0])
-    return Scored(logprobs, [depth0, *depth.tolist()], flops, full)
+    return Scored(logprobs, [depth0, *depth.tolist()], flops, full, greedy=greedy)
