@@ -12,6 +12,7 @@ from pathlib import Path
 from emad.criteria import CRITERIA
 from emad.estimators import ESTIMATORS
 from emad.policies import POLICIES
+from emad.strata import VARIANTS
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -23,6 +24,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threshold", type=float, help="entropy threshold h0 (nats) for --method confidence")
     p.add_argument("--probe-every", type=int, help="probe every k-th layer for --method confidence")
     p.add_argument("--profile", type=Path, help="profile.json for --method emad")
+    p.add_argument("--strata", choices=list(VARIANTS),
+                   help="stratification of --profile to use (strata/<variant>.json beside it; default: as given)")
+    p.add_argument("--probe-stride", type=int, help="probe every k-th profile layer, counted down from L")
     p.add_argument("--margin", type=float, help="margin m (nats) for --method emad: exit when H <= tau - m")
     p.add_argument("--min-exit-layer", type=int, help="no exit below this layer")
     p.add_argument("--policy", default="monotone", choices=POLICIES.names(), help="KV-consistency policy")
@@ -94,8 +98,9 @@ def _load(args):
     from emad.stack import LayerStack
 
     point = PointConfig(method=args.method, depth=args.depth, threshold=args.threshold,
-                        probe_every=args.probe_every, margin=args.margin, min_exit_layer=args.min_exit_layer,
-                        policy=args.policy, estimator=args.estimator)
+                        probe_every=args.probe_every, probe_stride=args.probe_stride, margin=args.margin,
+                        min_exit_layer=args.min_exit_layer, policy=args.policy, estimator=args.estimator,
+                        strata=args.strata)
     if args.profile is not None and not args.profile.is_file():
         raise ValueError(f"--profile {args.profile}: no such file")
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
@@ -202,7 +207,7 @@ def cmd_calibrate(args) -> None:
     from emad.config import validate_section
     from emad.corpus import read_split
     from emad.models import load_model
-    from emad.profile import smooth
+    from emad.profile import smooth, smooth_variants, variant_path
 
     sets = _overrides(args.set)
     cfg = validate_section("calibrate", sets["calibrate"], CalibrateConfig)
@@ -219,6 +224,9 @@ def cmd_calibrate(args) -> None:
     profile = smooth(stats, smooth_cfg.statistic, smooth_cfg.min_count, smooth_cfg.isotonic)
     stats.save(args.out / "stats.json")
     profile.save(args.out / "profile.json")
+    for variant, smoothed in smooth_variants(stats, smooth_cfg.statistic, smooth_cfg.min_count,
+                                             smooth_cfg.isotonic).items():
+        smoothed.save(variant_path(args.out / "profile.json", variant))
     print(format_profile(profile))
 
 

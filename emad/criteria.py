@@ -209,4 +209,5 @@ class Emad(Criterion):
 
     def describe(self) -> dict:
         return {"method": self.name, "margin": self.margin, "min_exit_layer": self.min_exit_layer,
-                "probe_stride": self.probe_stride, "profile_model": self.profile.model.get("spec", ""), "profile_corpus": self.profile.corpus}
+                "probe_stride": self.probe_stride, "strata": self.profile.strata.variant,
+                "profile_model": self.profile.model.get("spec", ""), "profile_corpus": self.profile.corpus}

@@ -19,7 +19,8 @@ from emad.criteria import CRITERIA
 from emad.decode import Method
 from emad.estimators import ESTIMATORS
 from emad.policies import POLICIES
-from emad.profile import Profile
+from emad.profile import Profile, variant_path
+from emad.strata import VARIANTS
 
 
 def _one_of(kind: str, names: list[str], value: str) -> str:
@@ -32,6 +33,8 @@ class PointConfig(Section):
     """One operating point. ``method`` picks the criterion; the other fields are its options (unused ones ignored).
 
     The profile is not an option: it is given with the point (a path), so one point runs against every profile.
+    ``strata`` picks a stratification of that profile (``strata/<variant>.json`` beside it, written by the smooth
+    stage); None uses the profile as given.
     """
 
     method: str = "full"
@@ -43,6 +46,7 @@ class PointConfig(Section):
     min_exit_layer: int | None = None
     policy: str = "monotone"
     estimator: str = "exact"
+    strata: str | None = None
 
     @field_validator("method")
     @classmethod
@@ -59,6 +63,11 @@ class PointConfig(Section):
     def _estimator(cls, v: str) -> str:
         return _one_of("estimator", ESTIMATORS.names(), v)
 
+    @field_validator("strata")
+    @classmethod
+    def _strata(cls, v: str | None) -> str | None:
+        return v if v is None else _one_of("strata variant", list(VARIANTS), v)
+
     @property
     def needs_profile(self) -> bool:
         return "profile" in _init_params(self.method)
@@ -69,6 +78,8 @@ class PointConfig(Section):
         out = {"method": self.method, **{k: v for k, v in self.model_dump().items() if k in used and v is not None}}
         if CRITERIA.get(self.method).needs_estimate:
             out.update(policy=self.policy, estimator=self.estimator)
+        if self.needs_profile and self.strata is not None:
+            out["strata"] = self.strata
         return out
 
 
@@ -94,9 +105,9 @@ def build_method(point: PointConfig, n_layers: int, fingerprint: dict, profile_p
         if not Path(profile_path).is_file():
             raise FileNotFoundError(f"profile {profile_path} does not exist (run the calibrate and smooth stages, "
                                     "or `emad calibrate`)")
-        profile = Profile.load(profile_path)
+        profile = Profile.load(profile_file(profile_path, point.strata))
         profile.check_model(fingerprint)
-    options = {**point.model_dump(exclude={"method", "policy", "estimator"}), "profile": profile}  # Profile object
+    options = {**point.model_dump(exclude={"method", "policy", "estimator", "strata"}), "profile": profile}  # Profile object
     criterion = CRITERIA.get(point.method).from_options(**options)
     criterion.validate(n_layers)
     fitted = estimators_path or (Path(profile_path).parent / "estimators.json" if profile_path else None)
@@ -105,3 +116,17 @@ def build_method(point: PointConfig, n_layers: int, fingerprint: dict, profile_p
                          "the profile, from the fit_estimators stage)")
     estimator = estimator_fit.load(fitted, point.estimator, fingerprint, criterion.probes(n_layers))
     return Method(criterion, point.policy, estimator)
+
+
+def profile_file(profile_path: str | Path, strata: str | None) -> Path:
+    """The profile file of the requested stratification (the given file when ``strata`` is None)."""
+    if strata is None:
+        return Path(profile_path)
+    path = variant_path(profile_path, strata)
+    if not path.is_file():
+        found = sorted(p.stem for p in path.parent.glob("*.json"))
+        raise FileNotFoundError(
+            f"strata={strata!r}: no profile {path} (variants there: {', '.join(found) or 'none'}). The smooth stage "
+            f"writes a variant only for axes the calibration used: set calibrate.strata.position_edges and/or "
+            f"confidence_edges and rerun calibrate and smooth")
+    return path

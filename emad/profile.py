@@ -23,6 +23,11 @@ from emad.strata import Strata
 FORMAT, VERSION = "emad-profile", 1
 
 
+def variant_path(profile_path: str | Path, variant: str) -> Path:
+    """Where the smooth stage writes the ``variant`` stratification of a profile: ``strata/<variant>.json`` beside it."""
+    return Path(profile_path).parent / "strata" / f"{variant}.json"
+
+
 class ProfileError(ValueError):
     """A profile file is unusable: missing, truncated, another format, or made for another model."""
 
@@ -147,6 +152,15 @@ def smooth(stats: CalibrationStats, statistic: str = "mean", min_count: int = 50
         monotonicity=mono, agreement=stats.agreement().tolist(),
         oracle=(stats.oracle / max(stats.tokens, 1)).tolist(), model=stats.model, corpus=stats.corpus,
     )
+
+
+def smooth_variants(stats: CalibrationStats, statistic: str = "mean", min_count: int = 50,
+                    isotonic: bool = True) -> dict[str, Profile]:
+    """One profile per stratification reachable from the calibrated one by dropping axes (see :func:`variant_path`).
+
+    Each is smoothed from folded statistics, which equal those of a calibration run with fewer axes.
+    """
+    return {v: smooth(stats.restrict(v), statistic, min_count, isotonic) for v in stats.strata.variants()}
 
 
 def _statistic(statistic: str):

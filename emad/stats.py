@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from emad.io import atomic_write_text, read_json
-from emad.strata import Strata
+from emad.strata import VARIANTS, Strata
 
 FORMAT, VERSION = "emad-stats", 1
 _ARRAYS = ("count", "sum", "sumsq", "hist", "agree", "oracle")
@@ -98,6 +98,29 @@ class CalibrationStats:
         for name in _ARRAYS:
             getattr(self, name).add_(getattr(other, name))
         return self
+
+    def restrict(self, variant: str) -> CalibrationStats:
+        """The same tokens with only the strata axes of ``variant`` kept (the dropped axes summed out).
+
+        Smoothing the result is smoothing a calibration run made with those axes alone: every array is a sum over
+        tokens, so folding strata together is exact.
+        """
+        strata = self.strata.keep(variant)
+        pos, conf = VARIANTS[variant]
+        n_pos, n_conf = self.strata.n_position, self.strata.n_confidence
+
+        def fold(array: torch.Tensor) -> torch.Tensor:  # [S, ...] -> [S', ...]
+            grid = array.view(n_pos, n_conf, *array.shape[1:])
+            grid = grid if conf else grid.sum(1, keepdim=True)
+            grid = grid if pos else grid.sum(0, keepdim=True)
+            return grid.reshape(-1, *array.shape[1:]).clone()
+
+        out = CalibrationStats(list(self.probe_layers), strata, self.vocab_size, self.hist_bins, self.model,
+                               self.corpus)
+        for name in ("count", "sum", "sumsq", "hist"):
+            setattr(out, name, fold(getattr(self, name)))
+        out.agree, out.oracle = self.agree.clone(), self.oracle.clone()
+        return out
 
     def arrays(self) -> list[torch.Tensor]:
         """The accumulator tensors (for all-reduce)."""

@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+# variant name -> (keeps the position axis, keeps the confidence axis)
+VARIANTS = {"none": (False, False), "position": (True, False), "confidence": (False, True), "both": (True, True)}
+
 
 def _check_edges(name: str, edges: list[float], low: float, high: float | None) -> None:
     for i, e in enumerate(edges):
@@ -54,6 +57,25 @@ class Strata:
     @property
     def uses_confidence(self) -> bool:
         return bool(self.confidence_edges)
+
+    @property
+    def variant(self) -> str:
+        """Which axes this stratification uses: ``none``, ``position``, ``confidence`` or ``both``."""
+        axes = (bool(self.position_edges), bool(self.confidence_edges))
+        return next(name for name, keep in VARIANTS.items() if keep == axes)
+
+    def variants(self) -> list[str]:
+        """The variants reachable by dropping axes (``none`` always; ``both`` only when both axes are used)."""
+        pos, conf = VARIANTS[self.variant]
+        return [name for name, (p, c) in VARIANTS.items() if (pos or not p) and (conf or not c)]
+
+    def keep(self, variant: str) -> Strata:
+        """The stratification with only the axes of ``variant`` (which must be one of :meth:`variants`)."""
+        if variant not in self.variants():
+            raise ValueError(f"strata variant {variant!r} is not available from {self.variant!r} strata "
+                             f"(available: {', '.join(self.variants())}; valid names: {', '.join(VARIANTS)})")
+        pos, conf = VARIANTS[variant]
+        return Strata(self.position_edges if pos else (), self.confidence_edges if conf else ())
 
     def names(self) -> list[str]:
         """Readable stratum names, index order (``all`` when unstratified)."""

@@ -20,16 +20,9 @@ from emad.evaluate import evaluate, prepare
 from emad.heatmap import heatmap_html
 from emad.io import atomic_write_text
 from emad.models import load_model
-from emad.operating_point import build_method
+from emad.operating_point import build_method, profile_file
 from emad.plots import depth_histogram_figure, save_figure
-from emad.profile import Profile
 from emad.stack import LayerStack
-
-
-def _strata_name(profile: Profile) -> str:
-    axes = [a for a, n in (("position", profile.strata.n_position), ("confidence", profile.strata.n_confidence))
-            if n > 1]
-    return "+".join(axes) or "none"
 
 
 def _profile_facts(path: Path | None, method) -> dict:
@@ -38,7 +31,7 @@ def _profile_facts(path: Path | None, method) -> dict:
         return {"profile_fingerprint": None, "factors": {}, "oracle": None}
     profile = method.criterion.profile
     factors = {"margin": method.criterion.margin, "policy": method.policy, "estimator": method.estimator.name,
-               "probe_stride": method.criterion.probe_stride, "strata": _strata_name(profile)}
+               "probe_stride": method.criterion.probe_stride, "strata": profile.strata.variant}
     return {"profile_fingerprint": hashlib.sha256(path.read_bytes()).hexdigest()[:16], "factors": factors,
             "oracle": {str(layer): share for layer, share in zip(profile.probe_layers, profile.oracle)}}
 
@@ -83,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         "n_layers": stack.n_layers, "point": args.point, "kind": args.kind, "family": point.method,
         "options": point.options(), "method": method.describe(),
         "calibration": args.calibration if profile_path else None, "domain": args.domain,
-        **_profile_facts(profile_path, method),
+        **_profile_facts(profile_file(profile_path, point.strata) if profile_path else None, method),
         "tasks": result.tasks, "quality": runfile.quality_of(result.tasks), "cost": cost,
         "depth_histogram": {str(d): n for d, n in hist.items()},
     }

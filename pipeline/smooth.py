@@ -1,4 +1,9 @@
-"""Stage ``smooth``: calibration statistics → the target profile τ (JSON) and its figure (PNG)."""
+"""Stage ``smooth``: calibration statistics → the target profile τ (JSON) and its figure (PNG).
+
+Beside ``profile.json`` (the strata as calibrated) it writes ``strata/<variant>.json`` for every stratification
+reachable by dropping axes (``none``, ``position``, ``confidence``, ``both``), each smoothed from the folded
+statistics: the stratification ablation needs one calibration run, not four.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ from emad.calibration_config import SmoothConfig
 from emad.config import load_section
 from emad.models import ModelFingerprint
 from emad.plots import profile_figure, save_figure
-from emad.profile import smooth
+from emad.profile import smooth, smooth_variants, variant_path
 from emad.stats import CalibrationStats
 
 
@@ -28,8 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     params = {"smooth": cfg.model_dump(), "stats": str(args.stats)}
     tags = {"model_fingerprint": ModelFingerprint(**profile.model).digest if profile.model else "",
             "corpus_manifest": profile.corpus}
+    variants = smooth_variants(stats, cfg.statistic, cfg.min_count, cfg.isotonic)
     with tracking.stage_run("smooth", params, tags) as run:
         profile.save(args.out)
+        for variant, smoothed in variants.items():
+            smoothed.save(variant_path(args.out, variant))
         save_figure(profile_figure(profile, title=str(args.out.parent)), args.plot)
         for name in profile.strata.names():
             run.log_series(f"tau.{name}", dict(zip(profile.probe_layers, profile.tau[name])))
@@ -40,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         run.log_artifact(args.out)
     worst = max(profile.monotonicity.values(), key=lambda m: m["max"])
     print(f"smooth: {len(profile.tau)} strata x {len(profile.probe_layers)} probes -> {args.out}; "
-          f"largest raw rise {worst['max']:.3f} nats, backed off: {len(profile.backed_off)}")
+          f"largest raw rise {worst['max']:.3f} nats, backed off: {len(profile.backed_off)}; "
+          f"variants: {', '.join(variants)}")
     return 0
 
 

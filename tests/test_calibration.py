@@ -65,6 +65,36 @@ def test_stratification_puts_tokens_in_the_right_buckets():
     assert Strata().names() == ["all"]
 
 
+@pytest.mark.parametrize("variant, expected", [("none", Strata()), ("position", Strata(position_edges=(3, 7))),
+                                               ("confidence", Strata(confidence_edges=(0.4,))),
+                                               ("both", Strata(position_edges=(3, 7), confidence_edges=(0.4,)))])
+def test_restricted_stats_equal_a_calibration_with_fewer_axes(variant, expected):
+    g = torch.Generator().manual_seed(1)
+    entropy, argmax = torch.rand(80, 3, generator=g) * 4, torch.randint(0, 5, (80, 3), generator=g)
+    pos, conf = torch.randint(0, 10, (80,), generator=g), torch.rand(80, generator=g)
+    both = Strata(position_edges=(3, 7), confidence_edges=(0.4,))
+    full = _stats(strata=both)
+    full.add(entropy, argmax, both.assign(pos, conf))
+    direct = _stats(strata=expected)
+    direct.add(entropy, argmax, expected.assign(pos, conf if expected.uses_confidence else None))
+    folded = full.restrict(variant)
+    assert folded.strata == expected and folded.strata.variant == variant
+    for x, y in zip(folded.arrays(), direct.arrays()):
+        torch.testing.assert_close(x, y)
+    assert smooth(folded, min_count=1).tau == smooth(direct, min_count=1).tau
+
+
+def test_variants_reachable_and_refused():
+    assert Strata().variants() == ["none"]
+    assert Strata(position_edges=(4,)).variants() == ["none", "position"]
+    assert Strata(confidence_edges=(0.5,)).variants() == ["none", "confidence"]
+    assert Strata((4,), (0.5,)).variants() == ["none", "position", "confidence", "both"]
+    with pytest.raises(ValueError, match="'confidence' is not available from 'position' strata"):
+        Strata(position_edges=(4,)).keep("confidence")
+    with pytest.raises(ValueError, match="valid names: none, position, confidence, both"):
+        Strata().keep("all")
+
+
 @pytest.mark.parametrize("edges", [(16, 4), (4, 4), (0, 8)])
 def test_unsorted_duplicate_or_out_of_range_edges_are_refused(edges):
     with pytest.raises(ValueError, match="position_edges"):

@@ -16,7 +16,7 @@ from emad.config import ConfigError, validate_section
 from emad.eval_config import DecodeConfig
 from emad.heatmap import heatmap_html
 from emad.models import load_model
-from emad.profile import smooth
+from emad.profile import smooth, smooth_variants, variant_path
 from tests.tiny import save_tiny_pretrained
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,9 +26,10 @@ DECODE = {
     "tasks": {"perplexity": {"tokens": 96, "window": 48, "prefix": 16},
               "fidelity": {"prompts": 2, "prompt_tokens": 12, "new_tokens": 6}},
     "baselines": {"full": {"method": "full"}, "fixed-2": {"method": "fixed", "depth": 2}},
-    "points": {"emad-m0": {"method": "emad", "margin": 0.0}},
+    "points": {"emad-m0": {"method": "emad", "margin": 0.0, "strata": "none"}},
     "default_point": "emad-m0",
-    "ablations": {"backfill": {"policy": "backfill"}},
+    "ablations": {"backfill": {"policy": "backfill"}, "strata-position": {"strata": "position"},
+                  "strata-confidence": {"strata": "confidence"}},
     "ablation_domains": ["toy"],
     "heatmap_texts": 2, "device": "cpu", "dtype": "float32",
 }
@@ -44,8 +45,12 @@ def workspace(tmp_path_factory, smollm2):
     (corpus / "eval.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
     (corpus / "manifest.json").write_text(json.dumps({"manifest_sha256": "toy"}))
     loaded = load_model(str(root / "model"), device="cpu", dtype="float32")
-    cfg = CalibrateConfig(window=32, probe_layers=[1, 2, 3], device="cpu", dtype="float32")
-    smooth(calibrate_texts(loaded, [TEXT] * 2, cfg, "toy"), min_count=1).save(root / "profile.json")
+    cfg = CalibrateConfig(window=32, probe_layers=[1, 2, 3], strata={"position_edges": [8]}, device="cpu",
+                          dtype="float32")
+    stats = calibrate_texts(loaded, [TEXT] * 2, cfg, "toy")
+    smooth(stats, min_count=1).save(root / "profile.json")
+    for variant, profile in smooth_variants(stats, min_count=1).items():
+        profile.save(variant_path(root / "profile.json", variant))
     (root / "params.yaml").write_text(yaml.safe_dump({"decode": DECODE}))
     return root
 
@@ -93,6 +98,17 @@ def test_point_and_ablation_runs_carry_profile_factors(workspace, monkeypatch):
                                 "strata": "none"}
     assert {k for k, v in ablation["factors"].items() if point["factors"][k] != v} == {"policy"}
     assert set(point["oracle"]) == {"1", "2", "3", "4"} and len(point["profile_fingerprint"]) == 16
+    assert point["options"]["strata"] == "none"
+
+
+def test_strata_ablation_uses_the_variant_and_refuses_a_missing_one(workspace, monkeypatch):
+    assert _decode(workspace, "ablation", "strata-position", monkeypatch) == 0
+    run = runfile.load(workspace / "runs" / "ablation-strata-position.json")
+    assert run["factors"]["strata"] == "position" and run["method"]["strata"] == "position"
+    with pytest.raises(FileNotFoundError, match=r"strata='confidence'.*variants there: none, position.*"
+                                                r"calibrate.strata"):
+        _decode(workspace, "ablation", "strata-confidence", monkeypatch, runs="failed-strata")
+    assert not (workspace / "failed-strata").exists()
 
 
 def test_missing_profile_fails_before_work_and_writes_nothing(workspace, monkeypatch):

@@ -80,6 +80,10 @@ def test_smooth_writes_profile_plot_and_mlflow_runs(workspace):
     assert profile.strata.names() == ["pos[0,4)", "pos[4,inf)"]
     for tau in profile.tau.values():
         assert all(a >= b for a, b in zip(tau, tau[1:]))
+    # one file per stratification reachable by dropping axes; the calibrated one equals profile.json
+    assert sorted(p.name for p in (out.parent / "strata").iterdir()) == ["none.json", "position.json"]
+    assert Profile.load(out.parent / "strata" / "position.json").tau == profile.tau
+    assert Profile.load(out.parent / "strata" / "none.json").strata.names() == ["all"]
     assert plot.stat().st_size > 1000
     import mlflow
 

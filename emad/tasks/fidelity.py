@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rouge_score import rouge_scorer
-
 from emad.criteria import Full
 from emad.decode import Method, generate
 from emad.stack import LayerStack
@@ -32,6 +30,9 @@ def fidelity(stack: LayerStack, tokenizer, prompts: Sequence[Sequence[int]], met
     ours = generate(stack, tokenizer, prompts, method, max_new_tokens)
     if sink is not None:
         sink.append(ours)
+    # imported here: rouge_score pulls in nltk and scikit-learn (~1.3 s), paid only where ROUGE is computed
+    from rouge_score import rouge_scorer
+
     scorer = rouge_scorer.RougeScorer(["rougeL"])
     agree = total = 0
     exact, diverge, rouge = [], [], []
