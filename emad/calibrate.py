@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from emad.io import atomic_write_json
 from emad.stack import LayerStack
 from emad.stats import CalibrationStats, StatsFormatError
 from emad.strata import Strata
+
+log = logging.getLogger(__name__)
 
 
 def resolve_probe_layers(spec: Sequence[int] | int, n_layers: int) -> list[int]:
@@ -171,7 +174,9 @@ def _resume(ckpt: Path | None, key: str, stats: CalibrationStats) -> int:
         if saved.get("key") != key:
             return 0
         stats.merge(CalibrationStats.from_dict(saved["stats"], str(ckpt)))
-        return int(saved["done_batches"])
+        done = int(saved["done_batches"])
+        log.warning("resuming from checkpoint %s: %d batches already done", ckpt, done)
+        return done
     except (json.JSONDecodeError, KeyError, StatsFormatError, ValueError):
         return 0  # a damaged checkpoint only costs the work it held
 

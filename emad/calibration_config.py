@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from emad.config import Section
+from emad.strata import Strata
 
 
 class StrataConfig(Section):
@@ -14,6 +15,11 @@ class StrataConfig(Section):
 
     position_edges: list[int] = Field(default_factory=list)
     confidence_edges: list[float] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _edges(self) -> StrataConfig:
+        Strata(self.position_edges, self.confidence_edges)  # sorted, unique, in range, or a ValueError naming them
+        return self
 
 
 class CalibrateConfig(Section):

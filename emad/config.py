@@ -61,5 +61,8 @@ def read_params(path: str | Path = "params.yaml") -> dict:
 
 
 def load_section(name: str, model: type[S], path: str | Path = "params.yaml") -> S:
-    """Read section ``name`` of the params file and validate it as ``model``."""
+    """Section ``name`` of the params file as ``model``, after checking the whole file (:mod:`emad.params`)."""
+    from emad.params import validate_params  # the section models import this module
+
+    validate_params(path)
     return validate_section(name, read_params(path).get(name), model)

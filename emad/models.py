@@ -30,7 +30,7 @@ class ModelSpecError(ValueError):
     """A model spec that names no embedded alias, local folder or reachable hub model."""
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(ValueError):
     """A model that was found but could not be loaded (a missing package, a corrupt file)."""
 
 
@@ -168,7 +168,7 @@ def load_model(spec: str, *, device: str = "auto", dtype: str = "auto") -> Loade
     An embedded alias is converted to safetensors under model_cache_dir() on first use.
 
     Args:
-        spec: folder path, a key of EMBEDDED (e.g. "smollm2-135m"), or a hub id ("org/name").
+        spec: folder path, a ``.gguf`` file, a key of EMBEDDED (e.g. "smollm2-135m"), or a hub id ("org/name").
         device: "auto" (cuda if available, else cpu) or a torch device string.
         dtype: "auto" (float32 on CPU, bfloat16 on CUDA), "float32", "bfloat16" or "float16".
 
@@ -185,6 +185,8 @@ def load_model(spec: str, *, device: str = "auto", dtype: str = "auto") -> Loade
     folder = Path(spec).expanduser()
     if spec in EMBEDDED:
         source, name = convert_embedded(spec, model_cache_dir() / spec), spec
+    elif folder.is_file() and folder.suffix == ".gguf":
+        source, name = folder, folder.stem
     elif folder.is_dir():
         if not (folder / "config.json").is_file():
             raise ModelSpecError(f"model folder {str(folder)!r} has no config.json")
@@ -290,6 +292,12 @@ def _source_alias(folder: Path) -> str | None:
 def _from_pretrained(source: str | Path, torch_dtype: torch.dtype) -> tuple[Any, Any]:
     """Loads config, tokenizer and model; a failure becomes a ModelLoadError naming the bad file."""
     where = Path(source)
+    if where.suffix == ".gguf" and where.is_file():  # a single GGUF file: transformers dequantizes it
+        gguf = {"gguf_file": where.name}
+        tokenizer = _load_or_name(lambda: where, AutoTokenizer.from_pretrained, where.parent, **gguf)
+        model = _load_or_name(lambda: where, AutoModelForCausalLM.from_pretrained, where.parent, **gguf,
+                              dtype=torch_dtype, attn_implementation="sdpa")
+        return model, tokenizer
     config = _load_or_name(lambda: where / "config.json", AutoConfig.from_pretrained, source)
     tokenizer = _load_or_name(lambda: where / "tokenizer.json", AutoTokenizer.from_pretrained, source)
     model = _load_or_name(

@@ -23,6 +23,10 @@ def _resolve(module: nn.Module, dotted: str) -> nn.Module:
     return module
 
 
+class NonFiniteLogitsError(ValueError):
+    """A readout produced NaN or inf (typically an overflow in bfloat16/float16)."""
+
+
 class LayerStack:
     """Layer-by-layer access to a causal LM.
 
@@ -140,6 +144,10 @@ class LayerStack:
         logits = self.head(self.final_norm(h))
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
+        if not bool(torch.isfinite(logits).all()):
+            raise NonFiniteLogitsError(
+                f"the readout produced NaN or inf logits in {self.dtype}: the activations overflowed; run the model "
+                "in float32 (dtype: float32 in params.yaml, --dtype float32 on the command line)")
         return logits
 
     # ------------------------------------------------------------------ helpers

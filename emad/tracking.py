@@ -13,8 +13,11 @@ import hashlib
 import json
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -142,15 +145,21 @@ def _open(stage: str):
 
 @contextlib.contextmanager
 def stage_run(stage: str, params: dict, tags: dict[str, Any] | None = None,
-              run_name: str | None = None) -> Iterator[Run | NullRun]:
+              run_name: str | None = None, enabled: bool = True) -> Iterator[Run | NullRun]:
     """An MLflow run for one stage execution, with the project's tags and the resolved params.
 
-    The run ends FINISHED, or FAILED (with the error as tag ``error``) when the body raises — KeyboardInterrupt
-    and SystemExit included. If the store cannot be opened, a warning goes to stderr and a :class:`NullRun` is
-    yielded, so the stage still produces its files.
+    The run ends FINISHED, or FAILED (with the error as tag ``error``) when the body raises — KeyboardInterrupt,
+    SystemExit and SIGTERM (turned into SystemExit 143 while the run is open) included. A SIGKILL cannot be
+    caught: the next run of the same stage and name on this host ends such an orphan FAILED (tags ``host`` and
+    ``pid`` tell whose it was). If the store cannot be opened, a warning goes to stderr and a :class:`NullRun` is
+    yielded, so the stage still produces its files. ``enabled=False`` (e.g. ranks other than 0) yields a NullRun.
     """
+    if not enabled:
+        yield NullRun()
+        return
     try:
         mlflow = _open(stage)
+        _fail_orphans(mlflow, stage, run_name or stage)
         run = mlflow.start_run(run_name=run_name or stage)
     except Exception as err:  # noqa: BLE001 - any store failure must not stop the stage
         print(f"WARNING: MLflow skipped for stage {stage!r}: cannot open tracking store {tracking_uri()} "
@@ -158,15 +167,57 @@ def stage_run(stage: str, params: dict, tags: dict[str, Any] | None = None,
         yield NullRun()
         return
     handle = Run(mlflow, run.info.run_id)
-    handle.set_tags({"git_rev": git_rev(), "dvc_stage": stage, "params_hash": params_hash(params), **(tags or {})})
+    handle.set_tags({"git_rev": git_rev(), "dvc_stage": stage, "params_hash": params_hash(params),
+                     "host": socket.gethostname(), "pid": os.getpid(), **(tags or {})})
     flat = flatten(params)
     for i in range(0, len(flat), 100):
         mlflow.log_params(dict(list(flat.items())[i:i + 100]))
     mlflow.log_dict(params, "resolved_params.json")
     try:
-        yield handle
+        with _sigterm_as_exit():
+            yield handle
     except BaseException as err:
         mlflow.set_tag("error", f"{type(err).__name__}: {err}"[:5000])
         mlflow.end_run(status="FAILED")
         raise
     mlflow.end_run(status="FINISHED")
+
+
+@contextlib.contextmanager
+def _sigterm_as_exit() -> Iterator[None]:
+    """While open, SIGTERM raises SystemExit(143) so that ``finally`` blocks and FAILED statuses run."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _exit(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, _exit)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _fail_orphans(mlflow, stage: str, run_name: str) -> None:
+    """End FAILED the RUNNING runs of this stage and name whose process on this host is gone (killed)."""
+    host = socket.gethostname()
+    query = f"tags.dvc_stage = '{stage}' and attributes.status = 'RUNNING' and tags.host = '{host}'"
+    client = mlflow.MlflowClient()
+    for run in mlflow.search_runs(filter_string=query, output_format="list"):
+        pid = int(run.data.tags.get("pid", "0") or 0)
+        if run.info.run_name != run_name or (pid and _alive(pid)):
+            continue
+        client.set_tag(run.info.run_id, "error", f"killed: process {pid} on {host} ended without closing its run")
+        client.set_terminated(run.info.run_id, status="FAILED")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -22,6 +22,17 @@ from emad.corpus import read_split
 from emad.models import load_model
 
 
+def _log(run, stats, elapsed: float) -> None:
+    """Token count, speed, and mean entropy / argmax agreement per probe (step = layer) for the MLflow run."""
+    probes = stats.probe_layers
+    run.set_tags({"probe_layers": ",".join(map(str, probes))})
+    run.log_metrics({"tokens": stats.tokens, "tokens_per_s": stats.tokens / elapsed, "seconds": elapsed})
+    run.log_series("entropy_mean_all", dict(zip(probes, (stats.sum.sum(0) / stats.count.sum(0)).tolist())))
+    run.log_series("argmax_agreement", dict(zip(probes, stats.agreement().tolist())))
+    for name, row in zip(stats.strata.names(), stats.mean().tolist()):
+        run.log_series(f"entropy_mean.{name}", dict(zip(probes, row)))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", required=True, help="model spec (prepared folder, alias or hub id)")
@@ -39,28 +50,23 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
         device = f"cuda:{local}" if device.startswith("cuda") else device
     rank = dist.get_rank() if dist.is_initialized() else 0
-    loaded = load_model(args.model_dir, device=device, dtype=cfg.dtype)
-    bar = tqdm(unit="tok", desc=f"calibrate {args.corpus.name}", disable=rank != 0)
-    start = time.perf_counter()
-    stats = calibrate_texts(loaded, texts, cfg, corpus_hash, checkpoint=args.out.with_name(args.out.name + ".ckpt"),
-                            on_batch=lambda n: bar.update(n * world), on_start=lambda n: bar.reset(total=n))
-    bar.close()
-    probes = stats.probe_layers
-    elapsed = time.perf_counter() - start
-    if rank == 0:
-        params = {"calibrate": cfg.model_dump(), "model": args.model_dir, "corpus": str(args.corpus),
-                  "probe_layers_resolved": probes, "world_size": world}
-        with tracking.stage_run("calibrate", params, {"model_fingerprint": loaded.fingerprint.digest,
-                                                       "corpus_manifest": corpus_hash}) as run:
+    params = {"calibrate": cfg.model_dump(), "model": args.model_dir, "corpus": str(args.corpus), "world_size": world}
+    with tracking.stage_run("calibrate", params, {"corpus_manifest": corpus_hash}, enabled=rank == 0) as run:
+        loaded = load_model(args.model_dir, device=device, dtype=cfg.dtype)
+        run.set_tags({"model_fingerprint": loaded.fingerprint.digest})
+        bar = tqdm(unit="tok", desc=f"calibrate {args.corpus.name}", disable=rank != 0)
+        start = time.perf_counter()
+        stats = calibrate_texts(loaded, texts, cfg, corpus_hash,
+                                checkpoint=args.out.with_name(args.out.name + ".ckpt"),
+                                on_batch=lambda n: bar.update(n * world), on_start=lambda n: bar.reset(total=n))
+        bar.close()
+        probes = stats.probe_layers
+        elapsed = time.perf_counter() - start
+        if rank == 0:
             stats.save(args.out)
-            mean = stats.mean()
-            run.log_metrics({"tokens": stats.tokens, "tokens_per_s": stats.tokens / elapsed, "seconds": elapsed})
-            run.log_series("entropy_mean_all", dict(zip(probes, (stats.sum.sum(0) / stats.count.sum(0)).tolist())))
-            run.log_series("argmax_agreement", dict(zip(probes, stats.agreement().tolist())))
-            for name, row in zip(stats.strata.names(), mean.tolist()):
-                run.log_series(f"entropy_mean.{name}", dict(zip(probes, row)))
-        print(f"calibrate: {stats.tokens} tokens at {len(probes)} probes in {elapsed:.1f} s "
-              f"({stats.tokens / elapsed:.0f} tok/s) -> {args.out}")
+            _log(run, stats, elapsed)
+            print(f"calibrate: {stats.tokens} tokens at {len(probes)} probes in {elapsed:.1f} s "
+                  f"({stats.tokens / elapsed:.0f} tok/s) -> {args.out}")
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0

@@ -68,31 +68,30 @@ def main(argv: list[str] | None = None) -> int:
     prepared = prepare(cfg.domains[args.domain], cfg.tasks, args.corpus, loaded.tokenizer)
     rid = runfile.run_id(args.model, args.point, args.domain, args.calibration if profile_path else None)
 
-    print(f"decode: {rid}: {', '.join(p.name for p in prepared)}", file=sys.stderr)
-    result = evaluate(stack, loaded.tokenizer, method, tqdm(prepared, desc=rid, unit="task"))
-    hist, cost = result.depth_histogram(), result.cost()
-    record = {
-        "run_id": rid, "model": args.model, "model_fingerprint": loaded.fingerprint.digest,
-        "n_layers": stack.n_layers, "point": args.point, "kind": args.kind, "family": point.method,
-        "options": point.options(), "method": method.describe(),
-        "calibration": args.calibration if profile_path else None, "domain": args.domain,
-        **_profile_facts(profile_file(profile_path, point.strata) if profile_path else None, method),
-        "tasks": result.tasks, "quality": runfile.quality_of(result.tasks), "cost": cost,
-        "depth_histogram": {str(d): n for d, n in hist.items()},
-    }
+    facts = _profile_facts(profile_file(profile_path, point.strata) if profile_path else None, method)
     params = {"decode": {"point": point.model_dump(), "tasks": {p.name: p.settings.model_dump() for p in prepared},
                          "device": cfg.device, "dtype": cfg.dtype},
-              "run_id": rid, "model": args.model, "domain": args.domain, "calibration": record["calibration"],
-              "kind": args.kind}
-    tags = {"model_fingerprint": loaded.fingerprint.digest, "profile_fingerprint": record["profile_fingerprint"] or "",
+              "run_id": rid, "model": args.model, "domain": args.domain,
+              "calibration": args.calibration if profile_path else None, "kind": args.kind}
+    tags = {"model_fingerprint": loaded.fingerprint.digest, "profile_fingerprint": facts["profile_fingerprint"] or "",
             "run_id": rid, "family": point.method}
+
+    print(f"decode: {rid}: {', '.join(p.name for p in prepared)}", file=sys.stderr)
     with tracking.stage_run(f"decode_{args.kind}" if args.kind != "point" else "decode", params, tags,
                             run_name=rid) as run:
+        result = evaluate(stack, loaded.tokenizer, method, tqdm(prepared, desc=rid, unit="task"))
+        hist, cost = result.depth_histogram(), result.cost()
+        record = {
+            "run_id": rid, "model": args.model, "model_fingerprint": loaded.fingerprint.digest,
+            "n_layers": stack.n_layers, "point": args.point, "kind": args.kind, "family": point.method,
+            "options": point.options(), "method": method.describe(), "calibration": params["calibration"],
+            "domain": args.domain, **facts, "tasks": result.tasks, "quality": runfile.quality_of(result.tasks),
+            "cost": cost, "depth_histogram": {str(d): n for d, n in hist.items()}, "mlflow_run_id": run.run_id,
+        }
         hist_png = save_figure(depth_histogram_figure(hist, stack.n_layers, rid), args.artifacts / "depth.png")
         heat = atomic_write_text(args.artifacts / "heatmap.html",
                                  heatmap_html(result.heatmap_texts(loaded.tokenizer, cfg.heatmap_texts),
                                               stack.n_layers, rid))
-        record["mlflow_run_id"] = run.run_id
         run.log_metrics({f"quality.{k}": v for k, v in record["quality"].items()})
         run.log_metrics({f"cost.{k}": v for k, v in cost.items() if v is not None})
         for task, metrics in result.tasks.items():

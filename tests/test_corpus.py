@@ -333,7 +333,7 @@ def test_stage_samples_with_its_params_and_prints_one_line(tmp_path, monkeypatch
     stage = _stage()
     monkeypatch.setattr(stage, "load_tokenizer", lambda spec: WhitespaceTokenizer())
     params = tmp_path / "params.yaml"
-    params.write_text("other: {x: 1}\ncorpus:\n  seed: 2\n  calib_tokens: 300\n  eval_tokens: 100\n")
+    params.write_text("aggregate: {min_flops_reduction: 0.2}\ncorpus:\n  seed: 2\n  calib_tokens: 300\n  eval_tokens: 100\n")
     stage.main(["--source", "humaneval", "--out", str(tmp_path / "out"), "--params", str(params)])
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and "humaneval" in out[0] and "300 tokens" in out[0]

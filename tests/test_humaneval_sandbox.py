@@ -1,16 +1,15 @@
-"""The HumanEval sandbox: a real solution passes; hostile or broken completions fail within the limits."""
+"""The HumanEval sandbox: a real solution passes and a wrong one fails."""
 
 from __future__ import annotations
 
 import gzip
 import importlib.util
 import json
-import time
 from pathlib import Path
 
 import pytest
 
-from emad.tasks.humaneval import check, run_sandboxed
+from emad.tasks.humaneval import check
 
 
 @pytest.fixture(scope="module")
@@ -25,23 +24,4 @@ def test_canonical_solution_passes_and_a_wrong_one_fails(problem):
     wrong = check(problem, "    return False\n")
     assert not wrong.passed and "AssertionError" in wrong.result
 
-
-@pytest.mark.parametrize("program, expect", [
-    ("while True:\n    pass\n", "timed out"),
-    ("import os\nwhile True:\n    os.fork()\n", "failed"),
-    ("x = bytearray(10 * 1024 ** 3)\n", "MemoryError"),
-    ("import socket\ns = socket.create_connection(('1.1.1.1', 80), timeout=2)\n", "failed"),
-    ("def f(:\n", "SyntaxError"),
-])
-def test_hostile_or_broken_programs_fail_within_limits(program, expect):
-    start = time.monotonic()
-    outcome = run_sandboxed(program, timeout=3.0, memory_mb=512)
-    assert not outcome.passed and expect in outcome.result
-    assert time.monotonic() - start < 10
-
-
-def test_deleting_files_is_blocked(tmp_path):
-    victim = tmp_path / "keep.txt"
-    victim.write_text("precious")
-    outcome = run_sandboxed(f"import os\nos.remove({str(victim)!r})\n", timeout=3.0)
-    assert not outcome.passed and victim.read_text() == "precious"
+# hostile programs (loop, fork bomb, 10 GB, socket, file deletion, invalid Python): tests/test_bad_input.py

@@ -1,0 +1,75 @@
+"""The whole params.yaml, checked before any stage works: every section by its typed model, then across sections.
+
+A stage reads only its own section (:func:`emad.config.load_section`), but a typo anywhere in the file fails the
+first stage in seconds rather than the stage that reads it after an hour of calibration. Errors name the full
+parameter path, the value given and what is allowed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, RootModel, StringConstraints
+
+from emad.config import ConfigError, Section, read_params, validate_section
+
+NAME = r"^[A-Za-z0-9_-]+$"  # DVC addresses params by dotted keys: names may not contain dots
+
+
+def _spec(value: str) -> str:
+    if not value.strip():
+        raise ValueError("a model spec must be an embedded alias, a local folder or a hub id, not empty")
+    return value
+
+
+class ModelsConfig(RootModel[dict[Annotated[str, StringConstraints(pattern=NAME)], Annotated[str, AfterValidator(_spec)]]]):
+    """The ``models`` section: name → spec (embedded alias, local folder or hub id)."""
+
+
+def sections() -> dict[str, type[Section] | type[RootModel]]:
+    """Section name → its typed model (imported here: the section modules import :mod:`emad.config`)."""
+    from emad.calibration_config import CalibrateConfig, SmoothConfig
+    from emad.corpus.config import CorpusConfig
+    from emad.estimator_config import EstimatorsConfig
+    from emad.eval_config import DecodeConfig
+    from emad.report_config import AggregateConfig
+
+    return {"models": ModelsConfig, "corpus": CorpusConfig, "calibrate": CalibrateConfig, "smooth": SmoothConfig,
+            "estimators": EstimatorsConfig, "decode": DecodeConfig, "aggregate": AggregateConfig}
+
+
+def validate_params(path: str | Path = "params.yaml") -> dict[str, Any]:
+    """Every section present in the params file as its typed model, after the cross-section checks.
+
+    Sections left out take their defaults where the stage that reads them has any; a check across two sections
+    runs when both are present.
+
+    Raises:
+        ConfigError: an unknown section, an invalid value (full path, value, rule), or a name used in one section
+            that another section must define (e.g. a calibration source that is not sampled).
+    """
+    raw = read_params(path)
+    known = sections()
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise ConfigError(f"params file {path}: unknown section(s) {', '.join(unknown)}; valid: {', '.join(known)}")
+    cfg = {name: validate_section(name, raw[name], known[name]) for name in known if name in raw}
+    _check_across(cfg)
+    return cfg
+
+
+def _check_across(cfg: dict[str, Any]) -> None:
+    if "models" in cfg and not cfg["models"].root:
+        raise ConfigError("models: name at least one model (name: spec), e.g. smollm2-135m: smollm2-135m")
+    if "corpus" not in cfg:
+        return
+    sampled = set(cfg["corpus"].sources)
+    for i, source in enumerate(cfg["calibrate"].sources if "calibrate" in cfg else []):
+        if source not in sampled:
+            raise ConfigError(f"calibrate.sources[{i}]: {source!r} is not sampled; add it to corpus.sources "
+                              f"({', '.join(sorted(sampled))})")
+    for domain in cfg["decode"].domains if "decode" in cfg else []:
+        if domain not in sampled:
+            raise ConfigError(f"decode.domains.{domain}: the domain is not sampled; add it to corpus.sources "
+                              f"({', '.join(sorted(sampled))})")

@@ -1,0 +1,279 @@
+"""The bad-input suite: each case asserts that the error names the culprit and that no partial output is left.
+
+Params cases run the ``calibrate`` stage on a params file with one mistake: the whole file is checked before any
+work. File cases run the ``decode`` stage on a tiny model with one damaged input. Runtime and sandbox cases call
+the library.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from emad.calibrate import calibrate_texts
+from emad.calibration_config import CalibrateConfig
+from emad.config import ConfigError
+from emad.decode import ContextLengthError, generate
+from emad.models import ModelLoadError, ModelSpecError, load_model
+from emad.params import validate_params
+from emad.profile import smooth
+from emad.stack import LayerStack, NonFiniteLogitsError
+from emad.tasks.humaneval import run_sandboxed
+from tests.tiny import save_tiny_pretrained, tiny_model
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXT = "Entropy falls with depth for easy tokens. The quick brown fox jumps over the lazy dog. " * 12
+
+BASE = {
+    "models": {"tiny": "tiny-folder"},
+    "corpus": {"sources": ["stdlib-prose", "gsm8k"], "calib_tokens": 1000, "eval_tokens": 500},
+    "calibrate": {"sources": ["stdlib-prose"], "window": 32, "probe_layers": [1, 2, 3]},
+    "smooth": {"statistic": "mean", "min_count": 1},
+    "estimators": {"topk": {"k": 16}},
+    "decode": {
+        "domains": {"stdlib-prose": ["perplexity", "fidelity"], "gsm8k": ["gsm8k"]},
+        "tasks": {"perplexity": {"tokens": 64, "window": 32, "prefix": 8},
+                  "fidelity": {"prompts": 2, "prompt_tokens": 8, "new_tokens": 4}},
+        "baselines": {"full": {"method": "full"}},
+        "points": {"p": {"method": "emad", "margin": 0.5}},
+        "default_point": "p",
+        "ablations": {"copy": {"policy": "copy"}},
+        "ablation_domains": ["stdlib-prose"],
+        "device": "cpu", "dtype": "float32",
+    },
+    "aggregate": {"min_flops_reduction": 0.15},
+}
+
+
+def _set(params: dict, path: str, value) -> dict:
+    """A copy of ``params`` with ``a.b.c`` set to ``value`` (``...=DELETE`` removes it)."""
+    out = copy.deepcopy(params)
+    *parents, last = path.split("/")
+    node = out
+    for key in parents:
+        node = node.setdefault(key, {})
+    if value is DELETE:
+        node.pop(last)
+    else:
+        node[last] = value
+    return out
+
+
+DELETE = object()
+
+PARAMS_CASES = [  # (path with '/' between keys, value, what the message must name)
+    ("decod", {"domains": {}}, r"unknown section\(s\) decod"),
+    ("calibrate/windw", 256, r"calibrate\.windw"),
+    ("calibrate/window", "big", r"calibrate\.window.*'big'"),
+    ("calibrate/batch_size", 0, r"calibrate\.batch_size.*greater than or equal to 1"),
+    ("calibrate/probe_layers", [0, 2], r"calibrate\.probe_layers"),
+    ("calibrate/strata", {"position_edges": [8, 4]}, r"calibrate\.strata.*position_edges"),
+    ("calibrate/strata", {"confidence_edges": [1.5]}, r"confidence_edges\[0\] = 1\.5"),
+    ("calibrate/sources", ["shakespeare"], r"calibrate\.sources\[0\]: 'shakespeare' is not sampled"),
+    ("smooth/statistic", "median", r"smooth\.statistic.*'median'"),
+    ("smooth/min_count", 0, r"smooth\.min_count"),
+    ("estimators/topk/k", 0, r"estimators\.topk\.k"),
+    ("corpus/sources", ["stdlib-prose", "wikitxt"], r"corpus\.sources\[1\].*wikitxt.*valid: "),
+    ("corpus/calib_tokens", -5, r"corpus\.calib_tokens"),
+    ("decode/domains/shakespeare", ["perplexity"], r"decode\.domains\.shakespeare: the domain is not sampled"),
+    ("decode/domains/stdlib-prose", ["perplexty"], r"perplexty.*valid: "),
+    ("decode/points/p/method", "emda", r"decode\.points\.p\.method.*'emda'.*valid: "),
+    ("decode/points/p/margin", "wide", r"decode\.points\.p\.margin.*'wide'"),
+    ("decode/points/p/strata", "all", r"decode\.points\.p\.strata.*valid: none, position, confidence, both"),
+    ("decode/points/p/policy", "rewind", r"decode\.points\.p\.policy.*'rewind'"),
+    ("decode/points/p.1", {"method": "emad", "margin": 1.0}, r"no dots.*p\.1"),
+    ("decode/baselines/fixed", {"method": "fixed", "depht": 2}, r"decode\.baselines\.fixed\.depht"),
+    ("decode/default_point", "nope", r"default_point 'nope'"),
+    ("decode/ablations/copy", {"polcy": "copy"}, r"decode\.ablations\.copy\.polcy"),
+    ("decode/ablation_domains", ["shakespeare"], r"ablation_domains \['shakespeare'\]"),
+    ("decode/tasks/perplexity", {"tokens": 1}, r"decode\.tasks\.perplexity\.tokens"),
+    ("decode/tasks/gsm8k", {"shot": 3}, r"decode\.tasks\.gsm8k\.shot"),
+    ("decode/heatmap_texts", -1, r"decode\.heatmap_texts"),
+    ("aggregate/min_flops_reduction", 1.5, r"aggregate\.min_flops_reduction"),
+    ("aggregate/methods", [], r"aggregate\.methods"),
+    ("models", {"smol.lm": "x"}, r"models\.smol\.lm"),
+    ("models/tiny", " ", r"models\.tiny.*not empty"),
+]
+
+
+def test_the_base_params_and_the_project_params_are_valid():
+    for params in (BASE, yaml.safe_load((ROOT / "params.yaml").read_text())):
+        cfg = validate_params_dict(params)
+        assert set(cfg) == set(BASE)
+
+
+def validate_params_dict(params: dict) -> dict:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "params.yaml"
+        path.write_text(yaml.safe_dump(params))
+        return validate_params(path)
+
+
+@pytest.mark.parametrize("path, value, culprit", PARAMS_CASES, ids=[c[0] for c in PARAMS_CASES])
+def test_a_params_mistake_stops_the_first_stage_naming_the_parameter(tmp_path, path, value, culprit):
+    import pipeline.calibrate as stage
+
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump(_set(BASE, path, value)))
+    out = tmp_path / "out" / "stats.json"
+    with pytest.raises(ValueError, match=culprit):
+        stage.main(["--model-dir", str(tmp_path / "no-model"), "--corpus", str(tmp_path / "no-corpus"),
+                    "--out", str(out), "--params", str(params)])
+    assert not out.parent.exists()
+
+
+def test_a_params_file_that_is_not_yaml_is_named(tmp_path):
+    params = tmp_path / "params.yaml"
+    params.write_text("decode: [unclosed\n")
+    with pytest.raises(ConfigError, match=f"params file {params} is not valid YAML"):
+        validate_params(params)
+
+
+# --------------------------------------------------------------------------------------------------- files
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory, smollm2):
+    root = tmp_path_factory.mktemp("bad")
+    save_tiny_pretrained(root / "model", smollm2.tokenizer)
+    _corpus(root / "corpus", "".join(json.dumps({"id": str(i), "text": TEXT[i:]}) + "\n" for i in range(3)))
+    loaded = load_model(str(root / "model"), device="cpu", dtype="float32")
+    cfg = CalibrateConfig(window=32, probe_layers=[1, 2, 3], device="cpu", dtype="float32")
+    smooth(calibrate_texts(loaded, [TEXT], cfg, "toy"), min_count=1).save(root / "profile.json")
+    (root / "params.yaml").write_text(yaml.safe_dump({"decode": BASE["decode"]}))
+    return root
+
+
+def _corpus(folder: Path, eval_text: str | bytes) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "manifest.json").write_text(json.dumps({"manifest_sha256": "toy"}))
+    data = eval_text.encode() if isinstance(eval_text, str) else eval_text
+    (folder / "eval.jsonl").write_bytes(data)
+    return folder
+
+
+def _decode(root: Path, out: Path, model: Path | None = None, corpus: Path | None = None,
+            profile: Path | None = None, monkeypatch=None) -> int:
+    import pipeline.decode as stage
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+    return stage.main(["--kind", "point", "--point", "p", "--model", "tiny", "--model-dir",
+                       str(model or root / "model"), "--domain", "stdlib-prose", "--corpus",
+                       str(corpus or root / "corpus"), "--calibration", "toy", "--profile",
+                       str(profile or root / "profile.json"), "--out", str(out / "run.json"),
+                       "--artifacts", str(out / "art"), "--params", str(root / "params.yaml")])
+
+
+def _damaged_model(root: Path, tmp: Path) -> Path:
+    import shutil
+
+    folder = tmp / "model"
+    shutil.copytree(root / "model", folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    return folder
+
+
+def _gguf(root: Path, tmp: Path) -> Path:
+    path = tmp / "broken.gguf"
+    path.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\x00" * 32)
+    return path
+
+
+def _truncated_profile(root: Path, tmp: Path) -> Path:
+    path = tmp / "profile.json"
+    path.write_text((root / "profile.json").read_text()[:200])
+    return path
+
+
+def _foreign_profile(root: Path, tmp: Path) -> Path:
+    data = json.loads((root / "profile.json").read_text())
+    data["model"]["n_layers"] = 30
+    path = tmp / "profile.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+FILE_CASES = [  # (which input is damaged, how, what the message must name)
+    ("model", _damaged_model, r"cannot load .*model\.safetensors"),
+    ("model", _gguf, r"cannot load .*broken\.gguf"),
+    ("profile", _truncated_profile, r"profile .*profile\.json is truncated or not JSON"),
+    ("profile", _foreign_profile, r"calibrated on model .*'n_layers': 30"),
+    ("corpus", lambda root, tmp: _corpus(tmp / "c", ""), r"eval\.jsonl holds no documents"),
+    ("corpus", lambda root, tmp: _corpus(tmp / "c", b'{"id": "0", "text": "caf\xe9"}\n'),
+     r"corpus files in .*c are damaged \(UnicodeDecodeError"),
+    ("corpus", lambda root, tmp: _corpus(tmp / "c", '{"id": "0", "text": "no end'), r"c are damaged"),
+    ("profile", lambda root, tmp: tmp / "missing.json", r"profile .*missing\.json does not exist"),
+]
+
+
+@pytest.mark.parametrize("which, damage, culprit", FILE_CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(FILE_CASES)])
+def test_a_damaged_input_file_is_named_and_no_run_is_written(workspace, tmp_path, monkeypatch, which, damage,
+                                                             culprit):
+    bad = damage(workspace, tmp_path)
+    out = tmp_path / "out"
+    with pytest.raises((ValueError, FileNotFoundError, OSError), match=culprit):
+        _decode(workspace, out, monkeypatch=monkeypatch, **{which: bad})
+    assert not out.exists()
+
+
+# --------------------------------------------------------------------------------------------------- runtime
+def test_a_prompt_longer_than_the_context_is_refused_before_decoding(smollm2):
+    stack = LayerStack(tiny_model("llama"))  # context 256
+    with pytest.raises(ContextLengthError, match=r"prompt of 250 tokens \+ max_new_tokens 10 exceeds .* 256"):
+        generate(stack, smollm2.tokenizer, [[5] * 250], _full(), 10, eos_token_ids=[])
+
+
+def _full():
+    from emad.criteria import Full
+
+    return Full()
+
+
+def test_nan_or_inf_logits_from_a_bf16_overflow_name_the_dtype(smollm2):
+    model = tiny_model("llama").to(torch.bfloat16)
+    with torch.no_grad():
+        model.lm_head.weight.fill_(3e38)  # near bfloat16's largest value: the logits overflow
+    stack = LayerStack(model)
+    with pytest.raises(NonFiniteLogitsError, match=r"NaN or inf logits in torch\.bfloat16.*float32"):
+        generate(stack, smollm2.tokenizer, [[5, 6, 7]], _full(), 4, eos_token_ids=[])
+
+
+def test_an_unknown_model_while_offline_names_the_spec_and_the_aliases(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelSpecError, match=r"nobody/no-such-model.*offline.*smollm2-135m"):
+        load_model("nobody/no-such-model", device="cpu")
+
+
+def test_a_missing_gguf_file_is_a_spec_error(tmp_path):
+    with pytest.raises((ModelSpecError, ModelLoadError), match="nothing.gguf"):
+        load_model(str(tmp_path / "nothing.gguf"), device="cpu")
+
+
+# --------------------------------------------------------------------------------------------------- sandbox
+@pytest.mark.parametrize("program, expect", [
+    ("while True:\n    pass\n", "timed out"),
+    ("import os\nwhile True:\n    os.fork()\n", "failed"),
+    ("x = bytearray(10 * 1024 ** 3)\n", "MemoryError"),
+    ("import socket\ns = socket.create_connection(('1.1.1.1', 80), timeout=2)\n", "failed"),
+    ("def f(:\n", "SyntaxError"),
+], ids=["loop", "fork-bomb", "10GB", "socket", "not-python"])
+def test_hostile_or_broken_completions_fail_within_limits(program, expect):
+    start = time.monotonic()
+    outcome = run_sandboxed(program, timeout=3.0, memory_mb=512)
+    assert not outcome.passed and expect in outcome.result
+    assert time.monotonic() - start < 10
+
+
+def test_a_completion_that_deletes_files_cannot(tmp_path):
+    victim = tmp_path / "keep.txt"
+    victim.write_text("precious")
+    outcome = run_sandboxed(f"import os\nos.remove({str(victim)!r})\n", timeout=3.0)
+    assert not outcome.passed and victim.read_text() == "precious"
