@@ -70,6 +70,23 @@ class KVCache:
             self.padded = True
         return slice(start, stop)
 
+    def crop(self, n_slots: int) -> None:
+        """Forget every slot from ``n_slots`` on, at every layer and row (e.g. rejected speculative tokens).
+
+        Afterwards the cache is as if only the first ``n_slots`` slots had ever been allocated: their K/V and
+        validity are untouched, later slots are invalid and the next :meth:`allocate` starts at ``n_slots``.
+        Buffers keep their capacity; stale K/V beyond ``n_slots`` stay hidden until overwritten.
+
+        Raises:
+            ValueError: when ``n_slots`` is negative or beyond the slots allocated so far.
+        """
+        if not 0 <= n_slots <= self.n_slots:
+            raise ValueError(f"cannot crop the cache to {n_slots} slots: it holds {self.n_slots}")
+        self.valid[:, :, n_slots:] = False
+        self.real[:, n_slots:] = False
+        self.n_slots = n_slots
+        self.filled = [min(f, n_slots) for f in self.filled]
+
     def _ensure_capacity(self, needed: int) -> None:
         if needed <= self.capacity:
             return

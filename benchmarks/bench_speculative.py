@@ -1,0 +1,115 @@
+"""Self-draft speculative decoding on SmolLM2 vs the target alone: tokens/s side by side.
+
+For each temperature (0 = greedy), the target alone (full-depth ``generate``) and self-draft speculative decoding at
+a few exit layers E, each with three draft-length policies (static N, AdaEDL, confidence stop), run in turn in one
+process (alternated A/B, medians of the repetitions). Reports tokens/s, the speed-up over the target alone,
+acceptance statistics and the FLOPs / bytes cost ratios. Writes reports/bench/speculative.json.
+
+Usage: python benchmarks/bench_speculative.py [--quick] [--model smollm2-135m] [--exit-layers 8 12 18]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode import PROMPTS  # noqa: E402
+from common import alternate, environment, write  # noqa: E402
+
+from emad.criteria import Full  # noqa: E402
+from emad.decode import Sampling, generate  # noqa: E402
+from emad.methods import AdaEDL, ConfidenceStop, SelfDrafter, Static, speculative_generate  # noqa: E402
+from emad.models import load_model  # noqa: E402
+from emad.stack import LayerStack  # noqa: E402
+
+
+def policies(n: int) -> dict:
+    """The draft-length policies compared (fresh objects per run: they carry state within a generation)."""
+    return {"static": lambda: Static(n), "adaedl": lambda: AdaEDL(n=2 * n),
+            "confidence": lambda: ConfidenceStop(n=2 * n)}
+
+
+def sampling_for(temperature: float) -> Sampling:
+    return Sampling() if temperature == 0 else Sampling(do_sample=True, temperature=temperature, seed=0)
+
+
+def candidates(stack, tok, prompt, exit_layers: list[int], n: int, new: int, temperature: float,
+               last: dict) -> dict:
+    """Name → zero-argument callable; each stores its latest result in ``last``."""
+    sampling = sampling_for(temperature)
+
+    def keep(name, fn):
+        def call():
+            last[name] = fn()
+        return call
+
+    fns = {"target": keep("target", lambda: generate(stack, tok, [prompt], Full(), new, sampling,
+                                                     eos_token_ids=[]))}
+    for exit_layer in exit_layers:
+        for pname, make in policies(n).items():
+            name = f"E{exit_layer}-{pname}"
+            fns[name] = keep(name, lambda e=exit_layer, m=make: speculative_generate(
+                stack, tok, prompt, SelfDrafter(e), new, m(), sampling, eos_token_ids=[]))
+    return fns
+
+
+def rows(times: dict, last: dict, new: int, temperature: float) -> list[dict]:
+    target_s = times["target"]
+    out = [{"config": "target", "tokens_per_s": new / target_s, "seconds": target_s, "speedup": 1.0}]
+    for name, seconds in times.items():
+        if name == "target":
+            continue
+        res = last[name]
+        stats = {k: v for k, v in res.summary().items() if k not in ("seconds", "tokens_per_s", "method")}
+        out.append({"config": name, "tokens_per_s": new / seconds, "seconds": seconds,
+                    "speedup": target_s / seconds,
+                    "mean_draft_length": res.drafted / max(res.verifications, 1),
+                    **stats})
+        if temperature == 0:  # greedy must reproduce the target token for token
+            out[-1]["identical_to_target"] = res.token_ids == last["target"].token_ids[0]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m", help="model spec (embedded alias, folder or hub id)")
+    parser.add_argument("--exit-layers", type=int, nargs="+", default=[8, 12, 18])
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7, 1.0, 1.3])
+    parser.add_argument("--n", type=int, default=4, help="static draft length N (adaptive policies cap at 2N)")
+    parser.add_argument("--new-tokens", type=int, default=12)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: E=12, temperatures 0 and 1, 8 tokens, 1 repetition")
+    args = parser.parse_args()
+    if args.quick:
+        args.exit_layers, args.temperatures, args.new_tokens, args.reps = [12], [0.0, 1.0], 8, 1
+    loaded = load_model(args.model, device="cpu", dtype="float32")
+    stack, tok = LayerStack(loaded.model), loaded.tokenizer
+    prompt = tok(PROMPTS[0])["input_ids"]
+    for fn in candidates(stack, tok, prompt, args.exit_layers, args.n, 4, 0.0, {}).values():  # warm-up
+        fn()
+
+    result = {"benchmark": "self-draft speculative decoding vs the target alone",
+              "model": loaded.fingerprint.as_dict(),
+              "environment": environment(stack.device, stack.dtype), "prompt": PROMPTS[0],
+              "new_tokens": args.new_tokens, "reps": args.reps, "n": args.n, "temperatures": {}}
+    for temperature in args.temperatures:
+        last: dict = {}
+        fns = candidates(stack, tok, prompt, args.exit_layers, args.n, args.new_tokens, temperature, last)
+        times = alternate(fns, args.reps, stack.device, warmup=0)
+        result["temperatures"][str(temperature)] = rows(times, last, args.new_tokens, temperature)
+    path = write("speculative", result)
+    for temperature, table in result["temperatures"].items():
+        print(f"temperature {temperature}:")
+        for r in table:
+            extra = "" if r["config"] == "target" else (
+                f"  accept {r['acceptance_rate']:.2f}  draft {r['mean_draft_length']:.1f}  "
+                f"passes/token {r['target_passes_per_token']:.2f}  FLOPs {r['flops_ratio']:.2f}")
+            print(f"  {r['config']:>16}: {r['tokens_per_s']:6.1f} tok/s  x{r['speedup']:.2f}{extra}")
+    print(f"-> {path}")
+
+
+if __name__ == "__main__":
+    main()
