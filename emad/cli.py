@@ -9,7 +9,6 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from emad.criteria import CRITERIA
 from emad.estimators import ESTIMATORS
 from emad.policies import POLICIES
 from emad.strata import VARIANTS
@@ -19,7 +18,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="embedded alias (e.g. smollm2-135m), local folder or hub id")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
-    p.add_argument("--method", default="full", choices=CRITERIA.names(), help="exit criterion")
+    from emad.operating_point import method_names
+
+    p.add_argument("--method", default="full", choices=method_names(), help="exit criterion or strategy")
     p.add_argument("--depth", type=int, help="layers run per token for --method fixed (1..L)")
     p.add_argument("--threshold", type=float, help="entropy threshold h0 (nats) for --method confidence")
     p.add_argument("--probe-every", type=int, help="probe every k-th layer for --method confidence")
@@ -34,6 +35,24 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--estimators", type=Path,
                    help="fitted estimators file (default: estimators.json beside --profile)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt / text")
+    ead = p.add_argument_group("--method ead (two-model entropy switching)")
+    ead.add_argument("--tau", type=float, help="entropy threshold τ (nats) of the rolling mean")
+    ead.add_argument("--small", help="the small model (spec sharing the tokenizer)")
+    ead.add_argument("--small-layers", type=int, help="or: the model's own first k layers as the small model")
+    ead.add_argument("--window", type=int, help="tokens in the rolling entropy mean (default 5)")
+    ead.add_argument("--d-min", type=int, help="tokens a model produces before it may hand over (default 10)")
+    ead.add_argument("--start", choices=["small", "large"], help="model of the first token (default small)")
+    spec = p.add_argument_group("--method speculative (drafts verified by the model)")
+    spec.add_argument("--drafter", help="'self' (early exit at --exit-layer) or a drafter model spec")
+    spec.add_argument("--exit-layer", type=int, help="E, the self-drafter's exit layer (1..L-1)")
+    spec.add_argument("--draft-policy", choices=["static", "adaedl", "confidence"], help="draft length (static)")
+    spec.add_argument("--max-draft", type=int, help="N, the most drafts per round (default 4)")
+    spec.add_argument("--gamma", type=float, help="AdaEDL γ (default 0.2)")
+    spec.add_argument("--lam", type=float, help="AdaEDL starting λ (default 0.4)")
+    spec.add_argument("--target-acceptance", type=float, help="AdaEDL target acceptance rate (default 0.7)")
+    spec.add_argument("--beta", type=float, help="AdaEDL acceptance EMA factor (default 0.9)")
+    spec.add_argument("--eta", type=float, help="AdaEDL λ step (default 0.1)")
+    spec.add_argument("--draft-confidence", type=float, help="confidence policy: stop below this top-1 probability")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,18 +113,17 @@ def _read_prompts(args) -> list[str]:
 def _load(args):
     """Model, layer stack and method from the flags; every check happens before any decoding."""
     from emad.models import load_model
-    from emad.operating_point import PointConfig, build_method
+    from emad.operating_point import PointConfig, build_method, model_loader
     from emad.stack import LayerStack
 
-    point = PointConfig(method=args.method, depth=args.depth, threshold=args.threshold,
-                        probe_every=args.probe_every, probe_stride=args.probe_stride, margin=args.margin,
-                        min_exit_layer=args.min_exit_layer, policy=args.policy, estimator=args.estimator,
-                        strata=args.strata)
+    point = PointConfig(**{k: v for k in PointConfig.model_fields if (v := getattr(args, k, None)) is not None})
     if args.profile is not None and not args.profile.is_file():
         raise ValueError(f"--profile {args.profile}: no such file")
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     stack = LayerStack(loaded.model)
-    method = build_method(point, stack.n_layers, loaded.fingerprint.as_dict(), args.profile, args.estimators)
+    method = build_method(point, stack.n_layers, loaded.fingerprint.as_dict(), args.profile, args.estimators,
+                          model_loader(args.device, args.dtype))
+    method.bind(stack, loaded.tokenizer)  # e.g. a strategy's second model must share this tokenizer
     return loaded, stack, method
 
 

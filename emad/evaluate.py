@@ -47,7 +47,8 @@ class Evaluation:
         return dict(sorted(counts.items()))
 
     def cost(self) -> dict[str, float | None]:
-        """FLOPs/bytes ratios vs full depth, mean depth, policy share, and decoding speed."""
+        """FLOPs/bytes ratios vs full depth, mean depth, policy share (backfill, K/V copy, EAD catch-up), decoding
+        speed, and a strategy's counts and rates."""
         gens = self.generations()
         flops = sum(_total(g.flops) for g in gens) + sum(s.flops for s in self.outputs if isinstance(s, Scored))
         full = sum(_total(g.full_flops) for g in gens) + sum(s.full_flops for s in self.outputs
@@ -69,6 +70,7 @@ class Evaluation:
             "seconds": seconds,
             "tokens_per_s": generated / seconds if seconds > 0 else None,
             "scoring_seconds": sum(s.seconds for s in self.outputs if isinstance(s, Scored)),
+            **strategy_stats(gens),
         }
 
     def heatmap_texts(self, tokenizer, n: int) -> list[list[tuple[str, int]]]:
@@ -80,6 +82,25 @@ class Evaluation:
                     return texts
                 texts.append([(tokenizer.decode([t]), d) for t, d in zip(ids, depths)])
         return texts
+
+
+# Rates a strategy's counts give (numerator, denominator), reported when the denominator was counted.
+STAT_RATES = {
+    "acceptance_rate": ("accepted", "drafted"),
+    "mean_accepted_per_verification": ("accepted", "verifications"),
+    "target_passes_per_token": ("verifications", "verified_tokens"),
+    "large_token_share": ("large_tokens", "ead_tokens"),
+}
+
+
+def strategy_stats(gens: list[Generation]) -> dict[str, float]:
+    """A strategy's counts summed over generations (drafts, acceptances, large-model tokens, switches ...) and
+    the rates of :data:`STAT_RATES` they give."""
+    counts: Counter[str] = Counter()
+    for g in gens:
+        counts.update(g.stats)
+    rates = {name: counts[num] / counts[den] for name, (num, den) in STAT_RATES.items() if counts.get(den)}
+    return {**counts, **rates}
 
 
 def _total(rows: list[list[float]]) -> float:

@@ -39,7 +39,7 @@ from pydantic import ValidationError
 from tqdm import tqdm
 
 from emad.decode import ContextLengthError, Sampling, generate, score_adaptive
-from emad.operating_point import PointConfig, build_method
+from emad.operating_point import PointConfig, build_method, model_loader
 from emad.stack import LayerStack
 
 log = logging.getLogger(__name__)
@@ -131,7 +131,8 @@ class EmadLM(LM):
         self.stack = LayerStack(self.loaded.model)
         try:
             self.method = build_method(point, self.stack.n_layers, self.loaded.fingerprint.as_dict(), profile,
-                                       estimators)
+                                       estimators, model_loader(device or "auto", dtype))
+            self.method.bind(self.stack, self.tokenizer)
         except (ValueError, FileNotFoundError) as err:
             raise ModelArgsError(f"emad model_args: {err}") from None
         self._device = self.loaded.device

@@ -2,12 +2,14 @@
 
 The CLI flags, a ``decode.points`` entry of params.yaml and lm-eval's ``model_args`` all become a
 :class:`PointConfig`, and :func:`build_method` turns it into criterion × policy × estimator for a loaded model —
-checking the profile and fitted estimators against the model before any decoding.
+checking the profile and fitted estimators against the model before any decoding — or into a strategy
+(:data:`emad.methods.STRATEGIES`: ``ead``, ``speculative``).
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,9 @@ from emad import estimator_fit
 from emad.config import Section
 from emad.criteria import CRITERIA
 from emad.decode import Method
+from emad.decode.strategy import Strategy
 from emad.estimators import ESTIMATORS
+from emad.methods import STRATEGIES
 from emad.policies import POLICIES
 from emad.profile import Profile, variant_path
 from emad.strata import VARIANTS
@@ -30,7 +34,13 @@ def _one_of(kind: str, names: list[str], value: str) -> str:
 
 
 class PointConfig(Section):
-    """One operating point. ``method`` picks the criterion; the other fields are its options (unused ones ignored).
+    """One operating point. ``method`` picks the criterion or strategy; the other fields are its options (unused
+    ones ignored).
+
+    Strategy options: ``ead`` — ``tau`` (τ, nats), ``small`` (a second model's spec) or ``small_layers`` (k: the
+    target's own first k layers), ``window`` (w), ``d_min``, ``start``; ``speculative`` — ``drafter`` (``self`` or a
+    second model's spec), ``exit_layer`` (E, for ``self``), ``draft_policy`` (static, adaedl, confidence),
+    ``max_draft`` (N), ``gamma``, ``lam``, ``target_acceptance``, ``beta``, ``eta`` (AdaEDL), ``draft_confidence``.
 
     The profile is not an option: it is given with the point (a path), so one point runs against every profile.
     ``strata`` picks a stratification of that profile (``strata/<variant>.json`` beside it, written by the smooth
@@ -47,11 +57,28 @@ class PointConfig(Section):
     policy: str = "monotone"
     estimator: str = "exact"
     strata: str | None = None
+    # strategies (unset: the strategy's defaults)
+    tau: float | None = None
+    small: str | None = None
+    small_layers: int | None = None
+    window: int | None = None
+    d_min: int | None = None
+    start: str | None = None
+    drafter: str | None = None
+    exit_layer: int | None = None
+    draft_policy: str | None = None
+    max_draft: int | None = None
+    gamma: float | None = None
+    lam: float | None = None
+    target_acceptance: float | None = None
+    beta: float | None = None
+    eta: float | None = None
+    draft_confidence: float | None = None
 
     @field_validator("method")
     @classmethod
     def _method(cls, v: str) -> str:
-        return _one_of("method", CRITERIA.names(), v)
+        return _one_of("method", method_names(), v)
 
     @field_validator("policy")
     @classmethod
@@ -72,32 +99,51 @@ class PointConfig(Section):
     def needs_profile(self) -> bool:
         return "profile" in _init_params(self.method)
 
+    @property
+    def is_strategy(self) -> bool:
+        return self.method in STRATEGIES
+
     def options(self) -> dict[str, Any]:
         """The options that matter for this method (for run files, MLflow params and ablation tables)."""
-        used = _init_params(self.method) - {"profile"}
-        out = {"method": self.method, **{k: v for k, v in self.model_dump().items() if k in used and v is not None}}
-        if CRITERIA.get(self.method).needs_estimate:
+        out = {"method": self.method, **self._given(_init_params(self.method) - {"profile"})}
+        if not self.is_strategy and CRITERIA.get(self.method).needs_estimate:
             out.update(policy=self.policy, estimator=self.estimator)
         if self.needs_profile and self.strata is not None:
             out["strata"] = self.strata
         return out
 
+    def _given(self, names: set[str]) -> dict[str, Any]:
+        return {k: v for k, v in self.model_dump().items() if k in names and v is not None}
+
+
+def method_names() -> list[str]:
+    """Every method a point may name: exit criteria and strategies."""
+    return sorted([*CRITERIA.names(), *STRATEGIES.names()])
+
 
 def _init_params(method: str) -> set[str]:
-    return set(inspect.signature(CRITERIA.get(method).__init__).parameters) - {"self"}
+    """The options a method reads: its criterion's constructor arguments, or its strategy's ``from_options``."""
+    fn = STRATEGIES.get(method).from_options if method in STRATEGIES else CRITERIA.get(method).__init__
+    return set(inspect.signature(fn).parameters) - {"self", "cls", "load"}
 
 
 def build_method(point: PointConfig, n_layers: int, fingerprint: dict, profile_path: str | Path | None = None,
-                 estimators_path: str | Path | None = None) -> Method:
-    """The :class:`Method` of ``point`` for a model with ``n_layers`` layers and the given fingerprint.
+                 estimators_path: str | Path | None = None,
+                 load: Callable[[str], tuple[Any, Any]] | None = None) -> Method | Strategy:
+    """The :class:`Method` (or strategy) of ``point`` for a model with ``n_layers`` layers and the given fingerprint.
 
     Args:
         profile_path: profile.json for methods that need one.
         estimators_path: fitted estimators (default: ``estimators.json`` beside the profile).
+        load: ``load(spec) -> (LayerStack, tokenizer)`` for a strategy's second model (``small``, ``drafter``).
 
     Raises:
         ValueError: a missing option, a missing/mismatched profile or estimator file — before any decoding.
     """
+    if point.is_strategy:
+        strategy = STRATEGIES.get(point.method).from_options(load=load, **point._given(_init_params(point.method)))
+        strategy.validate(n_layers)
+        return strategy
     profile = None
     if point.needs_profile:
         if profile_path is None:
@@ -130,3 +176,16 @@ def profile_file(profile_path: str | Path, strata: str | None) -> Path:
             f"writes a variant only for axes the calibration used: set calibrate.strata.position_edges and/or "
             f"confidence_edges and rerun calibrate and smooth")
     return path
+
+
+def model_loader(device: str = "auto", dtype: str = "auto") -> Callable[[str], tuple[Any, Any]]:
+    """``load(spec) -> (LayerStack, tokenizer)`` for a strategy's second model, on the given device and dtype."""
+
+    def load(spec: str):
+        from emad.models import load_model
+        from emad.stack import LayerStack
+
+        loaded = load_model(spec, device=device, dtype=dtype)
+        return LayerStack(loaded.model), loaded.tokenizer
+
+    return load

@@ -20,7 +20,7 @@ from emad.evaluate import evaluate, prepare
 from emad.heatmap import heatmap_html
 from emad.io import atomic_write_text
 from emad.models import load_model
-from emad.operating_point import build_method, profile_file
+from emad.operating_point import build_method, model_loader, profile_file
 from emad.plots import depth_histogram_figure, save_figure
 from emad.stack import LayerStack
 
@@ -38,7 +38,7 @@ def _profile_facts(path: Path | None, method) -> dict:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kind", choices=["baseline", "point", "ablation"], required=True,
+    parser.add_argument("--kind", choices=["baseline", "point", "ablation", "strategy"], required=True,
                         help="which table of the decode section names the point")
     parser.add_argument("--point", required=True, help="operating point (or ablation) name")
     parser.add_argument("--model", required=True, help="model name (as in params.yaml models)")
@@ -64,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_model(args.model_dir, device=cfg.device, dtype=cfg.dtype)
     stack = LayerStack(loaded.model)
     profile_path = args.profile if point.needs_profile else None
-    method = build_method(point, stack.n_layers, loaded.fingerprint.as_dict(), profile_path)
+    method = build_method(point, stack.n_layers, loaded.fingerprint.as_dict(), profile_path,
+                          load=model_loader(cfg.device, cfg.dtype))
+    method.bind(stack, loaded.tokenizer)
     prepared = prepare(cfg.domains[args.domain], cfg.tasks, args.corpus, loaded.tokenizer)
     rid = runfile.run_id(args.model, args.point, args.domain, args.calibration if profile_path else None)
 

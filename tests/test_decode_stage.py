@@ -31,6 +31,9 @@ DECODE = {
     "ablations": {"backfill": {"policy": "backfill"}, "strata-position": {"strata": "position"},
                   "strata-confidence": {"strata": "confidence"}},
     "ablation_domains": ["toy"],
+    "strategies": {"ead-k2": {"method": "ead", "small_layers": 2, "tau": 3.0, "window": 2, "d_min": 2},
+                   "spec-e2": {"method": "speculative", "exit_layer": 2, "draft_policy": "adaedl"}},
+    "strategy_domains": ["toy"],
     "heatmap_texts": 2, "device": "cpu", "dtype": "float32",
 }
 
@@ -64,7 +67,7 @@ def _decode(root: Path, kind: str, point: str, monkeypatch, **extra) -> int:
             "--out", str(root / extra.pop("runs", "runs") / f"{kind}-{point}.json"),
             "--artifacts", str(root / "art" / point),
             "--params", str(root / "params.yaml")]
-    if kind != "baseline":
+    if kind not in ("baseline", "strategy"):
         args += ["--calibration", "toy", "--profile", str(extra.pop("profile", root / "profile.json"))]
     return stage.main(args)
 
@@ -101,6 +104,22 @@ def test_point_and_ablation_runs_carry_profile_factors(workspace, monkeypatch):
     assert point["options"]["strata"] == "none"
 
 
+def test_strategy_runs_report_their_statistics(workspace, monkeypatch):
+    assert _decode(workspace, "strategy", "ead-k2", monkeypatch) == 0
+    assert _decode(workspace, "strategy", "spec-e2", monkeypatch) == 0
+    ead = runfile.load(workspace / "runs" / "strategy-ead-k2.json")
+    spec = runfile.load(workspace / "runs" / "strategy-spec-e2.json")
+    assert ead["run_id"] == "tiny--ead-k2--toy" and ead["family"] == "ead" and ead["calibration"] is None
+    assert ead["method"]["pair"] == "self" and ead["options"]["small_layers"] == 2
+    assert 0 <= ead["cost"]["large_token_share"] <= 1 and set(ead["depth_histogram"]) <= {"2", "4"}
+    assert ead["cost"]["ead_tokens"] == ead["cost"]["large_tokens"] + ead["cost"]["small_tokens"]
+    assert spec["tasks"]["fidelity"]["exact_match"] == 1.0  # lossless
+    assert spec["tasks"]["perplexity"]["perplexity"] == pytest.approx(
+        runfile.load(workspace / "runs" / "baseline-full.json")["tasks"]["perplexity"]["perplexity"], rel=1e-5)
+    assert 0 <= spec["cost"]["acceptance_rate"] <= 1 and spec["cost"]["target_passes_per_token"] <= 1
+    assert spec["cost"]["flops_ratio"] > 0
+
+
 def test_strata_ablation_uses_the_variant_and_refuses_a_missing_one(workspace, monkeypatch):
     assert _decode(workspace, "ablation", "strata-position", monkeypatch) == 0
     run = runfile.load(workspace / "runs" / "ablation-strata-position.json")
@@ -127,11 +146,16 @@ def test_unknown_domain_or_point_is_named(workspace, monkeypatch):
 @pytest.mark.parametrize("change, culprit", [
     ({"domains": {"toy": ["poetry"]}}, "unknown or no tasks"),
     ({"tasks": {"perplexity": {"tokens": 0}}}, "decode.tasks.perplexity.tokens"),
-    ({"baselines": {"e": {"method": "emad", "margin": 1}}}, "baselines.e: method 'emad' needs a profile"),
+    ({"baselines": {"e": {"method": "emad", "margin": 1}}}, "baselines.e: method 'emad' belongs under points"),
     ({"points": {"m0.5": {"method": "emad", "margin": 0.5}}}, "no dots"),
     ({"default_point": "missing"}, "default_point 'missing'"),
     ({"ablations": {"x": {"policy": "teleport"}}}, "decode.ablations.x.policy: .*unknown policy 'teleport'"),
     ({"ablation_domains": ["elsewhere"]}, "ablation_domains"),
+    ({"strategy_domains": ["elsewhere"]}, "strategy_domains"),
+    ({"strategies": {"s": {"method": "fixed", "depth": 2}}}, "strategies.s: method 'fixed' is not a strategy"),
+    ({"baselines": {"s": {"method": "ead", "tau": 1.0, "small_layers": 2}}}, "belongs under strategies"),
+    ({"strategies": {"full": {"method": "ead", "tau": 1.0, "small_layers": 2}}}, "'full' is in baselines and"),
+    ({"strategies": {"s": {"method": "ead", "tau": "warm"}}}, "decode.strategies.s.tau"),
     ({"baselines": {"f": {"method": "fixed", "dept": 3}}}, "decode.baselines.f.dept"),
 ])
 def test_bad_decode_params_name_the_culprit(change, culprit):

@@ -204,3 +204,23 @@ def test_task_yamls_match_the_library_and_hold_out_the_shots():
     assert loaders.last_word_item("too short.") is None
     with pytest.raises(ValueError, match="n_docs"):
         loaders.gsm8k(n_docs=0)
+
+
+def test_strategies_run_in_lm_eval(model_dir):
+    """Speculative decoding is lossless in lm-eval too; EAD scores with the depths its generation chose."""
+    full = EmadLM(model=str(model_dir), device="cpu")
+    spec = EmadLM(model=str(model_dir), device="cpu", method="speculative", exit_layer=2, draft_policy="adaedl")
+    ead = EmadLM(model=str(model_dir), device="cpu", method="ead", small_layers=2, tau=2.0, window=2, d_min=2)
+    request = _requests("generate_until", [("Question: how many eggs", {"until": ["\n\n"], "max_gen_toks": 8})])
+    assert spec.generate_until(request, disable_tqdm=True) == full.generate_until(request, disable_tqdm=True)
+    ours, theirs = (m.loglikelihood(_requests("loglikelihood", CONTEXTS[:2]), disable_tqdm=True) for m in (spec, full))
+    assert [g for _, g in ours] == [g for _, g in theirs]
+    assert [lp for lp, _ in ours] == pytest.approx([lp for lp, _ in theirs], abs=1e-4)
+    (text,) = ead.generate_until(request, disable_tqdm=True)
+    prompt = ead.tok_encode("Question: how many eggs")
+    out = generate(ead.stack, ead.tokenizer, [prompt], ead.method, 8, eos_token_ids=[])
+    logprob, greedy = ead.score_tokens(prompt, out.token_ids[0])
+    assert greedy is True and logprob == pytest.approx(sum(t.logprob for t in out.traces[0]), abs=1e-5)
+    assert isinstance(text, str)
+    with pytest.raises(ModelArgsError, match=r"small_layers k=7.*1\.\.3"):
+        EmadLM(model=str(model_dir), device="cpu", method="ead", small_layers=7, tau=1.0)

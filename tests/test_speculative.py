@@ -23,7 +23,7 @@ from emad.methods import (
     Static,
     speculative_generate,
 )
-from emad.methods.drafting import pass_cost
+from emad.methods.common import pass_cost
 from emad.stack import LayerStack
 from tests.tiny import ARCHITECTURES, TinyTokenizer, random_prompts, tiny_model
 

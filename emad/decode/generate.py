@@ -22,6 +22,7 @@ from emad.decode.step import (
     prefill,
     step,
 )
+from emad.decode.strategy import Strategy
 from emad.stack import LayerStack
 
 
@@ -52,6 +53,7 @@ class Generation:
         finish_reasons: "eos", "stop_string" or "length", per row.
         traces: per row, a :class:`TokenTrace` per token.
         seconds: wall-clock time of the call (device synchronised), prefill included.
+        stats: counts a strategy reports, summed over rows (e.g. drafts proposed and accepted, large-model tokens).
     """
 
     token_ids: list[list[int]]
@@ -68,6 +70,7 @@ class Generation:
     traces: list[list[TokenTrace]] = field(default_factory=list)
     method: dict = field(default_factory=dict)
     seconds: float = 0.0
+    stats: dict[str, float] = field(default_factory=dict)
 
     def cost_ratio(self, row: int | None = None, kind: str = "flops") -> float:
         """Cost of this generation over full depth for the same tokens (all rows, or one)."""
@@ -100,7 +103,7 @@ def generate(
     stack: LayerStack,
     tokenizer,
     prompts: Sequence[Sequence[int]],
-    method: Method | Criterion,
+    method: Method | Criterion | Strategy,
     max_new_tokens: int,
     sampling: Sampling | None = None,
     stop_strings: Sequence[str] = (),
@@ -113,16 +116,20 @@ def generate(
         stack: the model's layer stack.
         tokenizer: its tokenizer (decodes continuations, checks stop strings).
         prompts: token-id lists (batched with left padding; rows never affect each other).
-        method: a :class:`Method`, or a bare criterion (monotone policy, exact estimator).
+        method: a :class:`Method`, a bare criterion (monotone policy, exact estimator), or a :class:`Strategy`
+            (two-model switching, speculative decoding), which is handed the call.
         max_new_tokens: at most this many tokens per row.
         sampling: greedy by default.
         stop_strings: a row stops once its continuation contains one; its text is cut before it.
         eos_token_ids: a row stops after producing one of these (default: the model's EOS ids).
         on_token: called as ``on_token(row, token_id)`` for each new token (streaming).
     """
+    sampling = sampling or Sampling()
+    if isinstance(method, Strategy):
+        return method.generate(stack, tokenizer, prompts, max_new_tokens, sampling, stop_strings, eos_token_ids,
+                               on_token)
     started = time.perf_counter()
     method = as_method(method)
-    sampling = sampling or Sampling()
     method.validate(stack.n_layers)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")

@@ -21,6 +21,7 @@ from emad.decode.step import (
     prefill,
     step,
 )
+from emad.decode.strategy import Strategy
 from emad.stack import LayerStack
 
 
@@ -73,16 +74,20 @@ class Scored:
 
 @torch.inference_mode()
 def score_adaptive(stack: LayerStack, prompt: Sequence[int], continuation: Sequence[int],
-                   method: Method | Criterion, parallel: bool | None = None) -> Scored:
+                   method: Method | Criterion | Strategy, parallel: bool | None = None) -> Scored:
     """Score ``continuation`` after ``prompt`` with generation semantics.
 
     The prompt is prefilled exactly as :func:`~emad.decode.generate` does; continuation token t is predicted by the
     step that consumes token t-1, so depths and log-probabilities equal those of a generation that produced it.
     Under the ``monotone`` policy the positions still running at each layer form a prefix, so the continuation
     is scored with one parallel pass per layer (``parallel``, the default there); otherwise token by token.
+    A :class:`Strategy` scores with its own semantics (:meth:`Strategy.score`).
     """
     started = time.perf_counter()
-    scored = _score_adaptive(stack, prompt, continuation, as_method(method), parallel)
+    if isinstance(method, Strategy):
+        scored = method.score(stack, prompt, continuation)
+    else:
+        scored = _score_adaptive(stack, prompt, continuation, as_method(method), parallel)
     scored.seconds = elapsed(stack.device, started)
     return scored
 

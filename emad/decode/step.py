@@ -70,6 +70,10 @@ class Method:
     def validate(self, n_layers: int) -> None:
         self.criterion.validate(n_layers)
 
+    def bind(self, stack: LayerStack, tokenizer) -> None:
+        """Check that this method can run on ``stack`` (as :meth:`Strategy.bind` does), before any work."""
+        self.validate(stack.n_layers)
+
     def new_policy(self, batch_size: int, n_layers: int, cost: CostModel) -> Policy:
         return POLICIES.get(self.policy)(batch_size, n_layers, self.criterion.prefill_depth(n_layers), cost)
 

@@ -1,4 +1,5 @@
-"""Strategies that are more than a per-token exit: speculative decoding (separate or self drafter, AdaEDL)."""
+"""Strategies that are more than a per-token exit: two-model entropy switching (EAD) and speculative decoding
+(separate or self drafter; static, AdaEDL or confidence draft length). Each is registered in :data:`STRATEGIES`."""
 
 from emad.methods.drafting import (
     DRAFT_POLICIES,
@@ -10,6 +11,7 @@ from emad.methods.drafting import (
     SelfDrafter,
     Static,
 )
+from emad.methods.ead import EAD, ModelPair, SelfPair, Switcher
 from emad.methods.speculative import (
     SpeculativeResult,
     accept_greedy,
@@ -17,8 +19,10 @@ from emad.methods.speculative import (
     speculative_generate,
     warp,
 )
+from emad.methods.strategies import STRATEGIES, Speculative
 
 __all__ = [
-    "DRAFT_POLICIES", "AdaEDL", "ConfidenceStop", "DraftPolicy", "Drafter", "ModelDrafter", "SelfDrafter",
-    "SpeculativeResult", "Static", "accept_greedy", "accept_sampled", "speculative_generate", "warp",
+    "DRAFT_POLICIES", "EAD", "STRATEGIES", "AdaEDL", "ConfidenceStop", "DraftPolicy", "Drafter", "ModelDrafter",
+    "ModelPair", "SelfDrafter", "SelfPair", "Speculative", "SpeculativeResult", "Static", "Switcher",
+    "accept_greedy", "accept_sampled", "speculative_generate", "warp",
 ]

@@ -24,6 +24,7 @@ from emad.cache import KVCache
 from emad.cost import CostModel
 from emad.decode.step import prefill
 from emad.entropy import readout_summary
+from emad.methods.common import check_same_vocabulary, feed, model_name, pass_cost
 from emad.registry import Registry
 from emad.stack import LayerStack
 
@@ -42,27 +43,6 @@ class Tally:
         """Charge one pass to ``side`` (``"drafter"`` or ``"target"``)."""
         setattr(self, f"{side}_flops", getattr(self, f"{side}_flops") + flops)
         setattr(self, f"{side}_bytes", getattr(self, f"{side}_bytes") + bytes_)
-
-
-def pass_cost(cost: CostModel, start: int, stop: int, first_slot: int, q: int,
-              readouts: int) -> tuple[float, float]:
-    """(FLOPs, bytes) of one pass of ``q`` consecutive tokens over layers ``[start, stop)`` and ``readouts`` readouts.
-
-    The token in slot ``s`` attends to ``s + 1`` keys, so the pass costs ``Σ_layers (2·P_ℓ·q + 4·d·Σ_s (s+1))``
-    FLOPs (:meth:`CostModel.layer_flops` summed over its tokens) plus ``readouts × 2·d·V``. One pass reads each
-    weight once: bytes are the layers' bytes plus one readout's bytes when it reads out at all.
-    """
-    keys = q * first_slot + q * (q + 1) // 2  # Σ (s + 1) over s = first_slot .. first_slot + q - 1
-    flops = 2 * q * sum(cost.layer_params[start:stop]) + 4 * cost.d_model * (stop - start) * keys
-    bytes_ = sum(cost.layer_bytes[start:stop]) + (cost.readout_bytes if readouts else 0)
-    return float(flops + readouts * cost.readout_flops), float(bytes_)
-
-
-def model_name(stack: LayerStack) -> str:
-    """A name for error messages: the model's path or hub id, else its architecture and shape."""
-    name = getattr(stack.config, "name_or_path", "") or ""
-    shape = f"{stack.config.model_type}, {stack.n_layers} layers, vocabulary {stack.vocab_size}"
-    return f"{name!r} ({shape})" if name else f"<{shape}>"
 
 
 # ---------------------------------------------------------------------------------------------- drafters
@@ -147,10 +127,7 @@ class SelfDrafter(Drafter):
     def _lower(self, seq: list[int], side: str) -> torch.Tensor:
         """Run the tokens of ``seq`` not yet in the cache through layers 1..E; keep and return ``h_E [1, q, d]``."""
         first, q = self.cache.n_slots, len(seq) - self.cache.n_slots
-        ids = torch.tensor([seq[first:]], device=self.target.device)  # [1, q]
-        slots = self.cache.allocate(torch.ones_like(ids, dtype=torch.bool))
-        pos = _arange(first, q, ids.device)
-        h = self.target.run(self.target.embed(ids, pos), 0, self.exit_layer, self.cache, pos, slots)  # [1, q, d]
+        h = feed(self.target, self.cache, seq, self.exit_layer)  # [1, q, d]
         self.tally.add(side, *pass_cost(self.cost, 0, self.exit_layer, first, q, 1 if side == "drafter" else 0))
         self._h.append(h)
         return h
@@ -188,13 +165,7 @@ class ModelDrafter(Drafter):
         self.stack, self.tokenizer = stack, tokenizer
 
     def bind(self, target: LayerStack, tokenizer) -> None:
-        ours, theirs = model_name(self.stack), model_name(target)
-        if self.stack.vocab_size != target.vocab_size:
-            raise ValueError(f"drafter {ours} has {self.stack.vocab_size} vocabulary rows but target {theirs} has "
-                             f"{target.vocab_size}: the drafter must share the target's tokenizer and vocabulary")
-        if self.tokenizer is not None and tokenizer is not None and _vocab(self.tokenizer) != _vocab(tokenizer):
-            raise ValueError(f"drafter {ours} and target {theirs} use different tokenizers: the drafter must "
-                             "share the target's tokenizer and vocabulary")
+        check_same_vocabulary("drafter", self.stack, self.tokenizer, target, tokenizer)
 
     def start(self, target, cache, prompt, capacity, tally) -> None:
         self.target, self.target_cache, self.tally = target, cache, tally
@@ -205,10 +176,7 @@ class ModelDrafter(Drafter):
 
     def propose(self, seq: list[int]) -> torch.Tensor:
         first, q = self.cache.n_slots, len(seq) - self.cache.n_slots
-        ids = torch.tensor([seq[first:]], device=self.stack.device)  # [1, q]
-        slots = self.cache.allocate(torch.ones_like(ids, dtype=torch.bool))
-        pos = _arange(first, q, ids.device)
-        h = self.stack.run(self.stack.embed(ids, pos), 0, self.stack.n_layers, self.cache, pos, slots)  # [1, q, d]
+        h = feed(self.stack, self.cache, seq, self.stack.n_layers)  # [1, q, d]
         self.tally.add("drafter", *pass_cost(self.cost, 0, self.stack.n_layers, first, q, 1))
         return self.stack.readout(h[0, -1]).to(self.target.device)  # [V]
 
@@ -223,10 +191,6 @@ class ModelDrafter(Drafter):
 
     def describe(self) -> dict:
         return {"drafter": "model", "drafter_model": model_name(self.stack)}
-
-
-def _vocab(tokenizer) -> dict | int:
-    return tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else len(tokenizer)
 
 
 # ---------------------------------------------------------------------------------------------- draft length

@@ -26,8 +26,9 @@ import torch
 from emad.cache import KVCache
 from emad.cost import CostModel
 from emad.decode.generate import _cut_at_stop, _eos_ids
-from emad.decode.step import ContextLengthError, Sampling, choose, elapsed, prefill
-from emad.methods.drafting import Drafter, DraftPolicy, Static, Tally, model_name, pass_cost
+from emad.decode.step import Sampling, choose, elapsed, prefill
+from emad.methods.common import check_context, extend, pass_cost
+from emad.methods.drafting import Drafter, DraftPolicy, Static, Tally
 from emad.stack import LayerStack
 
 
@@ -39,6 +40,7 @@ class SpeculativeResult:
         token_ids: generated ids (prompt excluded; EOS included when produced).
         text: decoded continuation, cut before the first stop string.
         finish_reason: "eos", "stop_string" or "length".
+        logprobs: per token, its log-probability under the target's readout (before temperature).
         draft_lengths: drafts proposed in each verification round.
         accepted_lengths: drafts accepted in each verification round.
         drafter_flops, drafter_bytes: drafter work after the prompt (layers and readouts).
@@ -51,6 +53,7 @@ class SpeculativeResult:
     token_ids: list[int]
     text: str
     finish_reason: str
+    logprobs: list[float] = field(default_factory=list)
     draft_lengths: list[int] = field(default_factory=list)
     accepted_lengths: list[int] = field(default_factory=list)
     drafter_flops: float = 0.0
@@ -205,8 +208,9 @@ def _verify(target: LayerStack, cache: KVCache, drafter: Drafter, seq: list[int]
 
 
 def _round(target: LayerStack, cache: KVCache, drafter: Drafter, policy: DraftPolicy, seq: list[int], budget: int,
-           sampling: Sampling, generator, cost: CostModel, tally: Tally) -> tuple[list[int], int, int]:
-    """Draft, verify, accept, crop; returns (new committed tokens, drafts proposed, drafts accepted)."""
+           sampling: Sampling, generator, cost: CostModel, tally: Tally) -> tuple[list[int], list[float], int, int]:
+    """Draft, verify, accept, crop; returns (new committed tokens, their log-probabilities under the target's
+    readout before temperature, drafts proposed, drafts accepted)."""
     start = len(seq) - 1  # slot of the pending token
     drafts, q = _draft(drafter, policy, seq, min(policy.n, budget), sampling, generator)
     logits = _verify(target, cache, drafter, seq + drafts, start, cost, tally)  # [k+1, V]
@@ -217,7 +221,15 @@ def _round(target: LayerStack, cache: KVCache, drafter: Drafter, policy: DraftPo
     keep = len(seq) + i  # slots 0..start+i: the pending token and the accepted drafts
     cache.crop(keep)
     drafter.crop(keep)
-    return drafts[:i] + [token], len(drafts), i
+    new = drafts[:i] + [token]
+    logprobs = _logprobs(logits[: i + 1], new)
+    return new, logprobs, len(drafts), i
+
+
+def _logprobs(logits: torch.Tensor, tokens: list[int]) -> list[float]:
+    """log softmax(logits[j])[tokens[j]] for each row j of ``[n, V]``."""
+    index = torch.tensor(tokens, device=logits.device)[:, None]  # [n, 1]
+    return torch.log_softmax(logits.float(), -1).gather(-1, index)[:, 0].tolist()
 
 
 # ---------------------------------------------------------------------------------------------- generation
@@ -258,7 +270,7 @@ def speculative_generate(
     policy = policy or Static()
     sampling = sampling or Sampling()
     drafter.bind(target, tokenizer)
-    _check_lengths([s for s in (target, drafter.stack) if s is not None], len(prompt), max_new_tokens)
+    check_context([s for s in (target, drafter.stack) if s is not None], len(prompt), max_new_tokens)
     eos = set(eos_token_ids if eos_token_ids is not None else _eos_ids(target, tokenizer))
     generator = torch.Generator(device=target.device).manual_seed(sampling.seed) if sampling.do_sample else None
     cost, tally, capacity = CostModel.from_stack(target), Tally(), len(prompt) + max_new_tokens
@@ -271,15 +283,18 @@ def speculative_generate(
     policy.reset()
     out: list[int] = []
     result = SpeculativeResult([], "", "length")
-    finish = _extend(out, [int(choose(logits, sampling, generator))], eos, tokenizer, stop_strings, on_token)
+    first = int(choose(logits, sampling, generator))
+    result.logprobs = _logprobs(logits, [first])
+    finish = extend(out, [first], eos, tokenizer, stop_strings, on_token)
     while finish is None and len(out) < max_new_tokens:
         budget = max_new_tokens - len(out) - 1  # drafts beyond this could not all be kept
-        new, drafted, accepted = _round(target, cache, drafter, policy, prompt + out, budget, sampling, generator,
-                                        cost, tally)
+        new, logprobs, drafted, accepted = _round(target, cache, drafter, policy, prompt + out, budget, sampling,
+                                                  generator, cost, tally)
+        result.logprobs += logprobs
         result.draft_lengths.append(drafted)
         result.accepted_lengths.append(accepted)
         policy.update(drafted, accepted)
-        finish = _extend(out, new, eos, tokenizer, stop_strings, on_token)
+        finish = extend(out, new, eos, tokenizer, stop_strings, on_token)
     return _finish(result, out, finish or "length", tokenizer, stop_strings, tally, cost, len(prompt),
                    {**drafter.describe(), **policy.describe(), **_describe(sampling)}, target.device, started)
 
@@ -297,29 +312,6 @@ def _one_prompt(prompt) -> list[int]:
     return [int(t) for t in prompt]
 
 
-def _check_lengths(stacks: list[LayerStack], prompt_len: int, max_new_tokens: int) -> None:
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    for stack in stacks:
-        if stack.max_positions is not None and prompt_len + max_new_tokens > stack.max_positions:
-            raise ContextLengthError(
-                f"prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} exceeds the context of "
-                f"{stack.max_positions} tokens of {model_name(stack)}; shorten the prompt or lower max_new_tokens")
-
-
-def _extend(out: list[int], new: list[int], eos: set[int], tokenizer, stop_strings, on_token) -> str | None:
-    """Append tokens one by one until EOS or a stop string; returns the finish reason, or None to go on."""
-    for token in new:
-        out.append(token)
-        if on_token is not None:
-            on_token(token)
-        if token in eos:
-            return "eos"
-        if stop_strings and any(s in tokenizer.decode(out) for s in stop_strings):
-            return "stop_string"
-    return None
-
-
 def _describe(sampling: Sampling) -> dict:
     if not sampling.do_sample:
         return {"temperature": 0.0}
@@ -331,6 +323,7 @@ def _finish(result: SpeculativeResult, out: list[int], finish: str, tokenizer, s
     """Fill in tokens, text, costs (the target alone: the prompt's readout, then full depth per token) and time."""
     full_flops, full_bytes = cost.full_depth(torch.arange(prompt_len + 1, prompt_len + len(out)))  # [n - 1] each
     result.token_ids, result.finish_reason, result.method = out, finish, {"method": "speculative", **method}
+    result.logprobs = result.logprobs[: len(out)]  # tokens after EOS or a stop string were dropped
     result.text = _cut_at_stop(tokenizer.decode(out, skip_special_tokens=True), stop_strings)
     result.drafter_flops, result.drafter_bytes = tally.drafter_flops, tally.drafter_bytes
     result.target_flops, result.target_bytes = tally.target_flops, tally.target_bytes

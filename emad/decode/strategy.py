@@ -1,0 +1,55 @@
+"""The contract of a decoding strategy: a way of producing tokens that is more than a per-token exit.
+
+Two-model switching (EAD) and speculative decoding are strategies (:mod:`emad.methods`). :func:`~emad.decode.generate`
+and :func:`~emad.decode.score_adaptive` hand a strategy their call, so every task, the CLI and lm-eval run one
+unchanged; a strategy builds its outputs from the same layer stack, cache and decode steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from emad.decode.generate import Generation
+    from emad.decode.score import Scored
+    from emad.decode.step import Sampling
+    from emad.stack import LayerStack
+
+
+class Strategy:
+    """Base class of strategies, registered by name in :data:`emad.methods.STRATEGIES`.
+
+    Subclasses build themselves from operating-point options in :meth:`from_options` (its keyword arguments are
+    the options they read) and implement :meth:`generate` and :meth:`score` with the semantics of
+    :func:`~emad.decode.generate` and :func:`~emad.decode.score_adaptive`.
+    """
+
+    name: ClassVar[str]
+
+    @classmethod
+    def from_options(cls, load: Callable[[str], tuple[LayerStack, object]] | None = None, **options) -> Strategy:
+        """Build from operating-point options; ``load(spec) -> (stack, tokenizer)`` loads any second model."""
+        raise NotImplementedError
+
+    def validate(self, n_layers: int) -> None:
+        """Raise ``ValueError`` naming the parameter when this strategy cannot run on an L-layer target."""
+
+    def bind(self, stack: LayerStack, tokenizer) -> None:
+        """Raise ``ValueError`` when this strategy cannot serve ``stack`` (e.g. a second model's tokenizer
+        differs); called before any work."""
+        self.validate(stack.n_layers)
+
+    def generate(self, stack: LayerStack, tokenizer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 sampling: Sampling, stop_strings: Sequence[str], eos_token_ids: Sequence[int] | None,
+                 on_token: Callable[[int, int], None] | None) -> Generation:
+        """Continuations of ``prompts`` (see :func:`~emad.decode.generate` for the arguments)."""
+        raise NotImplementedError
+
+    def score(self, stack: LayerStack, prompt: Sequence[int], continuation: Sequence[int]) -> Scored:
+        """Log-probabilities of ``continuation`` after ``prompt`` as this strategy would produce it."""
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        """Parameters identifying this strategy (for run files and MLflow)."""
+        return {"method": self.name}
