@@ -43,6 +43,8 @@ def _params(model_dir: Path) -> dict:
             "default_point": "emad-m0",
             "ablations": {"backfill": {"policy": "backfill"}},
             "ablation_domains": ["stdlib-prose"],
+            "strategies": {"ead-k2": {"method": "ead", "small_layers": 2, "tau": 3.0, "window": 2, "d_min": 2}},
+            "strategy_domains": ["gsm8k"],
             "heatmap_texts": 1, "device": "cpu", "dtype": "float32",
         },
         "aggregate": {"methods": ["emad"]},
@@ -97,7 +99,8 @@ def test_repro_writes_every_output(repo):
     assert runs == sorted([
         "tiny--full--stdlib-prose.json", "tiny--full--gsm8k.json", "tiny--fixed-2--stdlib-prose.json",
         "tiny--fixed-2--gsm8k.json", "tiny--emad-m0--cal-stdlib-prose--stdlib-prose.json",
-        "tiny--emad-m0--cal-stdlib-prose--gsm8k.json", "tiny--backfill--cal-stdlib-prose--stdlib-prose.json"])
+        "tiny--emad-m0--cal-stdlib-prose--gsm8k.json", "tiny--backfill--cal-stdlib-prose--stdlib-prose.json",
+        "tiny--ead-k2--gsm8k.json"])
     for stem in (p[:-5] for p in runs):
         assert (repo / "reports" / "artifacts" / stem / "heatmap.html").is_file()
     for path in ("data/profiles/tiny/stdlib-prose/profile.json", "data/profiles/tiny/stdlib-prose/estimators.json",
@@ -117,10 +120,10 @@ def test_mlflow_holds_one_run_per_stage_execution(repo):
     runs = _mlflow_runs(repo)
     stages = runs["tags.dvc_stage"].value_counts().to_dict()
     assert stages == {"calibrate": 1, "smooth": 1, "fit_estimators": 1, "decode_baseline": 4, "decode": 2,
-                      "decode_ablation": 1, "aggregate": 1}
+                      "decode_ablation": 1, "decode_strategy": 1, "aggregate": 1}
     parent = runs[runs["tags.dvc_stage"] == "aggregate"].iloc[0]["run_id"]
     nested = runs[runs["tags.mlflow.parentRunId"] == parent]
-    assert len(nested) == 7
+    assert len(nested) == 8
 
 
 def test_offline_plots_render(repo):
