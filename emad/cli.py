@@ -35,6 +35,18 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--estimators", type=Path,
                    help="fitted estimators file (default: estimators.json beside --profile)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt / text")
+    calm = p.add_argument_group("--method softmax / contrastive, --estimator prune")
+    calm.add_argument("--layer-thresholds", type=_layer_values, metavar="L=T,...",
+                      help="softmax: per-layer gap thresholds overriding --threshold, e.g. 6=0.9,12=0.8")
+    calm.add_argument("--alpha", type=float, help="contrastive: plausibility α in [0, 1] (default 0.1)")
+    calm.add_argument("--alpha-rate", type=float, help="contrastive: r of α′ = α/(1 + r·ℓ)·(1 − confidence)")
+    calm.add_argument("--distance-discount", type=float, help="contrastive: d of JSD/(1 + d·(ℓ − m))")
+    calm.add_argument("--contrast-weight", type=float, help="contrastive: w of log p − w·log p_amateur (1 = DoLa)")
+    calm.add_argument("--contrastive-output", action="store_true", default=None,
+                      help="contrastive: read tokens from the contrastive distribution (DoLa-style)")
+    calm.add_argument("--prune-k", type=int, help="prune: kept vocabulary k (k0 of the decay schedule)")
+    calm.add_argument("--prune-schedule", choices=["fixed", "decay", "adaptive"], help="prune: k schedule")
+    calm.add_argument("--prune-k-min", type=int, help="prune: k* of the decay schedule")
     ead = p.add_argument_group("--method ead (two-model entropy switching)")
     ead.add_argument("--tau", type=float, help="entropy threshold τ (nats) of the rolling mean")
     ead.add_argument("--small", help="the small model (spec sharing the tokenizer)")
@@ -53,6 +65,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     spec.add_argument("--beta", type=float, help="AdaEDL acceptance EMA factor (default 0.9)")
     spec.add_argument("--eta", type=float, help="AdaEDL λ step (default 0.1)")
     spec.add_argument("--draft-confidence", type=float, help="confidence policy: stop below this top-1 probability")
+
+
+def _layer_values(text: str) -> dict[int, float]:
+    """``6=0.9,12=0.8`` → ``{6: 0.9, 12: 0.8}``."""
+    try:
+        return {int(k): float(v) for k, v in (pair.split("=") for pair in text.split(",") if pair)}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LAYER=THRESHOLD[,LAYER=THRESHOLD...], got {text!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,6 +15,7 @@ from typing import ClassVar
 
 import torch
 
+from emad.contrastive import choose_amateur, contrastive_logprobs, plausibility_alpha
 from emad.registry import Registry
 
 
@@ -27,12 +28,17 @@ class ProbeView:
         entropy: ``[a]`` estimated entropy Ĥ (nats).
         positions: ``[a]`` position id of each token (tokens before it in its context).
         first_confidence: ``[a]`` max probability at the token's first probe (for strata), or None.
+        logits: ``[a, V]`` the probe's readout when the estimator gave one (``-inf`` outside a pruned
+            vocabulary), else None.
+        rows: ``[a]`` which rows of the step these are (for criteria that remember earlier probes of a token).
     """
 
     layer: int
     entropy: torch.Tensor
     positions: torch.Tensor
     first_confidence: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
 
 
 class Criterion:
@@ -40,11 +46,19 @@ class Criterion:
 
     Attributes:
         needs_estimate: False when the criterion never looks at Ĥ (then probes cost nothing before the exit).
+        needs_logits: True when decisions read the probe's readout (estimators that give it: exact, prune).
+        reads_every_exit: True when the exit token comes from :meth:`exit_logits` at every exit, the last
+            probe included (then the last probe is estimated too).
         min_exit_layer: no exit below this layer.
+        knobs: the scalar options that make the criterion more or less eager, each with the end that exits
+            less (``"high"`` or ``"low"``); risk control searches them from that end.
     """
 
     name: ClassVar[str]
+    knobs: ClassVar[dict[str, str]] = {}
     needs_estimate: ClassVar[bool] = True
+    needs_logits: ClassVar[bool] = False
+    reads_every_exit: ClassVar[bool] = False
     min_exit_layer: int = 1
 
     @classmethod
@@ -78,9 +92,24 @@ class Criterion:
         """True when decisions use the max probability at the first probe (confidence strata)."""
         return False
 
+    def begin(self, batch_size: int) -> None:
+        """A new token for each of ``batch_size`` rows is about to be probed."""
+
+    def wants_estimate(self, k: int, layer: int) -> bool:
+        """Whether the ``k``-th probe (at ``layer``) is estimated: from the minimum exit layer on, and the first
+        probe when strata use its confidence."""
+        return layer >= self.min_exit_layer or (k == 0 and self.needs_first_confidence())
+
+    def observe(self, view: ProbeView) -> None:
+        """Called at every estimated probe, before :meth:`exits` (which runs from the minimum exit layer on)."""
+
     def exits(self, view: ProbeView) -> torch.Tensor:
         """Per-row exit decision at a probe: bool ``[a]``."""
         return torch.zeros_like(view.entropy, dtype=torch.bool)
+
+    def exit_logits(self, view: ProbeView) -> torch.Tensor | None:
+        """Logits ``[a, V]`` the exit token is read from at this probe (default: the probe's readout)."""
+        return view.logits
 
     def describe(self) -> dict:
         """Parameters identifying this operating point (for traces, JSON and MLflow)."""
@@ -145,6 +174,8 @@ class Confidence(Criterion):
         min_exit_layer: no exit below this layer.
     """
 
+    knobs = {"threshold": "low"}
+
     def __init__(self, threshold: float, probe_every: int = 3, min_exit_layer: int = 1):
         _check_threshold("threshold", threshold)
         self.threshold, self.probe_every, self.min_exit_layer = float(threshold), probe_every, min_exit_layer
@@ -174,6 +205,8 @@ class Emad(Criterion):
         min_exit_layer: no exit below this layer.
         probe_stride: probe every k-th of the profile's probe layers, counted down from L (1 = all of them).
     """
+
+    knobs = {"margin": "high"}
 
     def __init__(self, profile, margin: float, min_exit_layer: int = 1, probe_stride: int = 1):
         _check_threshold("margin", margin)
@@ -211,3 +244,149 @@ class Emad(Criterion):
         return {"method": self.name, "margin": self.margin, "min_exit_layer": self.min_exit_layer,
                 "probe_stride": self.probe_stride, "strata": self.profile.strata.variant,
                 "profile_model": self.profile.model.get("spec", ""), "profile_corpus": self.profile.corpus}
+
+
+def _check_unit(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+
+
+@CRITERIA.register("softmax")
+class SoftmaxResponse(Criterion):
+    """CALM's softmax response: exit when the gap between the two largest probabilities of the probe's readout is
+    ≥ the threshold (one global threshold, or one per layer).
+
+    Args:
+        threshold: the gap threshold in [0, 1] for every probe without a layer threshold (> 1 never exits).
+        layer_thresholds: ``{layer: threshold}`` overriding it at those probes.
+        probe_every: probe every k-th layer (L always probed).
+        min_exit_layer: no exit below this layer.
+    """
+
+    needs_logits = True
+    knobs = {"threshold": "high"}
+
+    def __init__(self, threshold: float, layer_thresholds: dict[int, float] | None = None, probe_every: int = 3,
+                 min_exit_layer: int = 1):
+        _check_threshold("threshold", threshold)
+        for layer, value in (layer_thresholds or {}).items():
+            _check_threshold(f"layer_thresholds[{layer}]", value)
+        self.threshold, self.probe_every, self.min_exit_layer = float(threshold), probe_every, min_exit_layer
+        self.layer_thresholds = {int(k): float(v) for k, v in (layer_thresholds or {}).items()}
+
+    def validate(self, n_layers: int) -> None:
+        super().validate(n_layers)
+        _every(self.probe_every, n_layers)
+        stray = [x for x in self.layer_thresholds if x not in self.probes(n_layers)]
+        if stray:
+            raise ValueError(f"layer_thresholds name layers {stray} that are not probes {self.probes(n_layers)}")
+
+    def probes(self, n_layers: int) -> list[int]:
+        return _every(self.probe_every, n_layers)
+
+    def exits(self, view: ProbeView) -> torch.Tensor:
+        return top2_gap(view.logits) >= self.layer_thresholds.get(view.layer, self.threshold)
+
+    def describe(self) -> dict:
+        out = {"method": self.name, "threshold": self.threshold, "probe_every": self.probe_every,
+               "min_exit_layer": self.min_exit_layer}
+        if self.layer_thresholds:
+            out["layer_thresholds"] = self.layer_thresholds
+        return out
+
+
+def top2_gap(logits: torch.Tensor) -> torch.Tensor:
+    """``p_(1) − p_(2)`` of softmax(logits) per row: ``[a, V]`` → ``[a]`` float32 (a one-token vocabulary: 1)."""
+    if logits.shape[-1] < 2:
+        return torch.ones(logits.shape[:-1], device=logits.device)
+    top = torch.softmax(logits.float(), dim=-1).topk(2, dim=-1).values  # [a, 2]
+    return top[..., 0] - top[..., 1]
+
+
+@CRITERIA.register("contrastive")
+class Contrastive(Criterion):
+    """Within-model contrast (see :mod:`emad.contrastive`): the amateur is the earlier probe layer of the token
+    with the largest distance-discounted JSD from the current layer's readout; the contrastive distribution is
+    ``softmax(log p − w·log p_amateur)`` on the plausible set. Exit when its top probability is ≥ the threshold
+    (no exit at the first probe, which has no amateur). With ``contrastive_output`` the token is also read from
+    the contrastive distribution (DoLa-style), at every exit including L.
+
+    Args:
+        threshold: exit confidence in [0, 1] (> 1 never exits).
+        alpha: α of the plausibility schedule, in [0, 1].
+        alpha_rate: r >= 0 of ``α′ = α/(1 + r·ℓ)·(1 − confidence)``.
+        distance_discount: d >= 0 of ``JSD/(1 + d·(ℓ − m))``.
+        contrast_weight: w >= 0 (1 = DoLa).
+        contrastive_output: read exit tokens from the contrastive distribution.
+        probe_every: probe every k-th layer (L always probed; every probe is a candidate amateur).
+        min_exit_layer: no exit below this layer.
+    """
+
+    needs_logits = True
+    knobs = {"threshold": "high"}
+
+    def __init__(self, threshold: float, alpha: float = 0.1, alpha_rate: float = 0.0,
+                 distance_discount: float = 0.0, contrast_weight: float = 1.0, contrastive_output: bool = False,
+                 probe_every: int = 3, min_exit_layer: int = 1):
+        _check_threshold("threshold", threshold)
+        _check_unit("alpha", alpha)
+        for name, value in (("alpha_rate", alpha_rate), ("distance_discount", distance_discount),
+                            ("contrast_weight", contrast_weight)):
+            _check_threshold(name, value)
+        self.threshold, self.alpha, self.alpha_rate = float(threshold), float(alpha), float(alpha_rate)
+        self.distance_discount, self.weight = float(distance_discount), float(contrast_weight)
+        self.output, self.probe_every, self.min_exit_layer = bool(contrastive_output), probe_every, min_exit_layer
+        self.reads_every_exit = self.output
+        self.begin(0)
+
+    def validate(self, n_layers: int) -> None:
+        super().validate(n_layers)
+        _every(self.probe_every, n_layers)
+
+    def probes(self, n_layers: int) -> list[int]:
+        return _every(self.probe_every, n_layers)
+
+    def begin(self, batch_size: int) -> None:
+        self._history: dict[int, torch.Tensor] = {}  # layer -> [B, V] log-probabilities of earlier probes
+        self._batch = batch_size
+        self._cache: tuple[int, torch.Tensor] | None = None
+
+    def wants_estimate(self, k: int, layer: int) -> bool:
+        return True  # every probe's readout is a candidate amateur
+
+    def observe(self, view: ProbeView) -> None:
+        logp = torch.log_softmax(view.logits.float(), dim=-1)  # [a, V]
+        rows = view.rows if view.rows is not None else torch.arange(len(logp), device=logp.device)
+        self._cache = (view.layer, self._contrast(view.layer, logp, rows))
+        store = self._history.setdefault(view.layer, logp.new_full((max(self._batch, int(rows.max()) + 1),
+                                                                    logp.shape[-1]), float("nan")))
+        store[rows] = logp
+
+    def _contrast(self, layer: int, logp: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
+        """Contrastive log-probabilities ``[a, V]`` against each row's amateur, or None at the first probe."""
+        layers = sorted(x for x in self._history if x < layer)
+        if not layers:
+            return None
+        candidates = torch.stack([self._history[m][rows] for m in layers])  # [C, a, V]
+        pick = choose_amateur(logp, candidates, layer, layers, self.distance_discount)  # [a]
+        amateur = candidates[pick, torch.arange(len(rows), device=logp.device)]  # [a, V]
+        alpha = plausibility_alpha(self.alpha, self.alpha_rate, layer, logp.max(-1).values.exp())
+        return contrastive_logprobs(logp, amateur, alpha, self.weight)
+
+    def exits(self, view: ProbeView) -> torch.Tensor:
+        contrast = self._cache[1] if self._cache and self._cache[0] == view.layer else None
+        if contrast is None:
+            return torch.zeros(len(view.entropy), dtype=torch.bool, device=view.entropy.device)
+        return contrast.max(-1).values.exp() >= self.threshold
+
+    def exit_logits(self, view: ProbeView) -> torch.Tensor | None:
+        contrast = self._cache[1] if self._cache and self._cache[0] == view.layer else None
+        if not self.output or contrast is None:
+            return view.logits
+        return contrast.to(view.logits.dtype)
+
+    def describe(self) -> dict:
+        return {"method": self.name, "threshold": self.threshold, "alpha": self.alpha, "alpha_rate": self.alpha_rate,
+                "distance_discount": self.distance_discount, "contrast_weight": self.weight,
+                "contrastive_output": self.output, "probe_every": self.probe_every,
+                "min_exit_layer": self.min_exit_layer}

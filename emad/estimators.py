@@ -23,26 +23,42 @@ class Estimate:
     Attributes:
         entropy: ``[a]`` estimated entropy (nats).
         max_prob: ``[a]`` estimated max probability (confidence strata).
-        logits: ``[a, V]`` the full readout when the estimator computed it, else None.
+        logits: ``[a, V]`` the readout when the estimator computed it (``-inf`` outside a pruned vocabulary),
+            else None.
+        cost: per-row ``(FLOPs [a], bytes [a])`` of this probe when it varies by row and layer; None means
+            :meth:`Estimator.probe_cost` for every row.
     """
 
     entropy: torch.Tensor
     max_prob: torch.Tensor
     logits: torch.Tensor | None = None
+    cost: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class Estimator:
-    """Base class of entropy estimators."""
+    """Base class of entropy estimators.
+
+    Attributes:
+        gives_logits: True when every estimate carries the readout logits (criteria that read them need it).
+        needs_fit: True when the estimator is loaded from a fitted estimators file; else it is built from the
+            operating point's options (its constructor arguments).
+    """
 
     name: ClassVar[str]
+    gives_logits: ClassVar[bool] = False
+    needs_fit: ClassVar[bool] = True
 
     @classmethod
     def from_sample(cls, stack, sample: dict, **options) -> Estimator:
         """Build for fitting, given a calibration sample (see :func:`emad.estimator_fit.collect`)."""
         return cls(**options)
 
-    def estimate(self, stack, h: torch.Tensor, layer: int) -> Estimate:
-        """Ĥ for hidden states ``h`` ``[a, d]`` at probe ``layer``."""
+    def begin(self, batch_size: int) -> None:
+        """A new token for each of ``batch_size`` rows is about to be probed (forget the previous token's state)."""
+
+    def estimate(self, stack, h: torch.Tensor, layer: int, rows: torch.Tensor | None = None) -> Estimate:
+        """Ĥ for hidden states ``h`` ``[a, d]`` at probe ``layer``; ``rows`` ``[a]`` says which of the
+        :meth:`begin` rows they are (None: rows 0..a-1)."""
         raise NotImplementedError
 
     def probe_cost(self, cost: CostModel) -> tuple[float, float]:
@@ -60,7 +76,10 @@ ESTIMATORS: Registry[Estimator] = Registry("entropy estimator")
 class Exact(Estimator):
     """Full readout (final norm + head) and its exact entropy: a probe costs one readout."""
 
-    def estimate(self, stack, h: torch.Tensor, layer: int) -> Estimate:
+    gives_logits = True
+    needs_fit = False
+
+    def estimate(self, stack, h: torch.Tensor, layer: int, rows: torch.Tensor | None = None) -> Estimate:
         logits = stack.readout(h)  # [a, V]
         entropy, _, max_prob = readout_summary(logits)
         return Estimate(entropy, max_prob, logits)
@@ -125,7 +144,7 @@ class TopK(_Corrected):
             self._rows = stack.head.weight[ids.to(stack.device)].detach()
         return self._rows
 
-    def estimate(self, stack, h: torch.Tensor, layer: int) -> Estimate:
+    def estimate(self, stack, h: torch.Tensor, layer: int, rows: torch.Tensor | None = None) -> Estimate:
         logits = stack.final_norm(h) @ self._head_rows(stack).T  # [a, k]
         if stack.softcap is not None:
             logits = torch.tanh(logits / stack.softcap) * stack.softcap
@@ -171,7 +190,7 @@ class LowRank(_Corrected):
             self._factors = ((u[:, :r] * s[:r]).to(stack.dtype), vh[:r].to(stack.dtype))
         return self._factors
 
-    def estimate(self, stack, h: torch.Tensor, layer: int) -> Estimate:
+    def estimate(self, stack, h: torch.Tensor, layer: int, rows: torch.Tensor | None = None) -> Estimate:
         a, b = self._ab(stack)
         logits = (stack.final_norm(h) @ b.T) @ a.T  # [a, V]
         if stack.softcap is not None:
@@ -189,3 +208,137 @@ class LowRank(_Corrected):
 
     def describe(self) -> dict:
         return {"estimator": self.name, "rank": self.rank}
+
+
+
+@ESTIMATORS.register("prune")
+class Prune(Estimator):
+    """CALM-style vocabulary pruning: the first probe of a token (layer j) reads out the full head and keeps its
+    best tokens; every later probe of that token reads out only the kept head rows (logits ``-inf`` elsewhere, so
+    the exit token maps back to the full vocabulary). Entropy and confidence are those of the pruned softmax.
+
+    How many tokens a later probe at layer ℓ reads (per row):
+
+    - ``fixed``: k = ``prune_k``;
+    - ``decay``: from k0 = ``prune_k`` at j down to k* = ``prune_k_min`` at L, linearly in the layer:
+      ``k_ℓ = round(k0 + (k* − k0)·(ℓ − j)/(L − j))``;
+    - ``adaptive``: ``ceil(V·(1 − 0.9·c))``, c the max probability at the row's previous probe, never more
+      than the previous probe read.
+
+    A later probe reads the best tokens of the set by the latest logits. It costs ``2·d·k`` FLOPs and the bytes
+    of k head rows for its row's k (rows batched together compute the largest k among them); the first probe
+    costs one full readout.
+
+    Args:
+        prune_k: k (fixed) or k0 (decay), in 1..V (unused by adaptive).
+        prune_schedule: ``fixed``, ``decay`` or ``adaptive``.
+        prune_k_min: k* of ``decay``, in 1..prune_k.
+    """
+
+    gives_logits = True
+    needs_fit = False
+    SCHEDULES = ("fixed", "decay", "adaptive")
+
+    def __init__(self, prune_k: int = 512, prune_schedule: str = "fixed", prune_k_min: int | None = None):
+        if isinstance(prune_k, bool) or not isinstance(prune_k, int) or prune_k < 1:
+            raise ValueError(f"prune_k (the kept vocabulary size k) must be an integer >= 1, got {prune_k!r}")
+        if prune_schedule not in self.SCHEDULES:
+            raise ValueError(f"prune_schedule must be one of {', '.join(self.SCHEDULES)}, got {prune_schedule!r}")
+        if prune_schedule == "decay" and (isinstance(prune_k_min, bool) or not isinstance(prune_k_min, int)
+                                          or not 1 <= prune_k_min <= prune_k):
+            raise ValueError(f"prune_k_min (k* of the decay schedule) must be an integer in 1..prune_k "
+                             f"({prune_k}), got {prune_k_min!r}")
+        self.k, self.schedule, self.k_min = prune_k, prune_schedule, prune_k_min
+        self._readout_cost: tuple[float, float] | None = None
+        self.begin(0)
+
+    def begin(self, batch_size: int) -> None:
+        self._batch = batch_size
+        self._sets: torch.Tensor | None = None  # [B, K] kept token ids, best first
+        self._first = None  # [B] layer of the row's full readout (0: not probed yet)
+        self._next = None  # [B] adaptive: how many tokens the next probe reads
+
+    def probe_cost(self, cost: CostModel) -> tuple[float, float]:
+        """The most a probe costs: one full readout (pruned probes report their own cost)."""
+        return float(cost.readout_flops), float(cost.readout_bytes)
+
+    def estimate(self, stack, h: torch.Tensor, layer: int, rows: torch.Tensor | None = None) -> Estimate:
+        if self.k > stack.vocab_size and self.schedule != "adaptive":
+            raise ValueError(f"prune_k = {self.k} is outside 1..{stack.vocab_size} (the vocabulary size)")
+        rows = torch.arange(h.shape[0], device=h.device) if rows is None else rows
+        if self._sets is None:
+            batch = max(self._batch, int(rows.max()) + 1)
+            width = stack.vocab_size if self.schedule == "adaptive" else self.k
+            self._sets = torch.zeros(batch, width, dtype=torch.long, device=h.device)
+            self._first = torch.zeros(batch, dtype=torch.long, device=h.device)
+            self._next = torch.zeros(batch, dtype=torch.long, device=h.device)
+        fresh = self._first[rows] == 0
+        parts = [(m, fn(stack, h[m], layer, rows[m])) for m, fn in ((fresh, self._full), (~fresh, self._pruned))
+                 if bool(m.any())]
+        return parts[0][1] if len(parts) == 1 else _merge(parts, stack.vocab_size)
+
+    def _full(self, stack, h, layer, rows) -> Estimate:
+        logits = stack.readout(h)  # [a, V]
+        entropy, _, max_prob = readout_summary(logits)
+        self._sets[rows] = logits.topk(self._sets.shape[1], dim=-1).indices  # [a, K] best first
+        self._first[rows] = layer
+        self._next[rows] = self._adaptive(max_prob, self._sets.shape[1], stack.vocab_size)
+        if self._readout_cost is None:
+            self._readout_cost = self.probe_cost(CostModel.from_stack(stack))
+        ones = torch.ones(len(rows), dtype=torch.float64)
+        return Estimate(entropy, max_prob, logits, (ones * self._readout_cost[0], ones * self._readout_cost[1]))
+
+    def _pruned(self, stack, h, layer, rows) -> Estimate:
+        size = self._size(layer, rows, stack.n_layers)  # [a]
+        width = int(size.max())
+        ids = self._sets[rows, :width]  # [a, w]
+        z = torch.bmm(stack.head.weight[ids], stack.final_norm(h)[:, :, None])[:, :, 0]  # [a, w]
+        if stack.softcap is not None:
+            z = torch.tanh(z / stack.softcap) * stack.softcap
+        z = z.masked_fill(torch.arange(width, device=z.device)[None] >= size[:, None], float("-inf"))
+        entropy, _, max_prob = readout_summary(z)
+        order = z.argsort(dim=-1, descending=True, stable=True)
+        self._sets[rows, :width] = ids.gather(1, order)  # best first by the latest logits
+        self._next[rows] = self._adaptive(max_prob, size, stack.vocab_size)
+        logits = torch.full((len(rows), stack.vocab_size), float("-inf"), dtype=z.dtype, device=z.device)
+        logits.scatter_(1, ids, z)
+        d_in, elem = stack.head.weight.shape[1], stack.head.weight.element_size()
+        n = size.double().cpu()
+        return Estimate(entropy, max_prob, logits, (2.0 * d_in * n, elem * d_in * n))
+
+    def _size(self, layer: int, rows: torch.Tensor, n_layers: int) -> torch.Tensor:
+        """Tokens the probe at ``layer`` reads, per row ``[a]``."""
+        if self.schedule == "fixed":
+            return torch.full_like(rows, self.k)
+        if self.schedule == "adaptive":
+            return self._next[rows]
+        j = self._first[rows].double()
+        frac = (layer - j) / (n_layers - j).clamp_min(1)
+        return torch.round(self.k + (self.k_min - self.k) * frac).long().clamp(self.k_min, self.k)
+
+    @staticmethod
+    def _adaptive(confidence: torch.Tensor, cap, vocab: int) -> torch.Tensor:
+        want = torch.ceil(vocab * (1 - 0.9 * confidence.double())).long().clamp_min(1)
+        return torch.minimum(want, torch.as_tensor(cap, device=want.device))
+
+    def describe(self) -> dict:
+        out = {"estimator": self.name, "prune_schedule": self.schedule}
+        if self.schedule != "adaptive":
+            out["prune_k"] = self.k
+        if self.schedule == "decay":
+            out["prune_k_min"] = self.k_min
+        return out
+
+
+def _merge(parts: list[tuple[torch.Tensor, Estimate]], vocab: int) -> Estimate:
+    """One estimate for all rows from estimates of complementary row masks ``[a]``."""
+    a = len(parts[0][0])
+    sample = parts[0][1]
+    out = Estimate(sample.entropy.new_empty(a), sample.max_prob.new_empty(a),
+                   sample.logits.new_empty(a, vocab), (torch.empty(a, dtype=torch.float64),
+                                                       torch.empty(a, dtype=torch.float64)))
+    for mask, est in parts:
+        out.entropy[mask], out.max_prob[mask], out.logits[mask] = est.entropy, est.max_prob, est.logits
+        cpu = mask.cpu()
+        out.cost[0][cpu], out.cost[1][cpu] = est.cost
+    return out

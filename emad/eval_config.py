@@ -31,8 +31,9 @@ class DecodeConfig(Section):
         default_point: the EMAD point the ablations start from (a name in ``points``).
         ablations: name → the options changed from ``default_point`` (one factor each).
         ablation_domains: domains the ablations run on (each also in ``domains``).
-        strategies: strategies (``ead``, ``speculative``): one run per model × strategy domain.
-        strategy_domains: domains the strategies run on (each also in ``domains``).
+        related: methods from related work without a profile (softmax response, contrastive, EAD, speculative
+            decoding ...): one run per model × related domain.
+        related_domains: domains the related methods run on (each also in ``domains``).
         heatmap_texts: generated texts shown in a run's token-depth heat map.
         device, dtype: where and how the model runs.
     """
@@ -44,8 +45,8 @@ class DecodeConfig(Section):
     default_point: str | None = None
     ablations: dict[str, dict[str, Any]] = Field(default_factory=dict)
     ablation_domains: list[str] = Field(default_factory=list)
-    strategies: dict[str, PointConfig] = Field(default_factory=dict)
-    strategy_domains: list[str] = Field(default_factory=list)
+    related: dict[str, PointConfig] = Field(default_factory=dict)
+    related_domains: list[str] = Field(default_factory=list)
     heatmap_texts: int = Field(3, ge=0)
     device: str = "auto"
     dtype: str = "auto"
@@ -70,19 +71,18 @@ class DecodeConfig(Section):
     @model_validator(mode="after")
     def _consistent(self) -> DecodeConfig:
         tables = {"baselines": self.baselines, "points": self.points, "ablations": self.ablations,
-                  "strategies": self.strategies}
+                  "related": self.related}
         _names_ok("point", [name for table in tables.values() for name in table])
         for name, point in self.baselines.items():
             if point.needs_profile or point.is_strategy:
-                home = "points" if point.needs_profile else "strategies"
+                home = "points" if point.needs_profile else "related"
                 raise ValueError(f"baselines.{name}: method {point.method!r} belongs under {home}")
         for name, point in self.points.items():
             if not point.needs_profile:
                 raise ValueError(f"points.{name}: method {point.method!r} uses no profile; list it under baselines")
-        for name, point in self.strategies.items():
-            if not point.is_strategy:
-                raise ValueError(f"strategies.{name}: method {point.method!r} is not a strategy (ead, speculative); "
-                                 "list it under baselines or points")
+        for name, point in self.related.items():
+            if point.needs_profile:
+                raise ValueError(f"related.{name}: method {point.method!r} needs a profile; list it under points")
         seen: dict[str, str] = {}
         for table, names in tables.items():
             for name in names:
@@ -90,9 +90,9 @@ class DecodeConfig(Section):
                     raise ValueError(f"point names must be unique across {', '.join(tables)}: {name!r} is in "
                                      f"{seen[name]} and {table}")
                 seen[name] = table
-        stray = [d for d in self.strategy_domains if d not in self.domains]
+        stray = [d for d in self.related_domains if d not in self.domains]
         if stray:
-            raise ValueError(f"strategy_domains {stray} are not in domains ({', '.join(self.domains)})")
+            raise ValueError(f"related_domains {stray} are not in domains ({', '.join(self.domains)})")
         if self.ablations:
             if self.default_point not in self.points:
                 raise ValueError(f"default_point {self.default_point!r} must name one of points: "
@@ -112,10 +112,10 @@ class DecodeConfig(Section):
         return validate_section(f"decode.ablations.{name}", {**base, **self.ablations[name]}, PointConfig)
 
     def point(self, kind: str, name: str) -> PointConfig:
-        """The operating point ``name`` of ``kind`` (``baseline``, ``point``, ``ablation`` or ``strategy``)."""
+        """The operating point ``name`` of ``kind`` (``baseline``, ``point``, ``ablation`` or ``related``)."""
         if kind == "ablation":
             return self.ablation(name)
-        table = {"baseline": self.baselines, "point": self.points, "strategy": self.strategies}[kind]
+        table = {"baseline": self.baselines, "point": self.points, "related": self.related}[kind]
         if name not in table:
             raise ValueError(f"unknown {kind} {name!r}; valid: {', '.join(table) or 'none'}")
         return table[name]

@@ -13,12 +13,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pydantic import field_validator
+from pydantic import field_validator, model_validator
 
 from emad import estimator_fit
 from emad.config import Section
 from emad.criteria import CRITERIA
 from emad.decode import Method
+from emad.decode.step import check_pairing
 from emad.decode.strategy import Strategy
 from emad.estimators import ESTIMATORS
 from emad.methods import STRATEGIES
@@ -57,6 +58,15 @@ class PointConfig(Section):
     policy: str = "monotone"
     estimator: str = "exact"
     strata: str | None = None
+    layer_thresholds: dict[int, float] | None = None
+    alpha: float | None = None
+    alpha_rate: float | None = None
+    distance_discount: float | None = None
+    contrast_weight: float | None = None
+    contrastive_output: bool | None = None
+    prune_k: int | None = None
+    prune_schedule: str | None = None
+    prune_k_min: int | None = None
     # strategies (unset: the strategy's defaults)
     tau: float | None = None
     small: str | None = None
@@ -95,6 +105,19 @@ class PointConfig(Section):
     def _strata(cls, v: str | None) -> str | None:
         return v if v is None else _one_of("strata variant", list(VARIANTS), v)
 
+    @model_validator(mode="after")
+    def _options_valid(self) -> PointConfig:
+        """Check the options' values now (a params typo costs seconds): the strategy's, the criterion's where it
+        needs no profile, and an estimator built from the point."""
+        given = self._given(_init_params(self.method))
+        if self.is_strategy:
+            STRATEGIES.get(self.method).check_options(**given)
+        elif not self.needs_profile:
+            CRITERIA.get(self.method).from_options(**given)
+        if not ESTIMATORS.get(self.estimator).needs_fit:
+            ESTIMATORS.get(self.estimator)(**self._given(_estimator_params(self.estimator)))
+        return self
+
     @property
     def needs_profile(self) -> bool:
         return "profile" in _init_params(self.method)
@@ -107,7 +130,7 @@ class PointConfig(Section):
         """The options that matter for this method (for run files, MLflow params and ablation tables)."""
         out = {"method": self.method, **self._given(_init_params(self.method) - {"profile"})}
         if not self.is_strategy and CRITERIA.get(self.method).needs_estimate:
-            out.update(policy=self.policy, estimator=self.estimator)
+            out.update(policy=self.policy, estimator=self.estimator, **self._given(_estimator_params(self.estimator)))
         if self.needs_profile and self.strata is not None:
             out["strata"] = self.strata
         return out
@@ -119,6 +142,12 @@ class PointConfig(Section):
 def method_names() -> list[str]:
     """Every method a point may name: exit criteria and strategies."""
     return sorted([*CRITERIA.names(), *STRATEGIES.names()])
+
+
+def _estimator_params(name: str) -> set[str]:
+    """The options an estimator built from the point (not from a fitted file) reads."""
+    cls = ESTIMATORS.get(name)
+    return set() if cls.needs_fit else set(inspect.signature(cls.__init__).parameters) - {"self"}
 
 
 def _init_params(method: str) -> set[str]:
@@ -156,12 +185,19 @@ def build_method(point: PointConfig, n_layers: int, fingerprint: dict, profile_p
     options = {**point.model_dump(exclude={"method", "policy", "estimator", "strata"}), "profile": profile}  # Profile object
     criterion = CRITERIA.get(point.method).from_options(**options)
     criterion.validate(n_layers)
-    fitted = estimators_path or (Path(profile_path).parent / "estimators.json" if profile_path else None)
-    if point.estimator != "exact" and fitted is None:
-        raise ValueError(f"estimator {point.estimator!r} needs a fitted estimators file (estimators.json beside "
-                         "the profile, from the fit_estimators stage)")
-    estimator = estimator_fit.load(fitted, point.estimator, fingerprint, criterion.probes(n_layers))
-    return Method(criterion, point.policy, estimator)
+    estimator_cls = ESTIMATORS.get(point.estimator)
+    check_pairing(criterion, estimator_cls)
+    if not estimator_cls.needs_fit:
+        estimator = estimator_cls(**point._given(_estimator_params(point.estimator)))
+    else:
+        fitted = estimators_path or (Path(profile_path).parent / "estimators.json" if profile_path else None)
+        if fitted is None:
+            raise ValueError(f"estimator {point.estimator!r} needs a fitted estimators file (estimators.json "
+                             "beside the profile, from the fit_estimators stage)")
+        estimator = estimator_fit.load(fitted, point.estimator, fingerprint, criterion.probes(n_layers))
+    method = Method(criterion, point.policy, estimator)
+    method.validate(n_layers)
+    return method
 
 
 def profile_file(profile_path: str | Path, strata: str | None) -> Path:

@@ -34,9 +34,11 @@ def sections() -> dict[str, type[Section] | type[RootModel]]:
     from emad.estimator_config import EstimatorsConfig
     from emad.eval_config import DecodeConfig
     from emad.report_config import AggregateConfig
+    from emad.risk_config import RiskConfig
 
     return {"models": ModelsConfig, "corpus": CorpusConfig, "calibrate": CalibrateConfig, "smooth": SmoothConfig,
-            "estimators": EstimatorsConfig, "decode": DecodeConfig, "aggregate": AggregateConfig}
+            "estimators": EstimatorsConfig, "decode": DecodeConfig, "risk": RiskConfig,
+            "aggregate": AggregateConfig}
 
 
 def validate_params(path: str | Path = "params.yaml") -> dict[str, Any]:
@@ -69,6 +71,9 @@ def _check_across(cfg: dict[str, Any]) -> None:
         if source not in sampled:
             raise ConfigError(f"calibrate.sources[{i}]: {source!r} is not sampled; add it to corpus.sources "
                               f"({', '.join(sorted(sampled))})")
+    if "risk" in cfg and cfg["risk"].searches and cfg["risk"].domain not in sampled:
+        raise ConfigError(f"risk.domain: {cfg['risk'].domain!r} is not sampled; add it to corpus.sources "
+                          f"({', '.join(sorted(sampled))})")
     for domain in cfg["decode"].domains if "decode" in cfg else []:
         if domain not in sampled:
             raise ConfigError(f"decode.domains.{domain}: the domain is not sampled; add it to corpus.sources "

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from emad import runfile, tracking
 from emad.config import load_section
-from emad.io import atomic_write_json, atomic_write_text
+from emad.io import atomic_write_json, atomic_write_text, read_json
 from emad.report import (
     ablation_tables,
     domain_shift_table,
@@ -40,9 +40,17 @@ def _write_plot_data(series, folder: Path) -> None:
             atomic_write_json(folder / axis / f"{s.name}.json", rows)
 
 
+def _risk_results(folder: Path | None) -> list[dict]:
+    """The ``emad-risk`` result files of the risk stage (none when the folder is absent)."""
+    if folder is None or not folder.is_dir():
+        return []
+    return [read_json(path, "risk result", ValueError) for path in sorted(folder.glob("*.json"))]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=Path, required=True, help="folder of run files (reports/runs)")
+    parser.add_argument("--risk", type=Path, help="folder of risk-control results (reports/risk)")
     parser.add_argument("--default-point", required=True, help="the EMAD point the ablations vary")
     parser.add_argument("--metrics", type=Path, required=True, help="metrics.json to write")
     parser.add_argument("--pareto", type=Path, required=True, help="folder for dvc plots data")
@@ -56,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     others = family_verdicts(runs, **cfg.thresholds())
     tables = {"domain_shift": domain_shift_table(runs),
               "ablations": ablation_tables(runs, default_point=args.default_point)
-              if any(r["point"] == args.default_point for r in runs) else {}}
+              if any(r["point"] == args.default_point for r in runs) else {},
+              "risk": _risk_results(args.risk)}
     series = pareto_data(runs)
 
     with tempfile.TemporaryDirectory(dir=args.figures.parent if args.figures.parent.exists() else None) as tmp:

@@ -38,7 +38,7 @@ def _profile_facts(path: Path | None, method) -> dict:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kind", choices=["baseline", "point", "ablation", "strategy"], required=True,
+    parser.add_argument("--kind", choices=["baseline", "point", "ablation", "related"], required=True,
                         help="which table of the decode section names the point")
     parser.add_argument("--point", required=True, help="operating point (or ablation) name")
     parser.add_argument("--model", required=True, help="model name (as in params.yaml models)")

@@ -146,7 +146,7 @@ class Scripted(Estimator):
     def __init__(self, table: dict[int, float]):
         self.table = table
 
-    def estimate(self, stack, h, layer):
+    def estimate(self, stack, h, layer, rows=None):
         ent = torch.full((h.shape[0],), self.table[layer])
         return Estimate(ent, torch.full_like(ent, 0.5), None)
 
@@ -172,7 +172,7 @@ def test_monotone_caps_depth_at_the_previous_token(llama):
         def __init__(self):
             self.calls = 0
 
-        def estimate(self, stack, h, layer):
+        def estimate(self, stack, h, layer, rows=None):
             self.calls += 1
             value = 0.1 if (self.calls <= 2 and layer == 2) else 5.0
             return Estimate(torch.full((h.shape[0],), value), torch.full((h.shape[0],), 0.5), None)

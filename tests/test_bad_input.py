@@ -45,8 +45,12 @@ BASE = {
         "default_point": "p",
         "ablations": {"copy": {"policy": "copy"}},
         "ablation_domains": ["stdlib-prose"],
+        "related": {"ead": {"method": "ead", "small_layers": 1, "tau": 1.0}},
+        "related_domains": ["gsm8k"],
         "device": "cpu", "dtype": "float32",
     },
+    "risk": {"domain": "stdlib-prose", "prompts": 22, "delta": 0.1, "epsilon": 0.1,
+             "searches": {"m": {"point": {"method": "emad"}, "knob": "margin", "values": [1.0, 0.5]}}},
     "aggregate": {"min_flops_reduction": 0.15},
 }
 
@@ -97,6 +101,14 @@ PARAMS_CASES = [  # (path with '/' between keys, value, what the message must na
     ("decode/heatmap_texts", -1, r"decode\.heatmap_texts"),
     ("aggregate/min_flops_reduction", 1.5, r"aggregate\.min_flops_reduction"),
     ("aggregate/methods", [], r"aggregate\.methods"),
+    ("decode/related/ead/tau", float("inf"), r"tau .*finite|decode\.related\.ead"),
+    ("decode/related/s", {"method": "speculative", "exit_layer": 1, "max_draft": 0}, r"n \(the maximum draft"),
+    ("decode/related/p", {"method": "softmax", "threshold": 0.5, "estimator": "prune", "prune_k": 0}, "prune_k"),
+    ("decode/related/c", {"method": "contrastive", "threshold": 0.5, "alpha": 2.0}, "alpha"),
+    ("risk/delta", 1.5, r"risk\.delta"),
+    ("risk/prompts", 5, "need at least 22 held-out prompts, got 5"),
+    ("risk/domain", "shakespeare", r"risk\.domain: 'shakespeare' is not sampled"),
+    ("risk/searches/m/knob", "depth", "knob 'depth' is not a scalar knob of method 'emad'"),
     ("models", {"smol.lm": "x"}, r"models\.smol\.lm"),
     ("models/tiny", " ", r"models\.tiny.*not empty"),
 ]

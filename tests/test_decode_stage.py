@@ -31,9 +31,11 @@ DECODE = {
     "ablations": {"backfill": {"policy": "backfill"}, "strata-position": {"strata": "position"},
                   "strata-confidence": {"strata": "confidence"}},
     "ablation_domains": ["toy"],
-    "strategies": {"ead-k2": {"method": "ead", "small_layers": 2, "tau": 3.0, "window": 2, "d_min": 2},
-                   "spec-e2": {"method": "speculative", "exit_layer": 2, "draft_policy": "adaedl"}},
-    "strategy_domains": ["toy"],
+    "related": {"ead-k2": {"method": "ead", "small_layers": 2, "tau": 3.0, "window": 2, "d_min": 2},
+                   "spec-e2": {"method": "speculative", "exit_layer": 2, "draft_policy": "adaedl"},
+                   "gap-prune": {"method": "softmax", "threshold": 0.5, "probe_every": 1, "estimator": "prune",
+                                 "prune_k": 32}},
+    "related_domains": ["toy"],
     "heatmap_texts": 2, "device": "cpu", "dtype": "float32",
 }
 
@@ -67,7 +69,7 @@ def _decode(root: Path, kind: str, point: str, monkeypatch, **extra) -> int:
             "--out", str(root / extra.pop("runs", "runs") / f"{kind}-{point}.json"),
             "--artifacts", str(root / "art" / point),
             "--params", str(root / "params.yaml")]
-    if kind not in ("baseline", "strategy"):
+    if kind not in ("baseline", "related"):
         args += ["--calibration", "toy", "--profile", str(extra.pop("profile", root / "profile.json"))]
     return stage.main(args)
 
@@ -104,11 +106,11 @@ def test_point_and_ablation_runs_carry_profile_factors(workspace, monkeypatch):
     assert point["options"]["strata"] == "none"
 
 
-def test_strategy_runs_report_their_statistics(workspace, monkeypatch):
-    assert _decode(workspace, "strategy", "ead-k2", monkeypatch) == 0
-    assert _decode(workspace, "strategy", "spec-e2", monkeypatch) == 0
-    ead = runfile.load(workspace / "runs" / "strategy-ead-k2.json")
-    spec = runfile.load(workspace / "runs" / "strategy-spec-e2.json")
+def test_related_runs_report_their_statistics(workspace, monkeypatch):
+    assert _decode(workspace, "related", "ead-k2", monkeypatch) == 0
+    assert _decode(workspace, "related", "spec-e2", monkeypatch) == 0
+    ead = runfile.load(workspace / "runs" / "related-ead-k2.json")
+    spec = runfile.load(workspace / "runs" / "related-spec-e2.json")
     assert ead["run_id"] == "tiny--ead-k2--toy" and ead["family"] == "ead" and ead["calibration"] is None
     assert ead["method"]["pair"] == "self" and ead["options"]["small_layers"] == 2
     assert 0 <= ead["cost"]["large_token_share"] <= 1 and set(ead["depth_histogram"]) <= {"2", "4"}
@@ -118,6 +120,9 @@ def test_strategy_runs_report_their_statistics(workspace, monkeypatch):
         runfile.load(workspace / "runs" / "baseline-full.json")["tasks"]["perplexity"]["perplexity"], rel=1e-5)
     assert 0 <= spec["cost"]["acceptance_rate"] <= 1 and spec["cost"]["target_passes_per_token"] <= 1
     assert spec["cost"]["flops_ratio"] > 0
+    assert _decode(workspace, "related", "gap-prune", monkeypatch) == 0
+    gap = runfile.load(workspace / "runs" / "related-gap-prune.json")
+    assert gap["family"] == "softmax" and gap["options"]["prune_k"] == 32 and gap["method"]["estimator"] == "prune"
 
 
 def test_strata_ablation_uses_the_variant_and_refuses_a_missing_one(workspace, monkeypatch):
@@ -151,11 +156,11 @@ def test_unknown_domain_or_point_is_named(workspace, monkeypatch):
     ({"default_point": "missing"}, "default_point 'missing'"),
     ({"ablations": {"x": {"policy": "teleport"}}}, "decode.ablations.x.policy: .*unknown policy 'teleport'"),
     ({"ablation_domains": ["elsewhere"]}, "ablation_domains"),
-    ({"strategy_domains": ["elsewhere"]}, "strategy_domains"),
-    ({"strategies": {"s": {"method": "fixed", "depth": 2}}}, "strategies.s: method 'fixed' is not a strategy"),
-    ({"baselines": {"s": {"method": "ead", "tau": 1.0, "small_layers": 2}}}, "belongs under strategies"),
-    ({"strategies": {"full": {"method": "ead", "tau": 1.0, "small_layers": 2}}}, "'full' is in baselines and"),
-    ({"strategies": {"s": {"method": "ead", "tau": "warm"}}}, "decode.strategies.s.tau"),
+    ({"related_domains": ["elsewhere"]}, "related_domains"),
+    ({"related": {"s": {"method": "emad", "margin": 1.0}}}, "related.s: method 'emad' needs a profile"),
+    ({"baselines": {"s": {"method": "ead", "tau": 1.0, "small_layers": 2}}}, "belongs under related"),
+    ({"related": {"full": {"method": "ead", "tau": 1.0, "small_layers": 2}}}, "'full' is in baselines and"),
+    ({"related": {"s": {"method": "ead", "tau": "warm"}}}, "decode.related.s.tau"),
     ({"baselines": {"f": {"method": "fixed", "dept": 3}}}, "decode.baselines.f.dept"),
 ])
 def test_bad_decode_params_name_the_culprit(change, culprit):
@@ -174,3 +179,55 @@ def test_runs_do_not_depend_on_the_working_directory(workspace, monkeypatch, tmp
     assert _decode(workspace, "baseline", "fixed-2", monkeypatch) == 0
     assert runfile.load(workspace / "runs" / "baseline-fixed-2.json")["cost"]["mean_depth"] < 4
     assert os.listdir(tmp_path) == []
+
+
+RISK = {"domain": "toy", "prompts": 6, "fresh_prompts": 4, "prompt_tokens": 8, "new_tokens": 6, "delta": 0.3,
+        "epsilon": 0.3, "device": "cpu", "dtype": "float32",
+        "searches": {"margin": {"point": {"method": "emad"}, "knob": "margin", "values": [0.0, 100.0, 1.0]},
+                     "gap": {"point": {"method": "softmax", "probe_every": 1}, "knob": "threshold",
+                             "values": [0.5, 2.0]}}}
+
+
+def _risk(root: Path, search: str, monkeypatch, risk: dict | None = None) -> Path:
+    import pipeline.risk as stage
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+    params = root / "risk-params.yaml"
+    params.write_text(yaml.safe_dump({"risk": risk or RISK}))
+    out = root / "risk" / f"{search}.json"
+    assert stage.main(["--search", search, "--model", "tiny", "--model-dir", str(root / "model"),
+                       "--corpus", str(root / "corpus"), "--calibration", "toy", "--profile",
+                       str(root / "profile.json"), "--out", str(out), "--params", str(params)]) == 0
+    return out
+
+
+def test_risk_stage_certifies_from_the_conservative_end_and_checks_on_fresh_prompts(workspace, monkeypatch):
+    result = json.loads(_risk(workspace, "margin", monkeypatch).read_text())
+    assert result["format"] == "emad-risk" and result["values"] == [100.0, 1.0, 0.0]  # high margin exits least
+    assert result["risks"][0] == 0.0 and result["p_values"][0] <= 0.3  # margin 100 never exits: no loss
+    assert result["chosen"] in result["values"] and result["n"] == 6 and result["fresh_n"] == 4
+    assert result["fresh_holds"] == (result["fresh_risk"] <= 0.3) and result["fresh_flops_ratio"] > 0
+    assert result["guarantee"].startswith(f"margin = {result['chosen']:g}")
+    gap = json.loads(_risk(workspace, "gap", monkeypatch).read_text())
+    assert gap["values"] == [2.0, 0.5] and gap["risks"][0] == 0.0
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{workspace / 'mlflow.db'}")
+    runs = mlflow.search_runs(experiment_names=["emad"], filter_string="tags.dvc_stage = 'risk'")
+    assert {result["mlflow_run_id"], gap["mlflow_run_id"]} <= set(runs["run_id"])
+
+
+@pytest.mark.parametrize("change, culprit", [
+    ({"prompts": 3}, "need at least 4 held-out prompts, got 3"),
+    ({"delta": 1.0}, r"risk\.delta"),
+    ({"epsilon": 0.0}, r"risk\.epsilon"),
+    ({"loss": "bleu"}, "loss must be one of agreement, exact"),
+    ({"searches": {"s": {"point": {"method": "emad"}, "knob": "threshold", "values": [1.0]}}},
+     "knob 'threshold' is not a scalar knob of method 'emad'; valid: margin"),
+    ({"searches": {"s": {"point": {"method": "emad"}, "knob": "margin", "values": []}}}, r"risk\.searches\.s\.values"),
+])
+def test_bad_risk_params_name_the_culprit(change, culprit):
+    from emad.risk_config import RiskConfig
+
+    with pytest.raises(ConfigError, match=culprit):
+        validate_section("risk", {**RISK, **change}, RiskConfig)

@@ -12,7 +12,7 @@ from emad.criteria import Full
 from emad.decode import Sampling, generate, score, score_adaptive
 from emad.methods import EAD, STRATEGIES, ModelPair, SelfPair, Switcher
 from emad.stack import LayerStack
-from tests.tiny import TinyTokenizer, random_prompts, tiny_model
+from tests.tiny import TinyTokenizer, VocabTokenizer, random_prompts, tiny_model
 
 TOK = TinyTokenizer()
 NEW = 24
@@ -218,20 +218,12 @@ def test_small_layers_outside_range_is_refused(k):
         generate(stack, TOK, [[3, 4]], _ead(SelfPair(k)), 4)
 
 
-class _VocabTokenizer(TinyTokenizer):
-    def __init__(self, vocab: dict):
-        self.vocab = vocab
-
-    def get_vocab(self) -> dict:
-        return self.vocab
-
-
 def test_different_tokenizers_or_vocabularies_are_refused_naming_both():
     target = LayerStack(tiny_model("llama"))
     other = LayerStack(tiny_model("llama", seed=3, n_layers=1))
     with pytest.raises(ValueError, match=r"(?s)small model .*llama, 1 layers.* large model .*llama, 4 layers.*"
                                          r"different tokenizers"):
-        generate(target, _VocabTokenizer({"b": 0}), [[3, 4]], _ead(ModelPair(other, _VocabTokenizer({"a": 0}))), 4)
+        generate(target, VocabTokenizer({"b": 0}), [[3, 4]], _ead(ModelPair(other, VocabTokenizer({"a": 0}))), 4)
     cfg = tiny_model("gpt2").config
     cfg.vocab_size = 50
     import transformers as tf
@@ -251,7 +243,7 @@ def test_from_options_needs_tau_and_exactly_one_small_model():
         make(tau=1.0, small="x", small_layers=2)
     with pytest.raises(ValueError, match="needs exit_layer"):
         STRATEGIES.get("speculative").from_options()
-    with pytest.raises(KeyError, match="adaedl, confidence, static"):
+    with pytest.raises(ValueError, match="adaedl, confidence, static"):
         STRATEGIES.get("speculative").from_options(exit_layer=1, draft_policy="greedy")
     with pytest.raises(ValueError, match=r"^n "):
         STRATEGIES.get("speculative").from_options(exit_layer=1, max_draft=0)

@@ -56,7 +56,7 @@ def test_fit_recovers_a_linear_relation():
     class Scaled(TopK):
         """Raw estimate = (exact - 1) / 2: the fitted correction must undo it."""
 
-        def estimate(self, stack, h, layer):
+        def estimate(self, stack, h, layer, rows=None):
             exact = ESTIMATORS.get("exact")().estimate(stack, h, layer)
             exact.entropy = self.corrected((exact.entropy - 1.0) / 2.0, layer)
             return exact

@@ -26,7 +26,8 @@ from emad.lm_eval_model import EmadLM, ModelArgsError
 from emad.lm_eval_tasks import loaders
 from emad.models import load_model
 from emad.profile import smooth
-from emad.tasks.gsm8k import STRICT, test_rows
+from emad.tasks.gsm8k import STRICT
+from emad.tasks.gsm8k import test_rows as gsm8k_rows
 from tests.tiny import save_tiny_pretrained
 
 CONTEXTS = [("The answer is", " 42 dollars"), ("Natalia sold clips to ", "48 of her friends."), ("", "Hello world")]
@@ -48,7 +49,7 @@ def _byte_bpe(texts: list[str], vocab_size: int = 300):
 
 @pytest.fixture(scope="module")
 def texts() -> list[str]:
-    return [r["question"] + "\n" + r["answer"] for r in test_rows()[:40]]
+    return [r["question"] + "\n" + r["answer"] for r in gsm8k_rows()[:40]]
 
 
 @pytest.fixture(scope="module")

@@ -43,10 +43,13 @@ def _params(model_dir: Path) -> dict:
             "default_point": "emad-m0",
             "ablations": {"backfill": {"policy": "backfill"}},
             "ablation_domains": ["stdlib-prose"],
-            "strategies": {"ead-k2": {"method": "ead", "small_layers": 2, "tau": 3.0, "window": 2, "d_min": 2}},
-            "strategy_domains": ["gsm8k"],
+            "related": {"ead-k2": {"method": "ead", "small_layers": 2, "tau": 3.0, "window": 2, "d_min": 2}},
+            "related_domains": ["gsm8k"],
             "heatmap_texts": 1, "device": "cpu", "dtype": "float32",
         },
+        "risk": {"domain": "stdlib-prose", "prompts": 4, "fresh_prompts": 2, "prompt_tokens": 8, "new_tokens": 4,
+                 "delta": 0.3, "epsilon": 0.3, "device": "cpu", "dtype": "float32",
+                 "searches": {"margin": {"point": {"method": "emad"}, "knob": "margin", "values": [10.0, 0.0]}}},
         "aggregate": {"methods": ["emad"]},
     }
 
@@ -104,12 +107,14 @@ def test_repro_writes_every_output(repo):
     for stem in (p[:-5] for p in runs):
         assert (repo / "reports" / "artifacts" / stem / "heatmap.html").is_file()
     for path in ("data/profiles/tiny/stdlib-prose/profile.json", "data/profiles/tiny/stdlib-prose/estimators.json",
-                 "reports/profiles/tiny-stdlib-prose.png", "reports/report.md", "reports/metrics.json"):
+                 "reports/profiles/tiny-stdlib-prose.png", "reports/report.md", "reports/metrics.json",
+                 "reports/risk/tiny--margin--cal-stdlib-prose.json"):
         assert (repo / path).is_file(), path
     assert list((repo / "reports" / "figures").glob("*.png"))
     assert list((repo / "reports" / "pareto" / "flops").glob("*.json"))
     report = (repo / "reports" / "report.md").read_text()
     assert "C1" in report and "C2" in report and "MLflow runs" in report
+    assert "## Risk-controlled thresholds" in report and "| tiny | margin | stdlib-prose | margin |" in report
     metrics = json.loads(_sh(repo, "dvc", "metrics", "show", "--json"))
     assert "tiny" in json.dumps(metrics)
     status = _sh(repo, "dvc", "status")
@@ -120,7 +125,7 @@ def test_mlflow_holds_one_run_per_stage_execution(repo):
     runs = _mlflow_runs(repo)
     stages = runs["tags.dvc_stage"].value_counts().to_dict()
     assert stages == {"calibrate": 1, "smooth": 1, "fit_estimators": 1, "decode_baseline": 4, "decode": 2,
-                      "decode_ablation": 1, "decode_strategy": 1, "aggregate": 1}
+                      "decode_ablation": 1, "decode_related": 1, "risk": 1, "aggregate": 1}
     parent = runs[runs["tags.dvc_stage"] == "aggregate"].iloc[0]["run_id"]
     nested = runs[runs["tags.mlflow.parentRunId"] == parent]
     assert len(nested) == 8

@@ -25,7 +25,7 @@ from emad.methods import (
 )
 from emad.methods.common import pass_cost
 from emad.stack import LayerStack
-from tests.tiny import ARCHITECTURES, TinyTokenizer, random_prompts, tiny_model
+from tests.tiny import ARCHITECTURES, TinyTokenizer, VocabTokenizer, random_prompts, tiny_model
 
 NEW = 24
 TOK = TinyTokenizer()
@@ -244,20 +244,12 @@ def test_different_vocabulary_is_refused_naming_both_models():
         _spec(target, [3, 4], drafter)
 
 
-class _VocabTokenizer(TinyTokenizer):
-    def __init__(self, vocab: dict):
-        self.vocab = vocab
-
-    def get_vocab(self) -> dict:
-        return self.vocab
-
-
 def test_different_tokenizer_is_refused():
     target = LayerStack(tiny_model("llama"))
     drafter_stack = LayerStack(tiny_model("llama", seed=3, n_layers=1))
-    drafter = ModelDrafter(drafter_stack, tokenizer=_VocabTokenizer({"a": 0}))
+    drafter = ModelDrafter(drafter_stack, tokenizer=VocabTokenizer({"a": 0}))
     with pytest.raises(ValueError, match="different tokenizers"):
-        speculative_generate(target, _VocabTokenizer({"b": 0}), [3, 4], drafter, 4)
+        speculative_generate(target, VocabTokenizer({"b": 0}), [3, 4], drafter, 4)
 
 
 @pytest.mark.parametrize("exit_layer", [0, 4, -1, 7])

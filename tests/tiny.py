@@ -76,6 +76,16 @@ class TinyTokenizer:
         return " ".join(f"t{i}" for i in ids)
 
 
+class VocabTokenizer(TinyTokenizer):
+    """A tiny tokenizer with a given token → id map (to tell tokenizers apart)."""
+
+    def __init__(self, vocab: dict):
+        self.vocab = vocab
+
+    def get_vocab(self) -> dict:
+        return self.vocab
+
+
 def random_prompts(n: int, lengths, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(2, VOCAB, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]

@@ -99,10 +99,11 @@ def _score_adaptive(stack: LayerStack, prompt: Sequence[int], continuation: Sequ
         raise ValueError("score_adaptive needs a non-empty prompt and continuation")
     _check_length(stack, len(prompt) + len(continuation))
     if parallel is None:
-        parallel = method.policy == "monotone"
+        parallel = method.policy == "monotone" and not method.criterion.reads_every_exit
     if parallel:
-        if method.policy != "monotone":
-            raise ValueError(f"parallel scoring needs the monotone policy, not {method.policy!r}")
+        if method.policy != "monotone" or method.criterion.reads_every_exit:
+            raise ValueError(f"parallel scoring needs the monotone policy and a criterion that reads exit tokens "
+                             f"from the readout, not policy {method.policy!r} with {method.criterion.name!r}")
         return _score_monotone(stack, prompt, continuation, method)
     cost = CostModel.from_stack(stack)
     ids, real = left_pad([prompt], 0, stack.device)
@@ -163,6 +164,8 @@ def _score_monotone(stack: LayerStack, prompt: Sequence[int], continuation: Sequ
     depth = torch.zeros(m, dtype=torch.long)
     charged = torch.zeros(m, dtype=torch.float64)
     first_conf = torch.ones(m, device=device)
+    estimator.begin(m)
+    criterion.begin(m)
     running, done = m, 0
     for k, probe in enumerate(probes):
         if running == 0:
@@ -170,27 +173,33 @@ def _score_monotone(stack: LayerStack, prompt: Sequence[int], continuation: Sequ
         h = stack.run(h[:, :running], done, probe, cache, positions[:, :running],
                       slice(slots.start, slots.start + running))
         done = probe
-        first, logits = running, None  # first: the first position that passes here
-        want = probe >= criterion.min_exit_layer or (k == 0 and criterion.needs_first_confidence())
-        if k < len(probes) - 1 and criterion.needs_estimate and want:
-            est = estimator.estimate(stack, h[0], probe)
+        first, passer = running, None  # first: the first position that passes here; passer: its exit logits
+        if k < len(probes) - 1 and criterion.needs_estimate and criterion.wants_estimate(k, probe):
+            est = estimator.estimate(stack, h[0], probe, torch.arange(running, device=device))
             if k == 0:
                 first_conf[:running] = est.max_prob.float()
+            view = ProbeView(probe, est.entropy, positions[0, :running], first_conf[:running], est.logits,
+                             torch.arange(running, device=device))
+            criterion.observe(view)
             if probe >= criterion.min_exit_layer:
-                view = ProbeView(probe, est.entropy, positions[0, :running], first_conf[:running])
                 hits = criterion.exits(view).nonzero()
                 first = int(hits[0]) if len(hits) else running
-            charged[: min(first + 1, running)] += probe_flops
-            logits = est.logits
+            upto = min(first + 1, running)  # the positions this probe was paid for (later ones are capped)
+            charged[:upto] += est.cost[0][:upto] if est.cost is not None else probe_flops
+            if first < running:
+                logits = criterion.exit_logits(view)
+                passer = logits[first] if logits is not None else None
         elif k == len(probes) - 1:
             first = 0
         if first < running:
-            leave = slice(first, running)
-            exit_logits[leave] = (logits[leave] if logits is not None else stack.readout(h[0, leave])).to(
-                exit_logits.dtype)
-            read_from = first + 1 if logits is not None else first  # the passer reuses the estimator's readout
-            charged[read_from:running] += cost.readout_flops
-            depth[leave] = probe
+            capped = first
+            if passer is not None:  # the passer reads its token from the probe; later positions are capped
+                exit_logits[first] = passer.to(exit_logits.dtype)
+                capped = first + 1
+            if capped < running:
+                exit_logits[capped:running] = stack.readout(h[0, capped:running]).to(exit_logits.dtype)
+                charged[capped:running] += cost.readout_flops
+            depth[first:running] = probe
         running = first
     targets = torch.tensor(continuation[1:], device=device)[:, None]
     logprobs += torch.log_softmax(exit_logits.float(), -1).gather(-1, targets)[:, 0].tolist()

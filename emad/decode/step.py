@@ -69,6 +69,7 @@ class Method:
 
     def validate(self, n_layers: int) -> None:
         self.criterion.validate(n_layers)
+        check_pairing(self.criterion, type(self.estimator))
 
     def bind(self, stack: LayerStack, tokenizer) -> None:
         """Check that this method can run on ``stack`` (as :meth:`Strategy.bind` does), before any work."""
@@ -79,6 +80,14 @@ class Method:
 
     def describe(self) -> dict:
         return {**self.criterion.describe(), "policy": self.policy, **self.estimator.describe()}
+
+
+def check_pairing(criterion: Criterion, estimator: type[Estimator]) -> None:
+    """Refuse a criterion that reads each probe's readout with an estimator that does not compute it."""
+    if criterion.needs_logits and not estimator.gives_logits:
+        able = ", ".join(n for n in ESTIMATORS.names() if ESTIMATORS.get(n).gives_logits)
+        raise ValueError(f"method {criterion.name!r} reads each probe's readout: use an estimator that computes it "
+                         f"({able}), not {estimator.name!r}")
 
 
 def as_method(method: Method | Criterion) -> Method:
@@ -177,6 +186,8 @@ def step(
     )
     first_conf = torch.ones(b, device=device)
     active = torch.arange(b, device=device)  # indices into the b rows still running
+    estimator.begin(b)
+    criterion.begin(b)
     done = 0
     for k, probe in enumerate(probes):
         cache_rows = rows[active]
@@ -187,25 +198,33 @@ def step(
         last = torch.full_like(active, k == len(probes) - 1, dtype=torch.bool)
         capped = cap[active] <= probe
         passed = torch.zeros_like(last)
-        logits = None
-        want = probe >= criterion.min_exit_layer or (k == 0 and criterion.needs_first_confidence())
-        if criterion.needs_estimate and want and not bool((last | capped).all()):
-            est = estimator.estimate(stack, h[:, -1], probe)
-            idx = active.cpu()
-            out.probe_flops[idx] += probe_flops
-            out.probe_bytes[idx] += probe_bytes
+        probe_logits = None  # [p, V] exit logits of the probed rows
+        # rows whose depth is decided here are probed; capped rows exit without a probe (as they would alone)
+        probing = torch.ones_like(last) if criterion.reads_every_exit else ~(last | capped)
+        if criterion.needs_estimate and criterion.wants_estimate(k, probe) and bool(probing.any()):
+            probed = active[probing]
+            est = estimator.estimate(stack, h[probing, -1], probe, probed)
+            idx = probed.cpu()
+            spent = est.cost or (probe_flops, probe_bytes)
+            out.probe_flops[idx] += spent[0]
+            out.probe_bytes[idx] += spent[1]
             out.entropies[idx, k] = est.entropy.float().cpu()
             if k == 0:
-                first_conf[active] = est.max_prob.float()
+                first_conf[probed] = est.max_prob.float()
+            view = ProbeView(probe, est.entropy, pos[probed, 0], first_conf[probed], est.logits, probed)
+            criterion.observe(view)
             if probe >= criterion.min_exit_layer:
-                view = ProbeView(probe, est.entropy, pos[active, 0], first_conf[active])
-                passed = criterion.exits(view)
-            logits = est.logits
+                passed[probing] = criterion.exits(view)
+            probe_logits = criterion.exit_logits(view)
         leave = passed | capped | last
         if bool(leave.any()):
-            exit_logits = logits[leave] if logits is not None else _readout(stack, h[leave], cost, out, active[leave])
             gone = active[leave]
-            out.logits[gone] = exit_logits.to(out.logits.dtype)
+            read = leave & ~probing if probe_logits is not None else leave  # rows read out afresh
+            if probe_logits is not None:
+                took = leave & probing
+                out.logits[active[took]] = probe_logits[took[probing]].to(out.logits.dtype)
+            if bool(read.any()):
+                out.logits[active[read]] = _readout(stack, h[read], cost, out, active[read]).to(out.logits.dtype)
             out.depths[gone] = probe
             out.reasons[gone.cpu()] = torch.where(passed[leave], 0, torch.where(capped[leave], 1, 2)).cpu()
             policy.after_exit(stack, cache, rows[gone], slots.start, h[leave], pos[gone, 0], probe)

@@ -32,6 +32,11 @@ class Strategy:
         """Build from operating-point options; ``load(spec) -> (stack, tokenizer)`` loads any second model."""
         raise NotImplementedError
 
+    @classmethod
+    def check_options(cls, **options) -> None:
+        """Raise ``ValueError`` naming a bad option, without loading anything (params are checked this way
+        before any stage works)."""
+
     def validate(self, n_layers: int) -> None:
         """Raise ``ValueError`` naming the parameter when this strategy cannot run on an L-layer target."""
 

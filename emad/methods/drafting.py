@@ -59,8 +59,12 @@ class Drafter:
 
     stack: LayerStack | None = None
 
+    def validate(self, n_layers: int) -> None:
+        """Check that this drafter fits a target of ``n_layers`` layers; raise ``ValueError`` saying why not."""
+
     def bind(self, target: LayerStack, tokenizer) -> None:
         """Check that this drafter can serve ``target``; raise ``ValueError`` saying why not."""
+        self.validate(target.n_layers)
 
     def start(self, target: LayerStack, cache: KVCache, prompt: list[int], capacity: int, tally: Tally) -> None:
         """Begin a generation: the target's cache already holds the prompt."""
@@ -112,12 +116,11 @@ class SelfDrafter(Drafter):
     def __init__(self, exit_layer: int):
         self.exit_layer = exit_layer
 
-    def bind(self, target: LayerStack, tokenizer) -> None:
-        L = target.n_layers
+    def validate(self, n_layers: int) -> None:
         e = self.exit_layer
-        if isinstance(e, bool) or not isinstance(e, int) or not 1 <= e < L:
-            raise ValueError(f"exit layer E={self.exit_layer!r} is outside the valid range 1..{L - 1} for a target "
-                             f"of {L} layers")
+        if isinstance(e, bool) or not isinstance(e, int) or not 1 <= e < n_layers:
+            raise ValueError(f"exit layer E={e!r} is outside the valid range 1..{n_layers - 1} for a target of "
+                             f"{n_layers} layers")
 
     def start(self, target, cache, prompt, capacity, tally) -> None:
         self.target, self.cache, self.tally = target, cache, tally

@@ -118,8 +118,12 @@ class Pair:
     """The two models of one EAD generation (batch 1): the decode loop calls :meth:`bind`, then per generation
     :meth:`start` and, per token, :meth:`advance` for the current side."""
 
+    def validate(self, n_layers: int) -> None:
+        """Check that this pair fits a large model of ``n_layers`` layers; raise ``ValueError`` saying why not."""
+
     def bind(self, target: LayerStack, tokenizer) -> None:
         """Check that this pair can run with ``target`` as M_L; raise ``ValueError`` saying why not."""
+        self.validate(target.n_layers)
 
     def stacks(self, target: LayerStack) -> list[LayerStack]:
         """Every model this pair runs."""
@@ -148,10 +152,11 @@ class SelfPair(Pair):
     def __init__(self, small_layers: int):
         self.k = small_layers
 
-    def bind(self, target, tokenizer) -> None:
-        k, L = self.k, target.n_layers
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k < L:
-            raise ValueError(f"small_layers k={k!r} is outside the valid range 1..{L - 1} for a target of {L} layers")
+    def validate(self, n_layers: int) -> None:
+        k = self.k
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k < n_layers:
+            raise ValueError(f"small_layers k={k!r} is outside the valid range 1..{n_layers - 1} for a target of "
+                             f"{n_layers} layers")
 
     def start(self, target, prompt, capacity, side) -> Advance:
         self.target, self.cost = target, CostModel.from_stack(target)
@@ -246,26 +251,34 @@ class EAD(Strategy):
                      small_layers: int | None = None, window: int = 5, d_min: int = 10,
                      start: str = "small") -> EAD:
         """``small`` (a second model's spec) or ``small_layers`` (k, the target's own first k layers) names M_S."""
+        switcher = cls._switcher(tau, small, small_layers, window, d_min, start)
+        if small is not None:
+            if load is None:
+                raise ValueError(f"method 'ead' with small={small!r} needs a model loader")
+            return cls(ModelPair(*load(small)), switcher)
+        return cls(SelfPair(small_layers), switcher)
+
+    @classmethod
+    def check_options(cls, tau: float | None = None, small: str | None = None, small_layers: int | None = None,
+                      window: int = 5, d_min: int = 10, start: str = "small") -> None:
+        cls._switcher(tau, small, small_layers, window, d_min, start)
+        if small_layers is not None and (isinstance(small_layers, bool) or not isinstance(small_layers, int)
+                                         or small_layers < 1):
+            raise ValueError(f"small_layers k must be an integer >= 1, got {small_layers!r}")
+
+    @staticmethod
+    def _switcher(tau, small, small_layers, window, d_min, start) -> Switcher:
         if tau is None:
             raise ValueError("method 'ead' needs tau (the entropy threshold τ, nats)")
         if (small is None) == (small_layers is None):
             raise ValueError("method 'ead' needs exactly one of small (a second model sharing the tokenizer) or "
                              "small_layers (k: the target's own first k layers as the small model)")
-        if small is not None:
-            if load is None:
-                raise ValueError(f"method 'ead' with small={small!r} needs a model loader")
-            pair: Pair = ModelPair(*load(small))
-        else:
-            pair = SelfPair(small_layers)
-        return cls(pair, Switcher(tau, window, d_min, start))
+        return Switcher(tau, window, d_min, start)
 
     def validate(self, n_layers: int) -> None:
-        if isinstance(self.pair, SelfPair) and not (isinstance(self.pair.k, int) and 1 <= self.pair.k < n_layers):
-            raise ValueError(f"small_layers k={self.pair.k!r} is outside the valid range 1..{n_layers - 1} for a "
-                             f"target of {n_layers} layers")
+        self.pair.validate(n_layers)
 
     def bind(self, stack, tokenizer) -> None:
-        self.validate(stack.n_layers)
         self.pair.bind(stack, tokenizer)
 
     def describe(self) -> dict:

@@ -45,29 +45,41 @@ class Speculative(Strategy):
         """``drafter``: ``self`` (early exit at ``exit_layer`` of the target) or a second model's spec.
         ``draft_policy``: ``static``, ``adaedl`` (``gamma``, ``lam``, ``target_acceptance``, ``beta``, ``eta``) or
         ``confidence`` (``draft_confidence``); ``max_draft`` is N."""
+        policy = cls._policy(drafter, exit_layer, draft_policy, max_draft, gamma, lam, target_acceptance, beta, eta,
+                             draft_confidence)
         if drafter == "self":
-            if exit_layer is None:
-                raise ValueError("method 'speculative' with drafter=self needs exit_layer (E, in 1..L-1)")
-            made: Drafter = SelfDrafter(exit_layer)
-        elif load is None:
+            return cls(SelfDrafter(exit_layer), policy)
+        if load is None:
             raise ValueError(f"method 'speculative' with drafter={drafter!r} needs a model loader")
-        else:
-            made = ModelDrafter(*load(drafter))
-        policy_cls = DRAFT_POLICIES.get(draft_policy)
+        return cls(ModelDrafter(*load(drafter)), policy)
+
+    @classmethod
+    def check_options(cls, drafter: str = "self", exit_layer: int | None = None, draft_policy: str = "static",
+                      max_draft: int = 4, gamma: float | None = None, lam: float | None = None,
+                      target_acceptance: float | None = None, beta: float | None = None, eta: float | None = None,
+                      draft_confidence: float | None = None) -> None:
+        cls._policy(drafter, exit_layer, draft_policy, max_draft, gamma, lam, target_acceptance, beta, eta,
+                    draft_confidence)
+
+    @staticmethod
+    def _policy(drafter, exit_layer, draft_policy, max_draft, gamma, lam, target_acceptance, beta, eta,
+                draft_confidence) -> DraftPolicy:
+        """The draft-length policy, after checking that a self drafter has its exit layer."""
+        if drafter == "self" and exit_layer is None:
+            raise ValueError("method 'speculative' with drafter=self needs exit_layer (E, in 1..L-1)")
+        try:
+            policy_cls = DRAFT_POLICIES.get(draft_policy)
+        except KeyError as err:
+            raise ValueError(err.args[0]) from None
         given = {"n": max_draft, "gamma": gamma, "lam": lam, "target_acceptance": target_acceptance, "beta": beta,
                  "eta": eta, "c": draft_confidence}
         accepted = set(inspect.signature(policy_cls.__init__).parameters)
-        return cls(made, policy_cls(**{k: v for k, v in given.items() if v is not None and k in accepted}))
+        return policy_cls(**{k: v for k, v in given.items() if v is not None and k in accepted})
 
     def validate(self, n_layers: int) -> None:
-        if isinstance(self.drafter, SelfDrafter):
-            e = self.drafter.exit_layer
-            if isinstance(e, bool) or not isinstance(e, int) or not 1 <= e < n_layers:
-                raise ValueError(f"exit layer E={e!r} is outside the valid range 1..{n_layers - 1} for a target of "
-                                 f"{n_layers} layers")
+        self.drafter.validate(n_layers)
 
     def bind(self, stack, tokenizer) -> None:
-        self.validate(stack.n_layers)
         self.drafter.bind(stack, tokenizer)
 
     def describe(self) -> dict:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from emad.report.pareto import FULL, baselines, point_label, speedup
-from emad.report.tables import ablation_markdown, domain_shift_markdown, fmt, markdown_table
+from emad.report.tables import ablation_markdown, domain_shift_markdown, fmt, markdown_table, risk_markdown
 from emad.report.verdict import ModelVerdict
 
 REPRODUCE = ("`dvc repro` rebuilds every stage from params.yaml (only what changed reruns); `make mlflow` opens "
@@ -108,6 +108,11 @@ def figures_markdown(figures_index: Sequence[dict[str, Any]], relative_to: str |
     return "\n\n".join(out) if out else "_No figures._"
 
 
+RISK_NOTE = ("Each search tests a method's knob from the value that exits least (Learn then Test, fixed sequence, "
+             "Hoeffding–Bentkus p-values) on held-out prompts and keeps the most aggressive certified value; "
+             "the chosen value is then run on fresh prompts.")
+
+
 def report_markdown(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, ModelVerdict],
                     tables: Mapping[str, Any], figures_index: Sequence[dict[str, Any]], *,
                     family_verdicts: Mapping[str, Mapping[str, ModelVerdict]] | None = None,
@@ -117,7 +122,7 @@ def report_markdown(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, Model
     Args:
         runs: run records.
         verdicts: ``{model: ModelVerdict}`` for the method (:func:`emad.report.verdict.verdict`).
-        tables: ``{"domain_shift": cells, "ablations": {factor: rows}}`` (either may be absent).
+        tables: ``{"domain_shift": cells, "ablations": {factor: rows}, "risk": results}`` (any may be absent).
         figures_index: from :func:`emad.report.figures.write_pareto_figures`.
         family_verdicts: optional ``{family: {model: ModelVerdict}}`` to show whether baselines pass too.
         relative_to: folder of the report; figure links are made relative to it.
@@ -131,6 +136,8 @@ def report_markdown(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, Model
         parts += ["## Domain shift", domain_shift_markdown(tables["domain_shift"])]
     if "ablations" in tables:
         parts += ["## Ablations", ablation_markdown(tables["ablations"])]
+    if tables.get("risk"):
+        parts += ["## Risk-controlled thresholds", RISK_NOTE, risk_markdown(tables["risk"])]
     parts += ["## Figures", figures_markdown(figures_index, relative_to), "## How to reproduce", REPRODUCE]
     return "\n\n".join(parts) + "\n"
 

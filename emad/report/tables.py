@@ -193,3 +193,22 @@ def ablation_markdown(tables: dict[str, list[dict[str, Any]]]) -> str:
         out.append(f"**{factor}**\n\n" + markdown_table(header, body))
     return "\n\n".join(out)
 
+
+
+def risk_markdown(results: Sequence[dict[str, Any]]) -> str:
+    """One row per risk-controlled search: the chosen knob value, its guarantee, and the check on fresh prompts."""
+    if not results:
+        return "_No risk-controlled searches._"
+    lines = ["| model | search | calibration | knob | chosen | held-out loss | fresh loss (δ) | holds on fresh | "
+             "FLOPs ratio (fresh) | MLflow run |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(results, key=lambda r: (r["model"], r["search"], r["calibration"])):
+        tested = dict(zip(r["values"], r["risks"]))
+        chosen = "none" if r["chosen"] is None else f"{r['chosen']:g}"
+        held = "—" if r["chosen"] is None else f"{tested[r['chosen']]:.3f}"
+        fresh = "—" if r.get("fresh_risk") is None else f"{r['fresh_risk']:.3f} ({r['delta']:g})"
+        holds = "—" if r.get("fresh_holds") is None else ("yes" if r["fresh_holds"] else "**no**")
+        flops = "—" if r.get("fresh_flops_ratio") is None else f"{r['fresh_flops_ratio']:.3f}"
+        lines.append(f"| {r['model']} | {r['search']} | {r['calibration']} | {r['knob']} | {chosen} | {held} | "
+                     f"{fresh} | {holds} | {flops} | `{r.get('mlflow_run_id') or '-'}` |")
+    notes = [f"- {r['model']} · {r['search']}: {r['guarantee']}." for r in results]
+    return "\n".join(lines) + "\n\n" + "\n".join(notes)

@@ -1,0 +1,83 @@
+"""One probe with vocabulary pruning vs the exact readout, the top-K shortlist and the low-rank estimators, in time
+and FLOPs, each relative to one decoder layer (a decode step of one token over 128 keys, SmolLM2 by default).
+
+A pruned probe is the probe after the token's first one: its k head rows only. Writes reports/bench/prune.json.
+
+Usage: python benchmarks/bench_prune.py [--model smollm2-135m] [--ks 64 256 1024 4096] [--reps 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import environment, timed, write  # noqa: E402
+
+from emad.cost import CostModel  # noqa: E402
+from emad.decode import positions_of  # noqa: E402
+from emad.estimators import Exact, LowRank, Prune, TopK  # noqa: E402
+from emad.models import load_model  # noqa: E402
+from emad.stack import LayerStack  # noqa: E402
+
+LAYER = 15  # the probe layer timed (0-based run of layer LAYER-1 .. LAYER)
+
+
+@torch.inference_mode()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m", help="model spec (embedded alias, folder or hub id)")
+    parser.add_argument("--ks", type=int, nargs="+", default=[64, 256, 1024, 4096])
+    parser.add_argument("--reps", type=int, default=50)
+    args = parser.parse_args()
+    loaded = load_model(args.model, device="cpu", dtype="float32")
+    stack = LayerStack(loaded.model)
+    cost = CostModel.from_stack(stack)
+
+    ids = torch.randint(0, stack.vocab_size, (1, 128), generator=torch.Generator().manual_seed(0))
+    real = torch.ones_like(ids, dtype=torch.bool)
+    cache = stack.new_cache(1, 128 + args.reps + 8)
+    pos = positions_of(real)
+    h_all = stack.run(stack.embed(ids, pos), 0, stack.n_layers, cache, pos, cache.allocate(real))
+    step_pos = pos[:, -1:] + 1
+    h = stack.embed(ids[:, :1], step_pos)  # [1, 1, d]
+    layer_t = []
+    for _ in range(args.reps):
+        slots = cache.allocate(torch.ones(1, 1, dtype=torch.bool))
+        layer_t.append(timed(lambda s=slots: stack.run(h, LAYER - 1, LAYER, cache, step_pos, s), stack.device))
+    layer_s = statistics.median(layer_t)
+    layer_flops = cost.layer_flops(LAYER - 1, 129)
+    probe_h = h_all[:, -1]  # [1, d]: a real hidden state
+
+    def measure(name: str, est, first_layer: int | None = None) -> dict:
+        def call():
+            return est.estimate(stack, probe_h, LAYER)
+
+        if first_layer is not None:  # the pruned probe: after the token's first (full) probe
+            est.begin(1)
+            est.estimate(stack, probe_h, first_layer)
+        result = call()  # warm-up (SVD, shortlist rows)
+        seconds = statistics.median(timed(call, stack.device) for _ in range(args.reps))
+        flops = float(result.cost[0][0]) if result.cost is not None else est.probe_cost(cost)[0]
+        return {"estimator": name, "probe_s": seconds, "probe_over_layer_time": seconds / layer_s,
+                "probe_flops": flops, "probe_over_layer_flops": flops / layer_flops}
+
+    rows = [measure("exact", Exact()), measure("topk(1024)", TopK(1024)), measure("lowrank(64)", LowRank(64))]
+    rows += [measure(f"prune(k={k})", Prune(k), first_layer=LAYER - 3) for k in args.ks if k <= stack.vocab_size]
+    result = {"benchmark": "probe cost: vocabulary pruning vs exact, top-K and low-rank",
+              "model": loaded.fingerprint.as_dict(), "environment": environment(stack.device, stack.dtype),
+              "layer_s": layer_s, "layer_flops": layer_flops, "rows": rows}
+    path = write("prune", result)
+    print(f"one layer: {layer_s * 1e3:.3f} ms, {layer_flops / 1e6:.1f} MFLOPs")
+    for r in rows:
+        print(f"{r['estimator']:>14}: {r['probe_s'] * 1e3:7.3f} ms = {r['probe_over_layer_time']:5.2f} layers "
+              f"(FLOPs {r['probe_over_layer_flops']:5.2f} layers)")
+    print(f"-> {path}")
+
+
+if __name__ == "__main__":
+    main()

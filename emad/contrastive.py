@@ -1,0 +1,64 @@
+"""Within-model contrast between layers: the pieces of the ``contrastive`` criterion, as pure functions.
+
+For a token at layer ℓ with the expert distribution ``p = softmax(readout_ℓ)`` and earlier candidate layers m:
+
+- amateur layer: per row, the m with the largest ``JSD(p ‖ p_m) / (1 + d·(ℓ − m))`` (Jensen–Shannon divergence
+  discounted by layer distance, ``d`` = ``distance_discount``);
+- plausibility set: ``{x : p(x) ≥ α′·max p}`` with the hyperbolic schedule ``α′ = α / (1 + r·ℓ) · (1 − c)``,
+  c = max p (the expert's confidence);
+- contrastive distribution: ``softmax(log p − w·log p_amateur)`` on the plausible set, 0 elsewhere (w = 1 is
+  DoLa's contrast; other w the weighted variant).
+
+Every reduction is per row: rows of a batch never influence each other.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def jsd(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+    """Jensen–Shannon divergence (nats) between distributions given as log-probabilities ``[..., V]`` → ``[...]``.
+
+    ``-inf`` entries (zero probability) are allowed on either side.
+    """
+    p, q = logp.exp(), logq.exp()
+    m = 0.5 * (p + q)
+    logm = m.clamp_min(torch.finfo(m.dtype).tiny).log()
+    kl_p = torch.where(p > 0, p * (logp - logm), torch.zeros_like(p)).sum(-1)
+    kl_q = torch.where(q > 0, q * (logq - logm), torch.zeros_like(q)).sum(-1)
+    return (0.5 * (kl_p + kl_q)).clamp_min(0.0)
+
+
+def choose_amateur(logp: torch.Tensor, candidates: torch.Tensor, layer: int, layers: list[int],
+                   distance_discount: float) -> torch.Tensor:
+    """Index (into ``layers``) of each row's amateur layer.
+
+    Args:
+        logp: expert log-probabilities ``[a, V]`` at ``layer``.
+        candidates: candidate log-probabilities ``[C, a, V]`` at the earlier ``layers`` (length C).
+        distance_discount: d >= 0 in ``JSD / (1 + d·(layer − m))``.
+
+    Returns:
+        ``[a]`` long.
+    """
+    scores = jsd(logp[None], candidates)  # [C, a]
+    distance = torch.tensor([layer - m for m in layers], dtype=scores.dtype, device=scores.device)[:, None]
+    return (scores / (1 + distance_discount * distance)).argmax(0)
+
+
+def plausibility_alpha(alpha: float, rate: float, layer: int, confidence: torch.Tensor) -> torch.Tensor:
+    """``α′ = α / (1 + r·ℓ) · (1 − c)`` per row: ``[a]``."""
+    return alpha / (1 + rate * layer) * (1 - confidence)
+
+
+def contrastive_logprobs(logp: torch.Tensor, logq: torch.Tensor, alpha_prime: torch.Tensor,
+                         weight: float = 1.0) -> torch.Tensor:
+    """Log of the contrastive distribution ``[a, V]``: ``log_softmax(log p − w·log q)`` over the plausible set
+    ``{x : p(x) ≥ α′·max p}`` (``-inf`` outside it). The expert's argmax is always plausible, so every row
+    has at least one token."""
+    max_logp = logp.max(-1, keepdim=True).values  # [a, 1]
+    plausible = logp >= max_logp + alpha_prime.clamp_min(torch.finfo(logp.dtype).tiny).log()[:, None]
+    plausible |= logp == max_logp
+    score = torch.where(plausible, logp - weight * torch.nan_to_num(logq, neginf=-1e4), float("-inf"))
+    return torch.log_softmax(score, dim=-1)

@@ -1,0 +1,109 @@
+"""Stage ``risk``: the most aggressive certified value of one method knob (Learn then Test on held-out prompts),
+then an honest check of that value on fresh prompts.
+
+Writes ``reports/risk/<model>--<search>--cal-<calibration>.json`` (read by ``aggregate``) and logs one MLflow run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+from pathlib import Path
+
+import torch
+
+from emad import tracking
+from emad.config import load_section
+from emad.criteria import Full
+from emad.decode import generate
+from emad.io import atomic_write_json
+from emad.models import load_model
+from emad.operating_point import build_method
+from emad.risk import control, prompt_losses
+from emad.risk_config import RiskConfig
+from emad.stack import LayerStack
+from emad.tasks.registry import TASKS
+
+FORMAT, VERSION = "emad-risk", 1
+
+
+def split_prompts(cfg: RiskConfig, corpus: Path, tokenizer) -> tuple[list[list[int]], list[list[int]]]:
+    """Held-out and fresh prompts: disjoint, drawn by a seeded permutation of prompts spread over the eval split."""
+    fidelity = TASKS.get("fidelity")()
+    total = cfg.prompts + cfg.fresh_prompts
+    settings = fidelity.settings({"prompts": total, "prompt_tokens": cfg.prompt_tokens, "new_tokens": cfg.new_tokens})
+    prompts = fidelity.load(settings, corpus, tokenizer)
+    order = torch.randperm(total, generator=torch.Generator().manual_seed(0)).tolist()
+    return [prompts[i] for i in order[: cfg.prompts]], [prompts[i] for i in order[cfg.prompts:]]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--search", required=True, help="a key of risk.searches")
+    parser.add_argument("--model", required=True, help="model name (as in params.yaml models)")
+    parser.add_argument("--model-dir", required=True, help="prepared model folder")
+    parser.add_argument("--corpus", type=Path, required=True, help="the risk domain's sampled corpus folder")
+    parser.add_argument("--calibration", required=True, help="calibration source of the profile")
+    parser.add_argument("--profile", type=Path, required=True, help="profile.json (for methods that use one)")
+    parser.add_argument("--out", type=Path, required=True, help="result file to write")
+    parser.add_argument("--params", default="params.yaml")
+    args = parser.parse_args(argv)
+    cfg = load_section("risk", RiskConfig, args.params)
+    if args.search not in cfg.searches:
+        raise ValueError(f"unknown search {args.search!r}; valid: {', '.join(cfg.searches) or 'none'}")
+    search = cfg.searches[args.search]
+    loaded = load_model(args.model_dir, device=cfg.device, dtype=cfg.dtype)
+    stack, tok = LayerStack(loaded.model), loaded.tokenizer
+    fingerprint = loaded.fingerprint.as_dict()
+    methods = {}  # every value's method is built (and checked) before any decoding
+    for value in search.values:
+        point = search.point_at(value)
+        methods[float(value)] = build_method(point, stack.n_layers, fingerprint,
+                                             args.profile if point.needs_profile else None)
+    held, fresh = split_prompts(cfg, args.corpus, tok)
+    reference = generate(stack, tok, held, Full(), cfg.new_tokens).token_ids
+
+    def losses(value: float) -> list[float]:
+        return prompt_losses(generate(stack, tok, held, methods[value], cfg.new_tokens).token_ids, reference,
+                             cfg.loss)
+
+    params = {"risk": cfg.model_dump(exclude={"searches"}), "search": search.model_dump(), "model": args.model,
+              "calibration": args.calibration}
+    name = f"{args.model}--{args.search}--cal-{args.calibration}"
+    profile_hash = hashlib.sha256(args.profile.read_bytes()).hexdigest()[:16] if args.profile.is_file() else ""
+    with tracking.stage_run("risk", params, {"model_fingerprint": loaded.fingerprint.digest,
+                                             "profile_fingerprint": profile_hash}, run_name=name) as run:
+        result = control(losses, search.knob, search.values, search.conservative, cfg.delta, cfg.epsilon,
+                         len(held), cfg.loss)
+        check = {}
+        if result.chosen is not None:
+            ours = generate(stack, tok, fresh, methods[result.chosen], cfg.new_tokens)
+            truth = generate(stack, tok, fresh, Full(), cfg.new_tokens).token_ids
+            result.fresh_n = len(fresh)
+            result.fresh_risk = sum(prompt_losses(ours.token_ids, truth, cfg.loss)) / len(fresh)
+            result.fresh_holds = result.fresh_risk <= cfg.delta
+            check = {"fresh_flops_ratio": ours.cost_ratio(), "fresh_mean_depth":
+                     sum(map(sum, ours.depths)) / max(sum(map(len, ours.depths)), 1)}
+        record = {"format": FORMAT, "version": VERSION, "name": name, "model": args.model, "search": args.search,
+                  "calibration": args.calibration, "domain": cfg.domain, "point": search.point,
+                  "method": search.point_at(search.values[0]).method, **result.as_dict(), **check,
+                  "mlflow_run_id": run.run_id}
+        for i, (risk, p) in enumerate(zip(result.risks, result.p_values)):
+            run.log_metrics({"risk.held_out": risk, "risk.p_value": p}, step=i)
+        run.log_metrics({k: float(v) for k, v in record.items() if k in ("chosen", "fresh_risk",
+                                                                          "fresh_flops_ratio") and v is not None})
+        atomic_write_json(args.out, record)
+        run.log_artifact(args.out)
+    print(f"risk: {name}: {result.guarantee}" + (f"; fresh prompts: loss {result.fresh_risk:.3f} "
+                                                 f"({'holds' if result.fresh_holds else 'does not hold'})"
+                                                 if result.fresh_risk is not None else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except (ValueError, KeyError, FileNotFoundError) as err:
+        print(f"risk: error: {err}", file=sys.stderr)
+        sys.exit(2)
