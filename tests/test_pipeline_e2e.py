@@ -48,7 +48,7 @@ def _params(model_dir: Path) -> dict:
             "heatmap_texts": 1, "device": "cpu", "dtype": "float32",
         },
         "risk": {"domain": "stdlib-prose", "prompts": 4, "fresh_prompts": 2, "prompt_tokens": 8, "new_tokens": 4,
-                 "delta": 0.3, "epsilon": 0.3, "device": "cpu", "dtype": "float32",
+                 "delta": 0.3, "epsilon": 0.3, "loss": "agreement", "device": "cpu", "dtype": "float32",
                  "searches": {"margin": {"point": {"method": "emad"}, "knob": "margin", "values": [10.0, 0.0]}}},
         "aggregate": {"methods": ["emad"]},
     }
