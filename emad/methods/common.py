@@ -11,6 +11,7 @@ import torch
 from emad.cache import KVCache
 from emad.cost import CostModel
 from emad.decode.generate import Generation, TokenTrace, _cut_at_stop
+from emad.decode.step import ContextLengthError
 from emad.stack import LayerStack
 
 
@@ -72,8 +73,6 @@ def _vocab(tokenizer) -> dict | int:
 
 def check_context(stacks: Sequence[LayerStack], prompt_len: int, max_new_tokens: int) -> None:
     """Refuse ``max_new_tokens < 1`` and a prompt + continuation longer than any model's context."""
-    from emad.decode.step import ContextLengthError
-
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     for stack in stacks:
