@@ -133,10 +133,11 @@ def _read_prompts(args) -> list[str]:
 def _load(args):
     """Model, layer stack and method from the flags; every check happens before any decoding."""
     from emad.models import load_model
-    from emad.operating_point import PointConfig, build_method, model_loader
+    from emad.operating_point import PointConfig, build_method, model_loader, point_from_options
     from emad.stack import LayerStack
 
-    point = PointConfig(**{k: v for k in PointConfig.model_fields if (v := getattr(args, k, None)) is not None})
+    given = {k: v for k in PointConfig.model_fields if (v := getattr(args, k, None)) is not None}
+    point = point_from_options(given, "options")
     if args.profile is not None and not args.profile.is_file():
         raise ValueError(f"--profile {args.profile}: no such file")
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)

@@ -35,11 +35,10 @@ import lm_eval.models  # noqa: F401  (the built-in models first: an empty regist
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
-from pydantic import ValidationError
 from tqdm import tqdm
 
 from emad.decode import ContextLengthError, Sampling, generate, score_adaptive
-from emad.operating_point import PointConfig, build_method, model_loader
+from emad.operating_point import PointConfig, build_method, model_loader, point_from_options
 from emad.stack import LayerStack
 
 log = logging.getLogger(__name__)
@@ -83,11 +82,9 @@ class CostTally:
 def _point(options: dict[str, Any]) -> PointConfig:
     """The operating point of the model_args, with errors that name the argument."""
     try:
-        return PointConfig(**options)
-    except ValidationError as err:
-        problems = [f"{'.'.join(map(str, e['loc']))}={e.get('input')!r}: {e['msg'].removeprefix('Value error, ')}"
-                    for e in err.errors()]
-        raise ModelArgsError("emad model_args: " + "; ".join(problems)) from None
+        return point_from_options(options, "emad model_args")
+    except ValueError as err:
+        raise ModelArgsError(str(err)) from None
 
 
 def _batch_size(value: Any) -> int:

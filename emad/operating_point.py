@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pydantic import field_validator, model_validator
+from pydantic import ValidationError, field_validator, model_validator
 
 from emad import estimator_fit
 from emad.config import Section
@@ -137,6 +137,21 @@ class PointConfig(Section):
 
     def _given(self, names: set[str]) -> dict[str, Any]:
         return {k: v for k, v in self.model_dump().items() if k in names and v is not None}
+
+
+def point_from_options(options: dict[str, Any], what: str) -> PointConfig:
+    """A :class:`PointConfig` from loose options (CLI flags, lm-eval model_args); errors name each option, the value
+    given and the rule, prefixed by ``what`` (e.g. ``"emad model_args"``)."""
+    try:
+        return PointConfig(**options)
+    except ValidationError as err:
+        problems = []
+        for e in err.errors():
+            where = ".".join(map(str, e["loc"]))
+            given = e.get("input") if where else None
+            head = f"{where}={given!r}: " if where else ""
+            problems.append(head + e["msg"].removeprefix("Value error, "))
+        raise ValueError(f"{what}: " + "; ".join(problems)) from None
 
 
 def method_names() -> list[str]:
