@@ -280,9 +280,11 @@ class Prune(Estimator):
     def _full(self, stack, h, layer, rows) -> Estimate:
         logits = stack.readout(h)  # [a, V]
         entropy, _, max_prob = readout_summary(logits)
-        self._sets[rows] = logits.topk(self._sets.shape[1], dim=-1).indices  # [a, K] best first
+        keep = self._adaptive(max_prob, self._sets.shape[1], stack.vocab_size)  # adaptive: the next probe's size
+        width = int(keep.max()) if self.schedule == "adaptive" else self._sets.shape[1]
+        self._sets[rows, :width] = logits.topk(width, dim=-1).indices  # [a, width] best first
         self._first[rows] = layer
-        self._next[rows] = self._adaptive(max_prob, self._sets.shape[1], stack.vocab_size)
+        self._next[rows] = keep
         if self._readout_cost is None:
             self._readout_cost = self.probe_cost(CostModel.from_stack(stack))
         ones = torch.ones(len(rows), dtype=torch.float64)

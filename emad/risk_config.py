@@ -41,7 +41,7 @@ class SearchConfig(Section):
 
     @property
     def conservative(self) -> str:
-        return CRITERIA.get(self.point_at(self.values[0]).method).knobs[self.knob]
+        return CRITERIA.get(self.point.get("method", "full")).knobs[self.knob]
 
 
 class RiskConfig(Section):

@@ -44,6 +44,13 @@ def pass_cost(cost: CostModel, start: int, stop: int, first_slot: int, q: int,
     return float(flops + readouts * cost.readout_flops), float(bytes_)
 
 
+def check_inner_layer(label: str, value: int, n_layers: int) -> None:
+    """Refuse a layer count outside 1..L-1 (a drafter's exit layer E, a small model's k), naming ``label``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < n_layers:
+        raise ValueError(f"{label}={value!r} is outside the valid range 1..{n_layers - 1} for a target of "
+                         f"{n_layers} layers")
+
+
 def model_name(stack: LayerStack) -> str:
     """A name for error messages: the model's path or hub id, else its architecture and shape."""
     name = getattr(stack.config, "name_or_path", "") or ""

@@ -24,7 +24,7 @@ from emad.cache import KVCache
 from emad.cost import CostModel
 from emad.decode.step import prefill
 from emad.entropy import readout_summary
-from emad.methods.common import check_same_vocabulary, feed, model_name, pass_cost
+from emad.methods.common import check_inner_layer, check_same_vocabulary, feed, model_name, pass_cost
 from emad.registry import Registry
 from emad.stack import LayerStack
 
@@ -117,10 +117,7 @@ class SelfDrafter(Drafter):
         self.exit_layer = exit_layer
 
     def validate(self, n_layers: int) -> None:
-        e = self.exit_layer
-        if isinstance(e, bool) or not isinstance(e, int) or not 1 <= e < n_layers:
-            raise ValueError(f"exit layer E={e!r} is outside the valid range 1..{n_layers - 1} for a target of "
-                             f"{n_layers} layers")
+        check_inner_layer("exit layer E", self.exit_layer, n_layers)
 
     def start(self, target, cache, prompt, capacity, tally) -> None:
         self.target, self.cache, self.tally = target, cache, tally

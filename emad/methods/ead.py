@@ -35,6 +35,7 @@ from emad.entropy import readout_summary
 from emad.methods.common import (
     RowRecord,
     check_context,
+    check_inner_layer,
     check_same_vocabulary,
     extend,
     feed,
@@ -153,10 +154,7 @@ class SelfPair(Pair):
         self.k = small_layers
 
     def validate(self, n_layers: int) -> None:
-        k = self.k
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k < n_layers:
-            raise ValueError(f"small_layers k={k!r} is outside the valid range 1..{n_layers - 1} for a target of "
-                             f"{n_layers} layers")
+        check_inner_layer("small_layers k", self.k, n_layers)
 
     def start(self, target, prompt, capacity, side) -> Advance:
         self.target, self.cost = target, CostModel.from_stack(target)
