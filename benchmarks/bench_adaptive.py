@@ -18,11 +18,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import PROMPTS  # noqa: E402
-from common import alternate, environment, timed, write  # noqa: E402
+from common import alternate, decode_step_layer, environment, timed, write  # noqa: E402
 
 from emad import estimator_fit  # noqa: E402
 from emad.criteria import Confidence, Emad, Fixed, Full  # noqa: E402
-from emad.decode import Method, generate, positions_of  # noqa: E402
+from emad.decode import Method, generate  # noqa: E402
 from emad.models import load_model  # noqa: E402
 from emad.profile import Profile  # noqa: E402
 from emad.stack import LayerStack  # noqa: E402
@@ -52,21 +52,11 @@ def fixed_speedups(stack, tok, prompts, new, reps) -> list[dict]:
 
 @torch.inference_mode()
 def probe_times(stack, estimators: dict, reps: int = 50) -> dict:
-    ids = torch.randint(0, stack.vocab_size, (1, 128), device=stack.device)
-    real = torch.ones_like(ids, dtype=torch.bool)
-    cache = stack.new_cache(1, 128 + reps + 8)
-    pos = positions_of(real)
-    stack.run(stack.embed(ids, pos), 0, stack.n_layers, cache, pos, cache.allocate(real))
-    h = stack.embed(ids[:, :1], pos[:, -1:] + 1)
-    layer_t = []
-    for _ in range(reps):
-        slots = cache.allocate(torch.ones(1, 1, dtype=torch.bool, device=stack.device))
-        layer_t.append(timed(lambda s=slots: stack.run(h, 14, 15, cache, pos[:, -1:] + 1, s), stack.device))
-    layer = statistics.median(layer_t)
+    layer, h = decode_step_layer(stack, 15, reps)
     result = {"layer_s": layer}
     for name, est in estimators.items():
-        est.estimate(stack, h[:, -1], 15)
-        t = statistics.median(timed(lambda e=est: e.estimate(stack, h[:, -1], 15), stack.device) for _ in range(reps))
+        est.estimate(stack, h, 15)
+        t = statistics.median(timed(lambda e=est: e.estimate(stack, h, 15), stack.device) for _ in range(reps))
         result[name] = {"probe_s": t, "probe_over_layer": t / layer}
     return result
 

@@ -16,15 +16,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, timed, write  # noqa: E402
+from common import decode_step_layer, environment, timed, write  # noqa: E402
 
 from emad.cost import CostModel  # noqa: E402
-from emad.decode import positions_of  # noqa: E402
 from emad.estimators import Exact, LowRank, Prune, TopK  # noqa: E402
 from emad.models import load_model  # noqa: E402
 from emad.stack import LayerStack  # noqa: E402
 
-LAYER = 15  # the probe layer timed (0-based run of layer LAYER-1 .. LAYER)
+LAYER = 15  # the layer timed, and the probe layer (1-based)
 
 
 @torch.inference_mode()
@@ -38,20 +37,8 @@ def main() -> None:
     stack = LayerStack(loaded.model)
     cost = CostModel.from_stack(stack)
 
-    ids = torch.randint(0, stack.vocab_size, (1, 128), generator=torch.Generator().manual_seed(0))
-    real = torch.ones_like(ids, dtype=torch.bool)
-    cache = stack.new_cache(1, 128 + args.reps + 8)
-    pos = positions_of(real)
-    h_all = stack.run(stack.embed(ids, pos), 0, stack.n_layers, cache, pos, cache.allocate(real))
-    step_pos = pos[:, -1:] + 1
-    h = stack.embed(ids[:, :1], step_pos)  # [1, 1, d]
-    layer_t = []
-    for _ in range(args.reps):
-        slots = cache.allocate(torch.ones(1, 1, dtype=torch.bool))
-        layer_t.append(timed(lambda s=slots: stack.run(h, LAYER - 1, LAYER, cache, step_pos, s), stack.device))
-    layer_s = statistics.median(layer_t)
+    layer_s, probe_h = decode_step_layer(stack, LAYER, args.reps)  # probe_h [1, d]: a real hidden state
     layer_flops = cost.layer_flops(LAYER - 1, 129)
-    probe_h = h_all[:, -1]  # [1, d]: a real hidden state
 
     def measure(name: str, est, first_layer: int | None = None) -> dict:
         def call():

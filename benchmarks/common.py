@@ -65,3 +65,24 @@ def write(name: str, result: dict) -> Path:
     tmp.write_text(json.dumps(result, indent=2) + "\n")
     os.replace(tmp, path)
     return path
+
+
+@torch.inference_mode()
+def decode_step_layer(stack, layer: int, reps: int, context: int = 128) -> tuple[float, torch.Tensor]:
+    """Median seconds of running decoder layer ``layer`` (1-based) for one new token over ``context`` keys, and a
+    real last hidden state ``[1, d]`` of that context (for timing probes on)."""
+    from emad.decode import positions_of
+
+    ids = torch.randint(0, stack.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(stack.device)
+    real = torch.ones_like(ids, dtype=torch.bool)
+    cache = stack.new_cache(1, context + reps + 8)
+    pos = positions_of(real)
+    h_all = stack.run(stack.embed(ids, pos), 0, stack.n_layers, cache, pos, cache.allocate(real))
+    step_pos = pos[:, -1:] + 1
+    h = stack.embed(ids[:, :1], step_pos)  # [1, 1, d]
+    times = []
+    for _ in range(reps):
+        slots = cache.allocate(torch.ones(1, 1, dtype=torch.bool, device=stack.device))
+        times.append(timed(lambda s=slots: stack.run(h, layer - 1, layer, cache, step_pos, s), stack.device))
+    return statistics.median(times), h_all[:, -1]
