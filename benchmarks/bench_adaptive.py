@@ -20,12 +20,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import PROMPTS  # noqa: E402
 from common import alternate, decode_step_layer, environment, timed, write  # noqa: E402
 
-from emad import estimator_fit  # noqa: E402
-from emad.criteria import Confidence, Emad, Fixed, Full  # noqa: E402
+from emad.calibration import estimator_fit  # noqa: E402
+from emad.calibration.profile import Profile  # noqa: E402
 from emad.decode import Method, generate  # noqa: E402
-from emad.models import load_model  # noqa: E402
-from emad.profile import Profile  # noqa: E402
-from emad.stack import LayerStack  # noqa: E402
+from emad.engine.models import load_model  # noqa: E402
+from emad.engine.stack import LayerStack  # noqa: E402
+from emad.exits.criteria import Confidence, Emad, Fixed, Full  # noqa: E402
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:

@@ -21,19 +21,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import alternate, environment, write  # noqa: E402
 
-from emad.calibrate import accumulate_batch, resolve_probe_layers  # noqa: E402
+from emad.calibration.calibrate import accumulate_batch, resolve_probe_layers  # noqa: E402
+from emad.calibration.stats import CalibrationStats  # noqa: E402
 from emad.corpus import build_source  # noqa: E402
-from emad.models import load_model  # noqa: E402
-from emad.stack import LayerStack  # noqa: E402
-from emad.stats import CalibrationStats  # noqa: E402
-from emad.strata import Strata  # noqa: E402
+from emad.engine.models import load_model  # noqa: E402
+from emad.engine.stack import LayerStack  # noqa: E402
+from emad.exits.strata import Strata  # noqa: E402
 
 MEMORY_SCRIPT = """
 import json, resource, sys
-from emad.calibrate import calibrate_texts
-from emad.calibration_config import CalibrateConfig
+from emad.calibration.calibrate import calibrate_texts
+from emad.calibration.config import CalibrateConfig
 from emad.corpus import build_source
-from emad.models import load_model
+from emad.engine.models import load_model
 spec, tokens = sys.argv[1], int(sys.argv[2])
 texts = [d.text for d in build_source("stdlib-prose").documents()]
 loaded = load_model(spec)

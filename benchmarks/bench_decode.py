@@ -17,10 +17,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import alternate, environment, timed, write  # noqa: E402
 
-from emad.criteria import Full  # noqa: E402
 from emad.decode import generate, left_pad, positions_of  # noqa: E402
-from emad.models import load_model  # noqa: E402
-from emad.stack import LayerStack  # noqa: E402
+from emad.engine.models import load_model  # noqa: E402
+from emad.engine.stack import LayerStack  # noqa: E402
+from emad.exits.criteria import Full  # noqa: E402
 
 PROMPTS = [
     "The history of the printing press begins",

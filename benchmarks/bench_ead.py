@@ -19,12 +19,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import PROMPTS  # noqa: E402
 from common import alternate, environment, write  # noqa: E402
 
-from emad.criteria import Full  # noqa: E402
 from emad.decode import generate  # noqa: E402
-from emad.evaluate import strategy_stats  # noqa: E402
+from emad.engine.models import load_model  # noqa: E402
+from emad.engine.stack import LayerStack  # noqa: E402
+from emad.evaluation.evaluate import strategy_stats  # noqa: E402
+from emad.exits.criteria import Full  # noqa: E402
 from emad.methods import EAD, SelfPair, Switcher  # noqa: E402
-from emad.models import load_model  # noqa: E402
-from emad.stack import LayerStack  # noqa: E402
 
 
 def configs(small_layers: list[int], taus: list[float], windows: list[int], d_mins: list[int]) -> dict:

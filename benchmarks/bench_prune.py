@@ -18,10 +18,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import decode_step_layer, environment, timed, write  # noqa: E402
 
-from emad.cost import CostModel  # noqa: E402
-from emad.estimators import Exact, LowRank, Prune, TopK  # noqa: E402
-from emad.models import load_model  # noqa: E402
-from emad.stack import LayerStack  # noqa: E402
+from emad.engine.cost import CostModel  # noqa: E402
+from emad.engine.models import load_model  # noqa: E402
+from emad.engine.stack import LayerStack  # noqa: E402
+from emad.exits.estimators import Exact, LowRank, Prune, TopK  # noqa: E402
 
 LAYER = 15  # the layer timed, and the probe layer (1-based)
 

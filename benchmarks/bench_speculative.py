@@ -18,11 +18,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import PROMPTS  # noqa: E402
 from common import alternate, environment, write  # noqa: E402
 
-from emad.criteria import Full  # noqa: E402
 from emad.decode import Sampling, generate  # noqa: E402
+from emad.engine.models import load_model  # noqa: E402
+from emad.engine.stack import LayerStack  # noqa: E402
+from emad.exits.criteria import Full  # noqa: E402
 from emad.methods import AdaEDL, ConfidenceStop, SelfDrafter, Static, speculative_generate  # noqa: E402
-from emad.models import load_model  # noqa: E402
-from emad.stack import LayerStack  # noqa: E402
 
 
 def policies(n: int) -> dict:

@@ -1,3 +1,55 @@
-"""EMAD: entropy-guided adaptive-depth decoding of LLMs."""
+"""EMAD: entropy-guided adaptive-depth decoding of LLMs.
+
+The names a notebook needs, importable from here (each is loaded on first use, so ``import emad`` stays cheap)::
+
+    from emad import load_model, LayerStack, PointConfig, build_method, generate, score_adaptive
+
+    lm = load_model("smollm2-135m")
+    stack = LayerStack(lm.model)
+    method = build_method(PointConfig(method="confidence", threshold=1.0), stack.n_layers, lm.fingerprint.as_dict())
+    out = generate(stack, lm.tokenizer, [lm.tokenizer("The sun").input_ids], method, max_new_tokens=20)
+    print(out.texts[0], out.cost_ratio())
+
+The subpackages follow the data flow: :mod:`emad.engine` (models, layer stack, cache, cost) →
+:mod:`emad.exits` (criteria, estimators, policies, strata) → :mod:`emad.calibration` (statistics, profiles) →
+:mod:`emad.decode` (the loop) and :mod:`emad.methods` (strategies) → :mod:`emad.tasks` →
+:mod:`emad.evaluation` (operating points, runs, risk control) → :mod:`emad.report`; :mod:`emad.lm_eval` plugs
+the model into lm-eval.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "emad.engine.models": ["load_model", "LoadedModel", "prepare_model"],
+    "emad.engine.stack": ["LayerStack"],
+    "emad.engine.cost": ["CostModel"],
+    "emad.exits.criteria": ["CRITERIA", "Criterion"],
+    "emad.exits.estimators": ["ESTIMATORS"],
+    "emad.exits.policies": ["POLICIES"],
+    "emad.calibration.calibrate": ["calibrate", "calibrate_texts"],
+    "emad.calibration.stats": ["CalibrationStats"],
+    "emad.calibration.profile": ["Profile", "smooth"],
+    "emad.decode": ["Generation", "Method", "Sampling", "Scored", "generate", "score", "score_adaptive"],
+    "emad.methods": ["STRATEGIES"],
+    "emad.tasks.registry": ["TASKS"],
+    "emad.evaluation.operating_point": ["PointConfig", "build_method"],
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'emad' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -9,16 +9,16 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from emad.estimators import ESTIMATORS
-from emad.policies import POLICIES
-from emad.strata import VARIANTS
+from emad.exits.estimators import ESTIMATORS
+from emad.exits.policies import POLICIES
+from emad.exits.strata import VARIANTS
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="embedded alias (e.g. smollm2-135m), local folder or hub id")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
-    from emad.operating_point import method_names
+    from emad.evaluation.operating_point import method_names
 
     p.add_argument("--method", default="full", choices=method_names(), help="exit criterion or strategy")
     p.add_argument("--depth", type=int, help="layers run per token for --method fixed (1..L)")
@@ -132,9 +132,9 @@ def _read_prompts(args) -> list[str]:
 
 def _load(args):
     """Model, layer stack and method from the flags; every check happens before any decoding."""
-    from emad.models import load_model
-    from emad.operating_point import PointConfig, build_method, model_loader, point_from_options
-    from emad.stack import LayerStack
+    from emad.engine.models import load_model
+    from emad.engine.stack import LayerStack
+    from emad.evaluation.operating_point import PointConfig, build_method, model_loader, point_from_options
 
     given = {k: v for k in PointConfig.model_fields if (v := getattr(args, k, None)) is not None}
     point = point_from_options(given, "options")
@@ -241,12 +241,12 @@ def _overrides(pairs: list[str]) -> dict[str, dict]:
 
 
 def cmd_calibrate(args) -> None:
-    from emad.calibrate import calibrate_texts
-    from emad.calibration_config import CalibrateConfig, SmoothConfig
+    from emad.calibration.calibrate import calibrate_texts
+    from emad.calibration.config import CalibrateConfig, SmoothConfig
+    from emad.calibration.profile import smooth, smooth_variants, variant_path
     from emad.config import validate_section
     from emad.corpus import read_split
-    from emad.models import load_model
-    from emad.profile import smooth, smooth_variants, variant_path
+    from emad.engine.models import load_model
 
     sets = _overrides(args.set)
     cfg = validate_section("calibrate", sets["calibrate"], CalibrateConfig)
@@ -289,6 +289,6 @@ def format_profile(profile) -> str:
 
 
 def cmd_profile_show(args) -> None:
-    from emad.profile import Profile
+    from emad.calibration.profile import Profile
 
     print(format_profile(Profile.load(args.path)))

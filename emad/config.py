@@ -1,6 +1,7 @@
-"""Typed models of params.yaml sections; the one place defaults live.
+"""The base of every params section's typed model, and reading the params file.
 
-Each stage reads only its own section with :func:`load_section`. Unknown keys, wrong types and out-of-range values
+Each section's model lives beside the code that reads it and is the one place its defaults live;
+:mod:`emad.params` assembles them. Unknown keys, wrong types and out-of-range values
 fail before any work, with the full parameter path (``decode.methods.emad.margins[2]``), the value given and what
 is allowed.
 """
@@ -58,11 +59,3 @@ def read_params(path: str | Path = "params.yaml") -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"params file {path} must hold a mapping of sections")
     return data
-
-
-def load_section(name: str, model: type[S], path: str | Path = "params.yaml") -> S:
-    """Section ``name`` of the params file as ``model``, after checking the whole file (:mod:`emad.params`)."""
-    from emad.params import validate_params  # the section models import this module
-
-    validate_params(path)
-    return validate_section(name, read_params(path).get(name), model)

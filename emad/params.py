@@ -1,6 +1,6 @@
 """The whole params.yaml, checked before any stage works: every section by its typed model, then across sections.
 
-A stage reads only its own section (:func:`emad.config.load_section`), but a typo anywhere in the file fails the
+A stage reads only its own section (:func:`load_section`), but a typo anywhere in the file fails the
 first stage in seconds rather than the stage that reads it after an hour of calibration. Errors name the full
 parameter path, the value given and what is allowed.
 """
@@ -8,11 +8,18 @@ parameter path, the value given and what is allowed.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from pydantic import AfterValidator, RootModel, StringConstraints
 
+from emad.calibration.config import CalibrateConfig, EstimatorsConfig, SmoothConfig
 from emad.config import ConfigError, Section, read_params, validate_section
+from emad.corpus.config import CorpusConfig
+from emad.evaluation.config import DecodeConfig
+from emad.evaluation.risk_config import RiskConfig
+from emad.report.config import AggregateConfig
+
+S = TypeVar("S", bound=Section)
 
 NAME = r"^[A-Za-z0-9_-]+$"  # DVC addresses params by dotted keys: names may not contain dots
 
@@ -28,14 +35,7 @@ class ModelsConfig(RootModel[dict[Annotated[str, StringConstraints(pattern=NAME)
 
 
 def sections() -> dict[str, type[Section] | type[RootModel]]:
-    """Section name → its typed model (imported here: the section modules import :mod:`emad.config`)."""
-    from emad.calibration_config import CalibrateConfig, SmoothConfig
-    from emad.corpus.config import CorpusConfig
-    from emad.estimator_config import EstimatorsConfig
-    from emad.eval_config import DecodeConfig
-    from emad.report_config import AggregateConfig
-    from emad.risk_config import RiskConfig
-
+    """Section name → its typed model."""
     return {"models": ModelsConfig, "corpus": CorpusConfig, "calibrate": CalibrateConfig, "smooth": SmoothConfig,
             "estimators": EstimatorsConfig, "decode": DecodeConfig, "risk": RiskConfig,
             "aggregate": AggregateConfig}
@@ -78,3 +78,9 @@ def _check_across(cfg: dict[str, Any]) -> None:
         if domain not in sampled:
             raise ConfigError(f"decode.domains.{domain}: the domain is not sampled; add it to corpus.sources "
                               f"({', '.join(sorted(sampled))})")
+
+
+def load_section(name: str, model: type[S], path: str | Path = "params.yaml") -> S:
+    """Section ``name`` of the params file as ``model``, after checking the whole file (:func:`validate_params`)."""
+    validate_params(path)
+    return validate_section(name, read_params(path).get(name), model)

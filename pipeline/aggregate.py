@@ -12,9 +12,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from emad import runfile, tracking
-from emad.config import load_section
+from emad import tracking
+from emad.evaluation import runfile
 from emad.io import atomic_write_json, atomic_write_text, read_json
+from emad.params import load_section
 from emad.report import (
     ablation_tables,
     domain_shift_table,
@@ -25,7 +26,7 @@ from emad.report import (
     verdict,
     write_pareto_figures,
 )
-from emad.report_config import AggregateConfig
+from emad.report.config import AggregateConfig
 
 PLOT_KEYS = ("run_id", "point", "family", "calibration", "flops_ratio", "bytes_ratio", "speedup", "quality",
              "on_frontier_flops", "on_frontier_speed")

@@ -15,11 +15,11 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from emad import tracking
-from emad.calibrate import calibrate_texts
-from emad.calibration_config import CalibrateConfig
-from emad.config import load_section
+from emad.calibration.calibrate import calibrate_texts
+from emad.calibration.config import CalibrateConfig
 from emad.corpus import read_split
-from emad.models import load_model
+from emad.engine.models import load_model
+from emad.params import load_section
 
 
 def _log(run, stats, elapsed: float) -> None:

@@ -13,16 +13,17 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from emad import runfile, tracking
-from emad.config import load_section
-from emad.eval_config import DecodeConfig
-from emad.evaluate import evaluate, prepare
-from emad.heatmap import heatmap_html
+from emad import tracking
+from emad.engine.models import load_model
+from emad.engine.stack import LayerStack
+from emad.evaluation import runfile
+from emad.evaluation.config import DecodeConfig
+from emad.evaluation.evaluate import evaluate, prepare
+from emad.evaluation.operating_point import build_method, model_loader, profile_file
 from emad.io import atomic_write_text
-from emad.models import load_model
-from emad.operating_point import build_method, model_loader, profile_file
-from emad.plots import depth_histogram_figure, save_figure
-from emad.stack import LayerStack
+from emad.params import load_section
+from emad.report.heatmap import heatmap_html
+from emad.report.plots import depth_histogram_figure, save_figure
 
 
 def _profile_facts(path: Path | None, method) -> dict:

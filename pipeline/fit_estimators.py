@@ -10,14 +10,14 @@ import sys
 from pathlib import Path
 
 from emad import tracking
-from emad.calibrate import cap_tokens, windows
-from emad.config import load_section
+from emad.calibration.calibrate import cap_tokens, windows
+from emad.calibration.config import EstimatorsConfig
+from emad.calibration.estimator_fit import build, collect, fit, save
+from emad.calibration.profile import Profile
 from emad.corpus import read_split
-from emad.estimator_config import EstimatorsConfig
-from emad.estimator_fit import build, collect, fit, save
-from emad.models import load_model
-from emad.profile import Profile
-from emad.stack import LayerStack
+from emad.engine.models import load_model
+from emad.engine.stack import LayerStack
+from emad.params import load_section
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from emad.models import load_model, prepare_model
+from emad.engine.models import load_model, prepare_model
 
 
 def main(argv: list[str] | None = None) -> int:

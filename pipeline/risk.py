@@ -14,15 +14,15 @@ from pathlib import Path
 import torch
 
 from emad import tracking
-from emad.config import load_section
-from emad.criteria import Full
 from emad.decode import generate
+from emad.engine.models import load_model
+from emad.engine.stack import LayerStack
+from emad.evaluation.operating_point import build_method
+from emad.evaluation.risk import control, prompt_losses
+from emad.evaluation.risk_config import RiskConfig
+from emad.exits.criteria import Full
 from emad.io import atomic_write_json
-from emad.models import load_model
-from emad.operating_point import build_method
-from emad.risk import control, prompt_losses
-from emad.risk_config import RiskConfig
-from emad.stack import LayerStack
+from emad.params import load_section
 from emad.tasks.registry import TASKS
 
 FORMAT, VERSION = "emad-risk", 1

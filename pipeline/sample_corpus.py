@@ -13,16 +13,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from emad.config import ConfigError, load_section
+from emad.config import ConfigError
 from emad.corpus import SOURCES, CorpusError, sample_corpus
 from emad.corpus.config import CorpusConfig
+from emad.params import load_section
 
 
 def load_tokenizer(spec: str) -> Any:
     """The tokenizer of model `spec`: an embedded alias (converted once), a folder or a hub id."""
     from transformers import AutoTokenizer
 
-    from emad import models
+    from emad.engine import models
 
     source: str | Path = spec
     if spec in models.EMBEDDED:
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
             os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
         tokenizer = load_tokenizer(cfg.tokenizer_model)
-        from emad.models import tokenizer_sha256
+        from emad.engine.models import tokenizer_sha256
 
         manifest = sample_corpus(
             args.source,

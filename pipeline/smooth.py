@@ -12,12 +12,12 @@ import sys
 from pathlib import Path
 
 from emad import tracking
-from emad.calibration_config import SmoothConfig
-from emad.config import load_section
-from emad.models import ModelFingerprint
-from emad.plots import profile_figure, save_figure
-from emad.profile import smooth, smooth_variants, variant_path
-from emad.stats import CalibrationStats
+from emad.calibration.config import SmoothConfig
+from emad.calibration.profile import smooth, smooth_variants, variant_path
+from emad.calibration.stats import CalibrationStats
+from emad.engine.models import ModelFingerprint
+from emad.params import load_section
+from emad.report.plots import profile_figure, save_figure
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
-from emad.models import LoadedModel, load_model  # noqa: E402
+from emad.engine.models import LoadedModel, load_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 
-from emad.calibrate import calibrate, windows
-from emad.criteria import Confidence, Emad, Fixed, Full, ProbeView
+from emad.calibration.calibrate import calibrate, windows
+from emad.calibration.profile import ProfileError, smooth
 from emad.decode import Method, generate, score_adaptive
-from emad.estimators import Estimate, Estimator
-from emad.profile import ProfileError, smooth
-from emad.stack import LayerStack
-from emad.strata import Strata
+from emad.engine.stack import LayerStack
+from emad.exits.criteria import Confidence, Emad, Fixed, Full, ProbeView
+from emad.exits.estimators import Estimate, Estimator
+from emad.exits.strata import Strata
 from tests.tiny import TinyTokenizer, random_prompts, tiny_model
 
 NEW = 24
@@ -86,10 +86,10 @@ def test_backfill_equals_full_recompute_of_the_same_depths(llama):
 def test_copy_writes_deeper_kv_from_the_copied_state(llama):
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from emad.cost import CostModel
     from emad.decode import prefill
     from emad.decode.step import step
-    from emad.policies import Copy
+    from emad.engine.cost import CostModel
+    from emad.exits.policies import Copy
 
     model, cost = llama.model, CostModel.from_stack(llama)
     prompt = torch.tensor([random_prompts(1, [6], seed=15)[0]])

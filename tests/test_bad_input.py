@@ -16,14 +16,14 @@ import pytest
 import torch
 import yaml
 
-from emad.calibrate import calibrate_texts
-from emad.calibration_config import CalibrateConfig
+from emad.calibration.calibrate import calibrate_texts
+from emad.calibration.config import CalibrateConfig
+from emad.calibration.profile import smooth
 from emad.config import ConfigError
 from emad.decode import ContextLengthError, generate
-from emad.models import ModelLoadError, ModelSpecError, load_model
+from emad.engine.models import ModelLoadError, ModelSpecError, load_model
+from emad.engine.stack import LayerStack, NonFiniteLogitsError
 from emad.params import validate_params
-from emad.profile import smooth
-from emad.stack import LayerStack, NonFiniteLogitsError
 from emad.tasks.humaneval import run_sandboxed
 from tests.tiny import save_tiny_pretrained, tiny_model
 
@@ -244,7 +244,7 @@ def test_a_prompt_longer_than_the_context_is_refused_before_decoding(smollm2):
 
 
 def _full():
-    from emad.criteria import Full
+    from emad.exits.criteria import Full
 
     return Full()
 

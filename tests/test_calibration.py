@@ -10,13 +10,13 @@ import pytest
 import torch
 from scipy.optimize import isotonic_regression
 
-from emad.calibrate import accumulate_batch, calibrate, resolve_probe_layers, windows
+from emad.calibration.calibrate import accumulate_batch, calibrate, resolve_probe_layers, windows
+from emad.calibration.profile import Profile, ProfileError, smooth
+from emad.calibration.stats import CalibrationStats, StatsFormatError
 from emad.decode import positions_of
-from emad.entropy import entropy_from_logits
-from emad.profile import Profile, ProfileError, smooth
-from emad.stack import LayerStack
-from emad.stats import CalibrationStats, StatsFormatError
-from emad.strata import Strata
+from emad.engine.entropy import entropy_from_logits
+from emad.engine.stack import LayerStack
+from emad.exits.strata import Strata
 from tests.tiny import random_prompts, tiny_model
 
 

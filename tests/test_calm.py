@@ -8,13 +8,13 @@ import math
 import pytest
 import torch
 
-from emad.contrastive import choose_amateur, contrastive_logprobs, jsd, plausibility_alpha
-from emad.cost import CostModel
-from emad.criteria import Contrastive, ProbeView, SoftmaxResponse, top2_gap
 from emad.decode import Method, generate, score_adaptive
-from emad.estimators import ESTIMATORS, Prune
-from emad.operating_point import PointConfig, build_method
-from emad.stack import LayerStack
+from emad.engine.cost import CostModel
+from emad.engine.stack import LayerStack
+from emad.evaluation.operating_point import PointConfig, build_method
+from emad.exits.contrastive import choose_amateur, contrastive_logprobs, jsd, plausibility_alpha
+from emad.exits.criteria import Contrastive, ProbeView, SoftmaxResponse, top2_gap
+from emad.exits.estimators import ESTIMATORS, Prune
 from tests.tiny import VOCAB, TinyTokenizer, random_prompts, tiny_model
 
 TOK = TinyTokenizer()

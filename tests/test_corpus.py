@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from emad.config import ConfigError, load_section, validate_section
+from emad.config import ConfigError, validate_section
 from emad.corpus import (
     SOURCES,
     CorpusError,
@@ -25,6 +25,7 @@ from emad.corpus.config import CorpusConfig
 from emad.corpus.sample import order_documents, truncate_to_budget
 from emad.corpus.sources import strip_gutenberg
 from emad.corpus.stdlib import StdlibCode, StdlibProse
+from emad.params import load_section
 
 ROOT = Path(__file__).resolve().parents[1]
 EMBEDDED = ["stdlib-prose", "stdlib-code", "shakespeare", "gsm8k", "humaneval"]

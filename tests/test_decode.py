@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from emad.criteria import CRITERIA, Fixed, Full
 from emad.decode import ContextLengthError, Sampling, generate, score
-from emad.stack import LayerStack
+from emad.engine.stack import LayerStack
+from emad.exits.criteria import CRITERIA, Fixed, Full
 from tests.tiny import ARCHITECTURES, TinyTokenizer, random_prompts, tiny_model
 
 NEW = 32

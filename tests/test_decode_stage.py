@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from emad import runfile
-from emad.calibrate import calibrate_texts
-from emad.calibration_config import CalibrateConfig
+from emad.calibration.calibrate import calibrate_texts
+from emad.calibration.config import CalibrateConfig
+from emad.calibration.profile import smooth, smooth_variants, variant_path
 from emad.config import ConfigError, validate_section
-from emad.eval_config import DecodeConfig
-from emad.heatmap import heatmap_html
-from emad.models import load_model
-from emad.profile import smooth, smooth_variants, variant_path
+from emad.engine.models import load_model
+from emad.evaluation import runfile
+from emad.evaluation.config import DecodeConfig
+from emad.report.heatmap import heatmap_html
 from tests.tiny import save_tiny_pretrained
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -227,7 +227,7 @@ def test_risk_stage_certifies_from_the_conservative_end_and_checks_on_fresh_prom
     ({"searches": {"s": {"point": {"method": "emad"}, "knob": "margin", "values": []}}}, r"risk\.searches\.s\.values"),
 ])
 def test_bad_risk_params_name_the_culprit(change, culprit):
-    from emad.risk_config import RiskConfig
+    from emad.evaluation.risk_config import RiskConfig
 
     with pytest.raises(ConfigError, match=culprit):
         validate_section("risk", {**RISK, **change}, RiskConfig)

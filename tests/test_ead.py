@@ -8,10 +8,10 @@ import math
 
 import pytest
 
-from emad.criteria import Full
 from emad.decode import Sampling, generate, score, score_adaptive
+from emad.engine.stack import LayerStack
+from emad.exits.criteria import Full
 from emad.methods import EAD, STRATEGIES, ModelPair, SelfPair, Switcher
-from emad.stack import LayerStack
 from tests.tiny import TinyTokenizer, VocabTokenizer, random_prompts, tiny_model
 
 TOK = TinyTokenizer()

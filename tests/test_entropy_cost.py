@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from emad.cost import CostModel
-from emad.entropy import entropy_from_logits
-from emad.stack import LayerStack
+from emad.engine.cost import CostModel
+from emad.engine.entropy import entropy_from_logits
+from emad.engine.stack import LayerStack
 from tests.tiny import tiny_model
 
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from emad import estimator_fit
-from emad.calibrate import windows
-from emad.cost import CostModel
-from emad.criteria import Confidence
+from emad.calibration import estimator_fit
+from emad.calibration.calibrate import windows
+from emad.calibration.estimator_fit import EstimatorFitError
 from emad.decode import Method, generate
-from emad.estimator_fit import EstimatorFitError
-from emad.estimators import ESTIMATORS, LowRank, TopK
-from emad.stack import LayerStack
+from emad.engine.cost import CostModel
+from emad.engine.stack import LayerStack
+from emad.exits.criteria import Confidence
+from emad.exits.estimators import ESTIMATORS, LowRank, TopK
 from tests.tiny import VOCAB, TinyTokenizer, random_prompts, tiny_model
 
 

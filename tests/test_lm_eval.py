@@ -18,14 +18,14 @@ from lm_eval.api.instance import Instance
 from lm_eval.api.registry import get_model, model_registry
 from lm_eval.tasks._yaml_loader import load_yaml
 
-from emad.calibrate import calibrate_texts
-from emad.calibration_config import CalibrateConfig
+from emad.calibration.calibrate import calibrate_texts
+from emad.calibration.config import CalibrateConfig
+from emad.calibration.profile import smooth
 from emad.decode import generate
+from emad.engine.models import load_model
 from emad.lm_eval import TASKS_DIR, apply_defaults, default_device, task_manager
-from emad.lm_eval_model import EmadLM, ModelArgsError
-from emad.lm_eval_tasks import loaders
-from emad.models import load_model
-from emad.profile import smooth
+from emad.lm_eval.model import EmadLM, ModelArgsError
+from emad.lm_eval.tasks import loaders
 from emad.tasks.gsm8k import STRICT
 from emad.tasks.gsm8k import test_rows as gsm8k_rows
 from tests.tiny import save_tiny_pretrained

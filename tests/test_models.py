@@ -1,4 +1,4 @@
-"""emad.models: spec resolution, conversion of the embedded GGUF, fingerprints, and errors users can act on."""
+"""emad.engine.models: spec resolution, conversion of the embedded GGUF, fingerprints, and errors users can act on."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from emad.models import (
+from emad.engine.models import (
     EMBEDDED,
     SOURCE_FILE,
     EmbeddedModel,

@@ -12,8 +12,8 @@ import pytest
 import torch
 import yaml
 
-from emad.profile import Profile
-from emad.stats import CalibrationStats
+from emad.calibration.profile import Profile
+from emad.calibration.stats import CalibrationStats
 from tests.tiny import save_tiny_pretrained
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from emad.evaluation.runfile import run_id
 from emad.report import (
     ablation_markdown,
     ablation_tables,
@@ -20,7 +21,6 @@ from emad.report import (
     verdict,
     write_pareto_figures,
 )
-from emad.runfile import run_id
 
 DOMAINS = ("code", "prose")
 

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from emad.risk import control, fixed_sequence, hb_p_value, min_prompts, order_values, prompt_losses
+from emad.evaluation.risk import control, fixed_sequence, hb_p_value, min_prompts, order_values, prompt_losses
 
 
 def test_p_value_is_one_at_or_above_delta_and_grows_with_the_risk():

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from emad.criteria import Full
 from emad.decode import generate
-from emad.stack import LayerStack
+from emad.engine.stack import LayerStack
+from emad.exits.criteria import Full
 from tests.test_stack import _forward
 
 pytestmark = pytest.mark.slow

@@ -10,10 +10,11 @@ import torch
 import transformers as tf
 from scipy import stats
 
-from emad.cache import KVCache
-from emad.cost import CostModel
-from emad.criteria import Full
 from emad.decode import Sampling, generate
+from emad.engine.cache import KVCache
+from emad.engine.cost import CostModel
+from emad.engine.stack import LayerStack
+from emad.exits.criteria import Full
 from emad.methods import (
     DRAFT_POLICIES,
     AdaEDL,
@@ -24,7 +25,6 @@ from emad.methods import (
     speculative_generate,
 )
 from emad.methods.common import pass_cost
-from emad.stack import LayerStack
 from tests.tiny import ARCHITECTURES, TinyTokenizer, VocabTokenizer, random_prompts, tiny_model
 
 NEW = 24

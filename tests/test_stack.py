@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from emad.adapters import ADAPTERS, UnsupportedArchitectureError, adapter_for
 from emad.decode import left_pad, positions_of
-from emad.stack import LayerStack
+from emad.engine.adapters import ADAPTERS, UnsupportedArchitectureError, adapter_for
+from emad.engine.stack import LayerStack
 from tests.tiny import ARCHITECTURES, random_prompts, tiny_model
 
 

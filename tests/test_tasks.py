@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from emad.criteria import Fixed, Full
 from emad.decode import Method
-from emad.stack import LayerStack
+from emad.engine.stack import LayerStack
+from emad.exits.criteria import Fixed, Full
 from emad.tasks import fidelity, perplexity
 from emad.tasks.fidelity import first_divergence
 from emad.tasks.perplexity import windows_with_prefix

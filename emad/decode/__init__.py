@@ -5,8 +5,9 @@ row, whether it exits there (Ĥ from the estimator); the policy bounds its depth
 consistent; the readout of the exit layer gives the token.
 """
 
-from emad.decode.generate import Generation, TokenTrace, generate
-from emad.decode.score import Scored, score, score_adaptive
+from emad.decode.generate import generate
+from emad.decode.results import Generation, Scored, TokenTrace
+from emad.decode.score import score, score_adaptive
 from emad.decode.step import (
     ContextLengthError,
     Method,

@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from emad.cost import CostModel
-from emad.criteria import Criterion
+from emad.decode.results import Generation, TokenTrace
 from emad.decode.step import (
     EXIT_REASONS,
     ContextLengthError,
@@ -20,69 +19,13 @@ from emad.decode.step import (
     elapsed,
     left_pad,
     prefill,
+    reading,
     step,
 )
 from emad.decode.strategy import Strategy
-from emad.stack import LayerStack
-
-
-@dataclass
-class TokenTrace:
-    """One generated token: depth, Ĥ at the probes it passed, why it exited, and its cost."""
-
-    token: int
-    logprob: float
-    depth: int
-    entropies: dict[int, float]
-    reason: str
-    flops: float
-    full_flops: float
-
-
-@dataclass
-class Generation:
-    """Generated continuations and their per-token trace.
-
-    Attributes:
-        token_ids: generated ids per row (prompt excluded; EOS included when produced).
-        texts: decoded continuations, cut before the first stop string.
-        depths: layers run per generated token, per row.
-        flops, bytes: cost per generated token, per row (layers, probes, exit readout, policy work);
-            ``full_flops``/``full_bytes`` the same tokens at full depth.
-        policy_flops: FLOPs of policy work (backfill, K/V copy) per row; ``policy_events`` how often it fired.
-        finish_reasons: "eos", "stop_string" or "length", per row.
-        traces: per row, a :class:`TokenTrace` per token.
-        seconds: wall-clock time of the call (device synchronised), prefill included.
-        stats: counts a strategy reports, summed over rows (e.g. drafts proposed and accepted, large-model tokens).
-    """
-
-    token_ids: list[list[int]]
-    texts: list[str]
-    depths: list[list[int]]
-    flops: list[list[float]]
-    bytes: list[list[float]]
-    full_flops: list[list[float]]
-    full_bytes: list[list[float]]
-    finish_reasons: list[str]
-    policy_flops: list[float] = field(default_factory=list)
-    policy_token_layers: list[float] = field(default_factory=list)
-    policy_events: list[float] = field(default_factory=list)
-    traces: list[list[TokenTrace]] = field(default_factory=list)
-    method: dict = field(default_factory=dict)
-    seconds: float = 0.0
-    stats: dict[str, float] = field(default_factory=dict)
-
-    def cost_ratio(self, row: int | None = None, kind: str = "flops") -> float:
-        """Cost of this generation over full depth for the same tokens (all rows, or one)."""
-        rows = range(len(self.token_ids)) if row is None else [row]
-        spent = sum(sum(getattr(self, kind)[r]) for r in rows)
-        full = sum(sum(getattr(self, "full_" + kind)[r]) for r in rows)
-        return spent / full if full else 1.0
-
-    def policy_share(self) -> float:
-        """Share of all FLOPs spent on policy work (backfill or K/V copy)."""
-        total = sum(sum(f) for f in self.flops)
-        return sum(self.policy_flops) / total if total else 0.0
+from emad.engine.cost import CostModel
+from emad.engine.stack import LayerStack
+from emad.exits.criteria import Criterion
 
 
 @dataclass
@@ -125,6 +68,7 @@ def generate(
         on_token: called as ``on_token(row, token_id)`` for each new token (streaming).
     """
     sampling = sampling or Sampling()
+    stack = reading(stack, method)
     if isinstance(method, Strategy):
         return method.generate(stack, tokenizer, prompts, max_new_tokens, sampling, stop_strings, eos_token_ids,
                                on_token)

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
-from emad.cost import CostModel
-from emad.criteria import Criterion, ProbeView
+from emad.decode.results import Scored
 from emad.decode.step import (
     ContextLengthError,
     Method,
@@ -19,10 +17,13 @@ from emad.decode.step import (
     left_pad,
     positions_of,
     prefill,
+    reading,
     step,
 )
 from emad.decode.strategy import Strategy
-from emad.stack import LayerStack
+from emad.engine.cost import CostModel
+from emad.engine.stack import LayerStack
+from emad.exits.criteria import Criterion, ProbeView
 
 
 def _check_length(stack: LayerStack, n: int) -> None:
@@ -48,28 +49,8 @@ def score(stack: LayerStack, ids: Sequence[int], depth: int | None = None) -> to
     slots = cache.allocate(real)
     positions = positions_of(real)
     h = stack.run(stack.embed(x, positions), 0, depth, cache, positions, slots)
-    logp = torch.log_softmax(stack.readout(h[0, :-1]).float(), dim=-1)  # [T-1, V]
+    logp = torch.log_softmax(stack.readout(h[0, :-1], depth).float(), dim=-1)  # [T-1, V]
     return logp.gather(-1, x[0, 1:, None]).squeeze(-1)
-
-
-@dataclass
-class Scored:
-    """Per continuation token: log-probability, depth it was predicted at, and cost (FLOPs)."""
-
-    logprobs: list[float]
-    depths: list[int]
-    flops: float
-    full_flops: float
-    seconds: float = 0.0
-    greedy: list[bool] = field(default_factory=list)  # per token: is it the argmax of its exit readout
-
-    @property
-    def nll(self) -> float:
-        return -sum(self.logprobs)
-
-    @property
-    def cost_ratio(self) -> float:
-        return self.flops / self.full_flops if self.full_flops else 1.0
 
 
 @torch.inference_mode()
@@ -84,6 +65,7 @@ def score_adaptive(stack: LayerStack, prompt: Sequence[int], continuation: Seque
     A :class:`Strategy` scores with its own semantics (:meth:`Strategy.score`).
     """
     started = time.perf_counter()
+    stack = reading(stack, method)
     if isinstance(method, Strategy):
         scored = method.score(stack, prompt, continuation)
     else:
@@ -112,7 +94,7 @@ def _score_adaptive(stack: LayerStack, prompt: Sequence[int], continuation: Sequ
     depth0 = method.criterion.prefill_depth(stack.n_layers)
     logits = prefill(stack, cache, ids, real, depth0)[0]
     rows = torch.zeros(1, dtype=torch.long, device=stack.device)
-    logprobs, depths, flops, full = [], [depth0], float(cost.readout_flops), float(cost.readout_flops)
+    logprobs, depths, flops, full = [], [depth0], cost.readout_at(depth0)[0], float(cost.readout_flops)
     greedy = []
     for t, token in enumerate(continuation):
         logprobs.append(float(torch.log_softmax(logits.float(), -1)[token]))
@@ -152,7 +134,7 @@ def _score_monotone(stack: LayerStack, prompt: Sequence[int], continuation: Sequ
     first_logits = prefill(stack, cache, ids, real, depth0)[0]
     logprobs = [float(torch.log_softmax(first_logits.float(), -1)[continuation[0]])]
     greedy = [int(first_logits.argmax()) == continuation[0]]
-    flops = full = float(cost.readout_flops)
+    flops, full = cost.readout_at(depth0)[0], float(cost.readout_flops)
     if m == 0:  # a one-token continuation is read out of the prompt alone
         return Scored(logprobs, [depth0], flops, full, greedy=greedy)
     x = torch.tensor([list(continuation[:-1])], dtype=torch.long, device=device)  # [1, m] inputs
@@ -185,7 +167,7 @@ def _score_monotone(stack: LayerStack, prompt: Sequence[int], continuation: Sequ
                 hits = criterion.exits(view).nonzero()
                 first = int(hits[0]) if len(hits) else running
             upto = min(first + 1, running)  # the positions this probe was paid for (later ones are capped)
-            charged[:upto] += est.cost[0][:upto] if est.cost is not None else probe_flops
+            charged[:upto] += (est.cost[0][:upto] if est.cost is not None else probe_flops) + cost.translation(probe)[0]
             if first < running:
                 logits = criterion.exit_logits(view)
                 passer = logits[first] if logits is not None else None
@@ -197,8 +179,8 @@ def _score_monotone(stack: LayerStack, prompt: Sequence[int], continuation: Sequ
                 exit_logits[first] = passer.to(exit_logits.dtype)
                 capped = first + 1
             if capped < running:
-                exit_logits[capped:running] = stack.readout(h[0, capped:running]).to(exit_logits.dtype)
-                charged[capped:running] += cost.readout_flops
+                exit_logits[capped:running] = stack.readout(h[0, capped:running], probe).to(exit_logits.dtype)
+                charged[capped:running] += cost.readout_at(probe)[0]
             depth[first:running] = probe
         running = first
     targets = torch.tensor(continuation[1:], device=device)[:, None]

@@ -8,12 +8,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from emad.cache import KVCache
-from emad.cost import CostModel
-from emad.criteria import Criterion, ProbeView
-from emad.estimators import ESTIMATORS, Estimator
-from emad.policies import POLICIES, Policy
-from emad.stack import LayerStack
+from emad.engine.cache import KVCache
+from emad.engine.cost import CostModel
+from emad.engine.stack import LayerStack
+from emad.exits.criteria import Criterion, ProbeView
+from emad.exits.estimators import ESTIMATORS, Estimator
+from emad.exits.policies import POLICIES, Policy
+from emad.exits.readouts import Readout
 
 
 def elapsed(device: torch.device, started: float) -> float:
@@ -52,17 +53,19 @@ class Sampling:
 
 @dataclass
 class Method:
-    """An operating point: exit criterion × KV policy × entropy estimator.
+    """An operating point: exit criterion × KV policy × entropy estimator × readout.
 
     Attributes:
         criterion: where tokens exit.
-        policy: name of the KV-consistency policy (``monotone``, ``copy``, ``backfill``).
+        policy: name of the KV-consistency policy (``monotone``, ``copy``, ``copy-translated``, ``backfill``).
         estimator: how Ĥ is computed at probes.
+        readout: how a probe layer is read out (:mod:`emad.exits.readouts`); None reads through the stack's own.
     """
 
     criterion: Criterion
     policy: str = "monotone"
     estimator: Estimator = field(default_factory=lambda: ESTIMATORS.get("exact")())
+    readout: Readout | None = None
 
     def __post_init__(self):
         POLICIES.get(self.policy)  # unknown names fail here, listing the valid ones
@@ -79,7 +82,14 @@ class Method:
         return POLICIES.get(self.policy)(batch_size, n_layers, self.criterion.prefill_depth(n_layers), cost)
 
     def describe(self) -> dict:
-        return {**self.criterion.describe(), "policy": self.policy, **self.estimator.describe()}
+        readout = {} if self.readout is None else self.readout.describe()
+        return {**self.criterion.describe(), "policy": self.policy, **self.estimator.describe(), **readout}
+
+
+def reading(stack: LayerStack, method) -> LayerStack:
+    """The stack that reads out through ``method``'s readout (a method or strategy without one: ``stack``)."""
+    readout = getattr(method, "readout", None)
+    return stack if readout is None else stack.with_readout(readout)
 
 
 def check_pairing(criterion: Criterion, estimator: type[Estimator]) -> None:
@@ -144,7 +154,7 @@ def prefill(stack: LayerStack, cache: KVCache, ids: torch.Tensor, real: torch.Te
     positions = positions_of(real)
     h = stack.embed(ids, positions)  # [B, T, d]
     h = stack.run(h, 0, depth, cache, positions, slots)
-    return stack.readout(h[:, -1])  # [B, V]
+    return stack.readout(h[:, -1], depth)  # [B, V]
 
 
 @torch.inference_mode()
@@ -206,8 +216,9 @@ def step(
             est = estimator.estimate(stack, h[probing, -1], probe, probed)
             idx = probed.cpu()
             spent = est.cost or (probe_flops, probe_bytes)
-            out.probe_flops[idx] += spent[0]
-            out.probe_bytes[idx] += spent[1]
+            moved = cost.translation(probe)  # the readout's T_ℓ, read before the estimator's head rows
+            out.probe_flops[idx] += spent[0] + moved[0]
+            out.probe_bytes[idx] += spent[1] + moved[1]
             out.entropies[idx, k] = est.entropy.float().cpu()
             if k == 0:
                 first_conf[probed] = est.max_prob.float()
@@ -224,7 +235,7 @@ def step(
                 took = leave & probing
                 out.logits[active[took]] = probe_logits[took[probing]].to(out.logits.dtype)
             if bool(read.any()):
-                out.logits[active[read]] = _readout(stack, h[read], cost, out, active[read]).to(out.logits.dtype)
+                out.logits[active[read]] = _readout(stack, h[read], probe, cost, out, active[read]).to(out.logits.dtype)
             out.depths[gone] = probe
             out.reasons[gone.cpu()] = torch.where(passed[leave], 0, torch.where(capped[leave], 1, 2)).cpu()
             policy.after_exit(stack, cache, rows[gone], slots.start, h[leave], pos[gone, 0], probe)
@@ -235,12 +246,13 @@ def step(
     return out
 
 
-def _readout(stack: LayerStack, h: torch.Tensor, cost: CostModel, out: StepOutput, gone: torch.Tensor):
-    """The exit readout when no estimator produced it (charged as one readout)."""
+def _readout(stack: LayerStack, h: torch.Tensor, layer: int, cost: CostModel, out: StepOutput, gone: torch.Tensor):
+    """The exit readout at ``layer`` when no estimator produced it (charged as one readout there)."""
     idx = gone.cpu()
-    out.probe_flops[idx] += cost.readout_flops
-    out.probe_bytes[idx] += cost.readout_bytes
-    return stack.readout(h[:, -1])
+    flops, bytes_ = cost.readout_at(layer)
+    out.probe_flops[idx] += flops
+    out.probe_bytes[idx] += bytes_
+    return stack.readout(h[:, -1], layer)
 
 
 def choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:

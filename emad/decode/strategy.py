@@ -11,10 +11,9 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
-    from emad.decode.generate import Generation
-    from emad.decode.score import Scored
+    from emad.decode.results import Generation, Scored
     from emad.decode.step import Sampling
-    from emad.stack import LayerStack
+    from emad.engine.stack import LayerStack
 
 
 class Strategy:
@@ -26,6 +25,15 @@ class Strategy:
     """
 
     name: ClassVar[str]
+    readout = None  # an emad.exits.readouts.Readout set by the operating point; None: the stack's own
+
+    def readout_layers(self, n_layers: int) -> list[int]:
+        """The target's layers this strategy reads out below L (they need a translator under a tuned readout)."""
+        return []
+
+    def readout_facts(self) -> dict:
+        """The readout's description for :meth:`describe` (empty without one)."""
+        return {} if self.readout is None else self.readout.describe()
 
     @classmethod
     def from_options(cls, load: Callable[[str], tuple[LayerStack, object]] | None = None, **options) -> Strategy:

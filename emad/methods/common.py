@@ -8,11 +8,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from emad.cache import KVCache
-from emad.cost import CostModel
-from emad.decode.generate import Generation, TokenTrace, _cut_at_stop
+from emad.decode.generate import _cut_at_stop
+from emad.decode.results import Generation, TokenTrace
 from emad.decode.step import ContextLengthError
-from emad.stack import LayerStack
+from emad.engine.cache import KVCache
+from emad.engine.cost import CostModel
+from emad.engine.stack import LayerStack
 
 
 def feed(stack: LayerStack, cache: KVCache, seq: Sequence[int], stop: int) -> torch.Tensor:
@@ -35,13 +36,15 @@ def pass_cost(cost: CostModel, start: int, stop: int, first_slot: int, q: int,
     """(FLOPs, bytes) of one pass of ``q`` consecutive tokens over layers ``[start, stop)`` and ``readouts`` readouts.
 
     The token in slot ``s`` attends to ``s + 1`` keys, so the pass costs ``Σ_layers (2·P_ℓ·q + 4·d·Σ_s (s+1))``
-    FLOPs (:meth:`CostModel.layer_flops` summed over its tokens) plus ``readouts × 2·d·V``. One pass reads each
-    weight once: bytes are the layers' bytes plus one readout's bytes when it reads out at all.
+    FLOPs (:meth:`CostModel.layer_flops` summed over its tokens) plus ``readouts`` readouts at layer ``stop``
+    (:meth:`CostModel.readout_at`: the translation there, final norm and head). One pass reads each weight once:
+    bytes are the layers' bytes plus one readout's bytes when it reads out at all.
     """
     keys = q * first_slot + q * (q + 1) // 2  # Σ (s + 1) over s = first_slot .. first_slot + q - 1
     flops = 2 * q * sum(cost.layer_params[start:stop]) + 4 * cost.d_model * (stop - start) * keys
-    bytes_ = sum(cost.layer_bytes[start:stop]) + (cost.readout_bytes if readouts else 0)
-    return float(flops + readouts * cost.readout_flops), float(bytes_)
+    readout_flops, readout_bytes = cost.readout_at(stop)
+    bytes_ = sum(cost.layer_bytes[start:stop]) + (readout_bytes if readouts else 0)
+    return float(flops + readouts * readout_flops), float(bytes_)
 
 
 def check_inner_layer(label: str, value: int, n_layers: int) -> None:

@@ -2,10 +2,11 @@
 
 Drafters (batch 1; slot = position, no padding):
 
-- :class:`ModelDrafter`: a separate, smaller :class:`~emad.stack.LayerStack` with the target's vocabulary and its
-  own :class:`~emad.cache.KVCache`.
+- :class:`ModelDrafter`: a separate, smaller :class:`~emad.engine.stack.LayerStack` with the target's vocabulary and its
+  own :class:`~emad.engine.cache.KVCache`.
 - :class:`SelfDrafter`: early exit at layer E of the target itself; the draft distribution is
-  ``readout(h_E) = head(final_norm(h_E))``. Drafting writes the K/V of layers 1..E straight into the target's
+  ``readout(h_E) = head(final_norm(T_E(h_E)))`` (T_E: the stack's readout, the identity for the logit lens; a
+  trained translator makes it a Kangaroo-style adapter on the shallow sub-network). Drafting writes the K/V of layers 1..E straight into the target's
   cache, so verification only runs layers E+1..L (see :class:`SelfDrafter` for which K/V are valid when).
 
 Draft-length policies (:data:`DRAFT_POLICIES`): ``static`` (always N), ``adaedl`` (entropy lower bound on the
@@ -20,13 +21,13 @@ from typing import ClassVar
 
 import torch
 
-from emad.cache import KVCache
-from emad.cost import CostModel
 from emad.decode.step import prefill
-from emad.entropy import readout_summary
+from emad.engine.cache import KVCache
+from emad.engine.cost import CostModel
+from emad.engine.entropy import readout_summary
+from emad.engine.stack import LayerStack
 from emad.methods.common import check_inner_layer, check_same_vocabulary, feed, model_name, pass_cost
 from emad.registry import Registry
-from emad.stack import LayerStack
 
 
 # ---------------------------------------------------------------------------------------------- cost tally
@@ -133,7 +134,7 @@ class SelfDrafter(Drafter):
         return h
 
     def propose(self, seq: list[int]) -> torch.Tensor:
-        return self.target.readout(self._lower(seq, "drafter")[0, -1])  # [V]
+        return self.target.readout(self._lower(seq, "drafter")[0, -1], self.exit_layer)  # [V]
 
     def verify_input(self, seq: list[int], start: int) -> tuple[torch.Tensor, int]:
         if self.cache.n_slots < len(seq):

@@ -26,12 +26,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from emad.cost import CostModel
-from emad.decode.generate import Generation, _eos_ids
-from emad.decode.score import Scored
+from emad.decode.generate import _eos_ids
+from emad.decode.results import Generation, Scored
 from emad.decode.step import choose, elapsed, prefill
 from emad.decode.strategy import Strategy
-from emad.entropy import readout_summary
+from emad.engine.cost import CostModel
+from emad.engine.entropy import readout_summary
+from emad.engine.stack import LayerStack
 from emad.methods.common import (
     RowRecord,
     check_context,
@@ -44,7 +45,6 @@ from emad.methods.common import (
     pass_cost,
     to_generation,
 )
-from emad.stack import LayerStack
 
 SIDES = ("small", "large")
 
@@ -144,7 +144,8 @@ class Pair:
 
 
 class SelfPair(Pair):
-    """M_S = the target's first ``small_layers`` layers (+ final norm and head), sharing M_L's cache.
+    """M_S = the target's first ``small_layers`` layers (+ the readout at k: T_k, final norm and head), sharing
+    M_L's cache.
 
     Args:
         small_layers: k, in 1..L-1.
@@ -165,7 +166,7 @@ class SelfPair(Pair):
         self.upper = len(prompt)  # slots that hold layers k+1..L
         self.pending: list[torch.Tensor] = []  # h_k of slots upper.. (run by M_S only)
         h, depth = (h_k, self.k) if side == "small" else (h_L, target.n_layers)
-        return Advance(target.readout(h[0, -1]), depth, self.cost.readout_flops, self.cost.readout_bytes)
+        return Advance(target.readout(h[0, -1], depth), depth, *self.cost.readout_at(depth))
 
     def advance(self, side, seq) -> Advance:
         first, q = self.cache.n_slots, len(seq) - self.cache.n_slots
@@ -173,7 +174,7 @@ class SelfPair(Pair):
         if side == "small":
             self.pending.append(h)
             flops, bytes_ = pass_cost(self.cost, 0, self.k, first, q, 1)
-            return Advance(self.target.readout(h[0, -1]), self.k, flops, bytes_)
+            return Advance(self.target.readout(h[0, -1], self.k), self.k, flops, bytes_)
         lower = pass_cost(self.cost, 0, self.k, first, q, 0)
         h = torch.cat([*self.pending, h], dim=1)  # [1, missed + q, d]: slots upper..first+q-1
         missed, L = first - self.upper, self.target.n_layers
@@ -282,7 +283,10 @@ class EAD(Strategy):
     def describe(self) -> dict:
         s = self.switcher
         return {"method": self.name, **self.pair.describe(), "tau": s.tau, "window": s.window, "d_min": s.d_min,
-                "start": s.start}
+                "start": s.start, **self.readout_facts()}
+
+    def readout_layers(self, n_layers: int) -> list[int]:
+        return [self.pair.k] if isinstance(self.pair, SelfPair) else []
 
     # ------------------------------------------------------------------ the loop
     def _run(self, stack: LayerStack, prompt: list[int], n: int, pick: Callable[[torch.Tensor], int],

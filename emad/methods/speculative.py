@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from emad.cache import KVCache
-from emad.cost import CostModel
 from emad.decode.generate import _cut_at_stop, _eos_ids
 from emad.decode.step import Sampling, choose, elapsed, prefill
+from emad.engine.cache import KVCache
+from emad.engine.cost import CostModel
+from emad.engine.stack import LayerStack
 from emad.methods.common import check_context, extend, pass_cost
 from emad.methods.drafting import Drafter, DraftPolicy, Static, Tally
-from emad.stack import LayerStack
 
 
 @dataclass

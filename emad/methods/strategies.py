@@ -9,12 +9,12 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from emad.cost import CostModel
-from emad.criteria import Full
-from emad.decode.generate import Generation
-from emad.decode.score import Scored, score_adaptive
+from emad.decode.results import Generation, Scored
+from emad.decode.score import score_adaptive
 from emad.decode.step import elapsed
 from emad.decode.strategy import Strategy
+from emad.engine.cost import CostModel
+from emad.exits.criteria import Full
 from emad.methods.common import RowRecord, full_cost, to_generation
 from emad.methods.drafting import DRAFT_POLICIES, Drafter, DraftPolicy, ModelDrafter, SelfDrafter
 from emad.methods.ead import EAD
@@ -83,7 +83,10 @@ class Speculative(Strategy):
         self.drafter.bind(stack, tokenizer)
 
     def describe(self) -> dict:
-        return {"method": self.name, **self.drafter.describe(), **self.policy.describe()}
+        return {"method": self.name, **self.drafter.describe(), **self.policy.describe(), **self.readout_facts()}
+
+    def readout_layers(self, n_layers: int) -> list[int]:
+        return [self.drafter.exit_layer] if isinstance(self.drafter, SelfDrafter) else []
 
     def generate(self, stack, tokenizer, prompts, max_new_tokens, sampling, stop_strings, eos_token_ids,
                  on_token) -> Generation:

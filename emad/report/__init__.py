@@ -1,9 +1,9 @@
 """The aggregate stage's library: Pareto data, the falsification verdict, tables, figures and the report.
 
-Every function takes run records (dicts in the ``emad-run`` format of :mod:`emad.runfile`) and returns plain
+Every function takes run records (dicts in the ``emad-run`` format of :mod:`emad.evaluation.runfile`) and returns plain
 data, a matplotlib figure or text; nothing here reads run files or knows about reports/. A typical sequence::
 
-    runs = emad.runfile.load_all("reports/runs")
+    runs = emad.evaluation.runfile.load_all("reports/runs")
     series = pareto_data(runs)                         # dvc plots data: series.plot_rows() per series.name
     verdicts = verdict(runs)                           # {model: ModelVerdict} for EMAD
     others = family_verdicts(runs)                     # {family: {model: ModelVerdict}}

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from emad.plots import plt, save_figure
 from emad.report.pareto import ParetoSeries, frontier
+from emad.report.plots import plt, save_figure
 from emad.report.verdict import Thresholds
 
 _STYLE = {"full": ("*", "black"), "fixed": ("s", "C0"), "confidence": ("^", "C1"), "emad": ("o", "C3")}

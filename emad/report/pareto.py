@@ -1,6 +1,6 @@
 """Pareto frontiers of quality against cost, the speed-up against the full-depth run, and the oracle bound.
 
-Every function reads run records in the ``emad-run`` format (see :mod:`emad.runfile`). The baseline of a run is
+Every function reads run records in the ``emad-run`` format (see :mod:`emad.evaluation.runfile`). The baseline of a run is
 the ``full`` run of the same model and domain; its speed-up is ``tokens_per_s / tokens_per_s(full)``.
 """
 
@@ -11,13 +11,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from emad.runfile import QUALITY
+from emad.evaluation.runfile import QUALITY
 
 FULL = "full"
 
 
 def higher_is_better(metric: str) -> bool:
-    """Direction of a quality metric (:data:`emad.runfile.QUALITY`); unknown metrics count as higher-better."""
+    """Direction of a quality metric (:data:`emad.evaluation.runfile.QUALITY`); unknown metrics count as higher-better."""
     return QUALITY.get(metric, ("", "", True))[2]
 
 

@@ -327,7 +327,7 @@ def verdict(runs: Sequence[dict], methods: Sequence[str] = ("emad",), *, min_flo
     """The verdict per model (sorted by name) for the method families ``methods``.
 
     Args:
-        runs: run records (:mod:`emad.runfile`).
+        runs: run records (:mod:`emad.evaluation.runfile`).
         methods: families that count as "the method" (the verdict is about EMAD by default).
         min_flops_reduction: C1's FLOP reduction (0.15 = 15%).
         ppl_rel_tol: allowed relative rise of perplexity (0.01 = 1%).

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from emad.criteria import Full
 from emad.decode import Method, generate
-from emad.stack import LayerStack
+from emad.engine.stack import LayerStack
+from emad.exits.criteria import Full
 
 
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> int:

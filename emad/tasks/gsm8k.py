@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from emad.corpus.sources import package_dir
 from emad.decode import Method, generate
-from emad.stack import LayerStack
+from emad.engine.stack import LayerStack
 
 STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
 IGNORE = (",", r"\$", r"(?s).*#### ", r"\.$")

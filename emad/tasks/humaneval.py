@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from emad.corpus.sources import package_dir
 from emad.decode import Method, generate
-from emad.stack import LayerStack
+from emad.engine.stack import LayerStack
 
 STOP = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
 RUNNER = """

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from emad.decode import Method, score_adaptive
-from emad.stack import LayerStack
+from emad.engine.stack import LayerStack
 
 
 @dataclass(frozen=True)

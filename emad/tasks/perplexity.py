@@ -7,7 +7,7 @@ import math
 from collections.abc import Sequence
 
 from emad.decode import Method, score_adaptive
-from emad.stack import LayerStack
+from emad.engine.stack import LayerStack
 
 
 def windows_with_prefix(ids: Sequence[int], window: int, prefix: int) -> list[tuple[list[int], list[int]]]:

@@ -3,7 +3,9 @@
 - ``monotone``: D_t ≤ D_{t-1} (the prompt runs at full depth, D_0 = L); a token never needs K/V that earlier
   tokens lack, so nothing is ever recomputed.
 - ``copy`` (CALM state propagation): depth may rise; a token that exits at ℓ copies its hidden state to layers
-  ℓ+1..L and only their K/V projections are computed from it.
+  ℓ+1..L and only their K/V projections are computed from it. ``copy-translated`` copies the readout's
+  translated state T_ℓ(h) instead (the tuned lens maps h_ℓ toward the final layer's basis; with the logit lens it
+  is ``copy``), charging one translation per exit.
 - ``backfill``: depth may rise; before a token runs a layer that earlier tokens skipped, those tokens' missing
   layers are computed in one batched pass from their exit states — exactly as if they had run them at the time.
 
@@ -18,7 +20,7 @@ from typing import ClassVar
 
 import torch
 
-from emad.cache import KVCache
+from emad.engine.cache import KVCache
 from emad.registry import Registry
 
 
@@ -74,18 +76,31 @@ class Monotone(Policy):
 class Copy(Policy):
     """Copy the exit state to skipped layers; compute only their K/V (query projection included, then dropped)."""
 
+    def state(self, stack, h: torch.Tensor, depth: int) -> tuple[torch.Tensor, tuple[float, float]]:
+        """The state copied to the skipped layers and its extra (FLOPs, bytes) per token: h itself."""
+        return h, (0.0, 0.0)
+
     def after_exit(self, stack, cache, rows, slot, h, positions, depth) -> None:
         if depth >= self.n_layers:
             return
+        h, (flops, bytes_) = self.state(stack, h, depth)
         slots = slice(slot, slot + 1)
         for layer in range(depth, self.n_layers):
             stack.write_kv(h, layer, cache, positions[:, None], slots, rows if len(rows) < cache.batch_size else None)
         per_token = (self.n_layers - depth) * self.cost_model.kv_flops
         idx = rows.cpu()
-        self.extra.flops[idx] += per_token
-        self.extra.bytes[idx] += (self.n_layers - depth) * self.cost_model.kv_bytes
+        self.extra.flops[idx] += per_token + flops
+        self.extra.bytes[idx] += (self.n_layers - depth) * self.cost_model.kv_bytes + bytes_
         self.extra.token_layers[idx] += self.n_layers - depth
         self.extra.events[idx] += 1
+
+
+@POLICIES.register("copy-translated")
+class CopyTranslated(Copy):
+    """As ``copy``, with the readout's translated state T_ℓ(h) copied to the skipped layers."""
+
+    def state(self, stack, h, depth):
+        return stack.translate(h, depth), self.cost_model.translation(depth)
 
 
 @dataclass

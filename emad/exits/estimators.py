@@ -11,8 +11,8 @@ from typing import ClassVar
 
 import torch
 
-from emad.cost import CostModel
-from emad.entropy import readout_summary
+from emad.engine.cost import CostModel
+from emad.engine.entropy import readout_summary
 from emad.registry import Registry
 
 
@@ -50,7 +50,7 @@ class Estimator:
 
     @classmethod
     def from_sample(cls, stack, sample: dict, **options) -> Estimator:
-        """Build for fitting, given a calibration sample (see :func:`emad.estimator_fit.collect`)."""
+        """Build for fitting, given a calibration sample (see :func:`emad.calibration.estimator_fit.collect`)."""
         return cls(**options)
 
     def begin(self, batch_size: int) -> None:
@@ -80,7 +80,7 @@ class Exact(Estimator):
     needs_fit = False
 
     def estimate(self, stack, h: torch.Tensor, layer: int, rows: torch.Tensor | None = None) -> Estimate:
-        logits = stack.readout(h)  # [a, V]
+        logits = stack.readout(h, layer)  # [a, V]
         entropy, _, max_prob = readout_summary(logits)
         return Estimate(entropy, max_prob, logits)
 
@@ -91,7 +91,7 @@ class Exact(Estimator):
 class _Corrected(Estimator):
     """An approximate estimator with a per-layer linear correction ``Ĥ = slope_ℓ · raw + intercept_ℓ``.
 
-    The correction is fitted on calibration tokens (:func:`emad.estimator_fit.fit`); without one, the raw
+    The correction is fitted on calibration tokens (:func:`emad.calibration.estimator_fit.fit`); without one, the raw
     estimate is used. ``exact_by_construction`` estimators (K = V, r = d) keep the raw value.
     """
 
@@ -145,7 +145,7 @@ class TopK(_Corrected):
         return self._rows
 
     def estimate(self, stack, h: torch.Tensor, layer: int, rows: torch.Tensor | None = None) -> Estimate:
-        logits = stack.final_norm(h) @ self._head_rows(stack).T  # [a, k]
+        logits = stack.readout_input(h, layer) @ self._head_rows(stack).T  # [a, k]
         if stack.softcap is not None:
             logits = torch.tanh(logits / stack.softcap) * stack.softcap
         raw, _, max_prob = readout_summary(logits)
@@ -192,7 +192,7 @@ class LowRank(_Corrected):
 
     def estimate(self, stack, h: torch.Tensor, layer: int, rows: torch.Tensor | None = None) -> Estimate:
         a, b = self._ab(stack)
-        logits = (stack.final_norm(h) @ b.T) @ a.T  # [a, V]
+        logits = (stack.readout_input(h, layer) @ b.T) @ a.T  # [a, V]
         if stack.softcap is not None:
             logits = torch.tanh(logits / stack.softcap) * stack.softcap
         raw, _, max_prob = readout_summary(logits)
@@ -278,7 +278,7 @@ class Prune(Estimator):
         return parts[0][1] if len(parts) == 1 else _merge(parts, stack.vocab_size)
 
     def _full(self, stack, h, layer, rows) -> Estimate:
-        logits = stack.readout(h)  # [a, V]
+        logits = stack.readout(h, layer)  # [a, V]
         entropy, _, max_prob = readout_summary(logits)
         keep = self._adaptive(max_prob, self._sets.shape[1], stack.vocab_size)  # adaptive: the next probe's size
         width = int(keep.max()) if self.schedule == "adaptive" else self._sets.shape[1]
@@ -294,7 +294,7 @@ class Prune(Estimator):
         size = self._size(layer, rows, stack.n_layers)  # [a]
         width = int(size.max())
         ids = self._sets[rows, :width]  # [a, w]
-        z = torch.bmm(stack.head.weight[ids], stack.final_norm(h)[:, :, None])[:, :, 0]  # [a, w]
+        z = torch.bmm(stack.head.weight[ids], stack.readout_input(h, layer)[:, :, None])[:, :, 0]  # [a, w]
         if stack.softcap is not None:
             z = torch.tanh(z / stack.softcap) * stack.softcap
         z = z.masked_fill(torch.arange(width, device=z.device)[None] >= size[:, None], float("-inf"))

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from emad.decode import Generation, Method, Scored
-from emad.stack import LayerStack
+from emad.engine.stack import LayerStack
 from emad.tasks.registry import TASKS
 
 

@@ -23,9 +23,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from emad.lm_eval_model import ModelArgsError  # importing it registers the model "emad"
+from emad.lm_eval.model import ModelArgsError  # importing it registers the model "emad"
 
-TASKS_DIR = Path(__file__).resolve().parent / "lm_eval_tasks"
+TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 PROG = "python -m emad.lm_eval"
 
 
@@ -107,6 +107,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
 """Teacher-forcing calibration pass: readout entropy at every probe layer for every token of a corpus.
 
 Windows of token ids are run through the layer stack in batches; at each probe the readout's entropy and argmax
-are taken for every real position and added to :class:`~emad.stats.CalibrationStats`. Runs data-parallel under
+are taken for every real position and added to :class:`~emad.calibration.stats.CalibrationStats`. Runs data-parallel under
 ``torchrun`` (each rank a disjoint shard, statistics all-reduced) and resumes from a checkpoint.
 """
 
@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from emad.entropy import readout_summary
+from emad.calibration.stats import CalibrationStats, StatsFormatError
+from emad.engine.entropy import readout_summary
+from emad.engine.stack import LayerStack
+from emad.exits.strata import Strata
 from emad.io import atomic_write_json
-from emad.stack import LayerStack
-from emad.stats import CalibrationStats, StatsFormatError
-from emad.strata import Strata
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ def accumulate_batch(stack: LayerStack, stats: CalibrationStats, batch: Sequence
         h = stack.run(h, done, probe, cache, positions, slots)
         done = probe
         flat = h[real]  # [N, d]
-        parts = [readout_summary(stack.readout(flat[i:i + chunk])) for i in range(0, flat.shape[0], chunk)]
+        parts = [readout_summary(stack.readout(flat[i:i + chunk], probe)) for i in range(0, flat.shape[0], chunk)]
         entropies.append(torch.cat([p[0] for p in parts]))
         argmaxes.append(torch.cat([p[1] for p in parts]))
         if first_conf is None:
@@ -103,8 +103,10 @@ def accumulate_batch(stack: LayerStack, stats: CalibrationStats, batch: Sequence
     return int(real.sum())
 
 
-def _checkpoint_key(stats: CalibrationStats, n_windows: int, batch_size: int, rank: int, world: int) -> str:
+def _checkpoint_key(stats: CalibrationStats, n_windows: int, batch_size: int, rank: int, world: int,
+                    readout_digest: str) -> str:
     ident = {"probes": stats.probe_layers, "strata": stats.strata.as_dict(), "bins": stats.hist_bins,
+             "readout": stats.readout, "readout_digest": readout_digest,
              "model": stats.model, "corpus": stats.corpus, "windows": n_windows, "batch": batch_size,
              "rank": rank, "world": world}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
@@ -129,7 +131,7 @@ def calibrate(
     ``rank::world``, and the statistics are all-reduced so every rank returns the same totals.
 
     Args:
-        stack: the model's layer stack.
+        stack: the model's layer stack; entropies are read through its readout (recorded in the stats).
         token_windows: token-id windows (see :func:`windows`).
         probe_layers: probe layers, 1-based, ending at L.
         strata: the stratification.
@@ -143,11 +145,13 @@ def calibrate(
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    stats = CalibrationStats(probe_layers, strata, stack.vocab_size, hist_bins, model or {}, corpus)
+    stats = CalibrationStats(probe_layers, strata, stack.vocab_size, hist_bins, model or {}, corpus,
+                             stack.readout_name)
     shard = list(token_windows)[rank::world]
     batches = [shard[i:i + batch_size] for i in range(0, len(shard), batch_size)]
     ckpt = None if checkpoint is None else Path(f"{checkpoint}.rank{rank}" if world > 1 else checkpoint)
-    key = _checkpoint_key(stats, len(token_windows), batch_size, rank, world)
+    key = _checkpoint_key(stats, len(token_windows), batch_size, rank, world,
+                          "" if stack.lens is None else stack.lens.digest)
     start = _resume(ckpt, key, stats)
     for i in range(start, len(batches)):
         tokens = accumulate_batch(stack, stats, batches[i])
@@ -183,14 +187,19 @@ def _resume(ckpt: Path | None, key: str, stats: CalibrationStats) -> int:
 
 def calibrate_texts(loaded, texts: Sequence[str], cfg, corpus: str = "", checkpoint: str | Path | None = None,
                     on_batch: Callable[[int], None] | None = None,
-                    on_start: Callable[[int], None] | None = None) -> CalibrationStats:
-    """Calibrate a loaded model on texts with a :class:`~emad.calibration_config.CalibrateConfig`.
+                    on_start: Callable[[int], None] | None = None, readout=None) -> CalibrationStats:
+    """Calibrate a loaded model on texts with a :class:`~emad.calibration.config.CalibrateConfig`.
 
     Checks the probe layers and window against the model before any work, tokenizes, cuts windows, caps them at
     ``cfg.max_tokens`` and runs :func:`calibrate`. ``on_start`` receives the number of tokens to process.
+    ``readout`` (an :class:`emad.exits.readouts.Readout`, checked against the model and the probe layers) is
+    what the entropies are read through; None: the logit lens.
     """
     stack = LayerStack(loaded.model)
     probes = resolve_probe_layers(cfg.probe_layers, stack.n_layers)
+    if readout is not None:
+        readout.check(loaded.fingerprint.as_dict(), probes, stack.n_layers)
+        stack = stack.with_readout(readout)
     if stack.max_positions is not None and cfg.window > stack.max_positions:
         raise ValueError(f"calibrate.window = {cfg.window} exceeds the model's context of {stack.max_positions}")
     strata = Strata(tuple(cfg.strata.position_edges), tuple(cfg.strata.confidence_edges))

@@ -52,3 +52,21 @@ def depth_histogram_figure(histogram: dict[int, int], n_layers: int, title: str 
     ax.set_ylabel("tokens")
     ax.set_title(title, fontsize=9)
     return fig
+
+
+def readouts_figure(held_out: dict[str, dict[int, dict[str, float]]], title: str = ""):
+    """Per layer, ``logit`` vs ``tuned``: top-1 agreement with the final layer, KL to it, next-token perplexity."""
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for key, ax, label, log in (("agreement", axes[0], "top-1 agreement with layer L", False),
+                                ("kl", axes[1], "KL(final ‖ readout), nats", False),
+                                ("perplexity", axes[2], "next-token perplexity", True)):
+        for i, (readout, metrics) in enumerate(sorted(held_out.items())):
+            layers = sorted(metrics)
+            ax.plot(layers, [metrics[layer][key] for layer in layers], "o-", color=f"C{i}", label=readout)
+        ax.set(xlabel="layer", ylabel=label)
+        if log:
+            ax.set_yscale("log")
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title, y=1.03)
+    return fig

@@ -7,9 +7,9 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from emad.config import Section, validate_section
-from emad.criteria import CRITERIA
-from emad.operating_point import PointConfig
-from emad.risk import LOSSES, min_prompts
+from emad.evaluation.operating_point import PointConfig
+from emad.evaluation.risk import LOSSES, min_prompts
+from emad.exits.criteria import CRITERIA
 
 
 class SearchConfig(Section):
@@ -45,7 +45,7 @@ class SearchConfig(Section):
 
 
 class RiskConfig(Section):
-    """Params of stage ``risk`` (see :mod:`emad.risk`).
+    """Params of stage ``risk`` (see :mod:`emad.evaluation.risk`).
 
     Attributes:
         domain: the domain whose eval split gives the prompts (it must be sampled).

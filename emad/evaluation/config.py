@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from emad.config import Section, validate_section
-from emad.operating_point import PointConfig
+from emad.evaluation.operating_point import PointConfig
 from emad.tasks.registry import TASKS
 
 NAME = r"^[A-Za-z0-9_-]+$"  # DVC addresses params by dotted keys: names may not contain dots

@@ -15,17 +15,18 @@ from typing import Any
 
 from pydantic import ValidationError, field_validator, model_validator
 
-from emad import estimator_fit
+from emad.calibration import estimator_fit
+from emad.calibration.profile import Profile, variant_path
 from emad.config import Section
-from emad.criteria import CRITERIA
 from emad.decode import Method
 from emad.decode.step import check_pairing
 from emad.decode.strategy import Strategy
-from emad.estimators import ESTIMATORS
+from emad.exits.criteria import CRITERIA
+from emad.exits.estimators import ESTIMATORS
+from emad.exits.policies import POLICIES
+from emad.exits.readouts import READOUTS, load_readout
+from emad.exits.strata import VARIANTS
 from emad.methods import STRATEGIES
-from emad.policies import POLICIES
-from emad.profile import Profile, variant_path
-from emad.strata import VARIANTS
 
 
 def _one_of(kind: str, names: list[str], value: str) -> str:
@@ -45,7 +46,9 @@ class PointConfig(Section):
 
     The profile is not an option: it is given with the point (a path), so one point runs against every profile.
     ``strata`` picks a stratification of that profile (``strata/<variant>.json`` beside it, written by the smooth
-    stage); None uses the profile as given.
+    stage); None uses the profile as given. ``readout`` (``logit`` or ``tuned``) is how probe layers are read out,
+    for every criterion, the self drafter's exit layer and the EAD self pair's k; ``tuned`` needs a readouts file
+    (stage ``fit_readouts``) and a profile calibrated through it.
     """
 
     method: str = "full"
@@ -58,6 +61,7 @@ class PointConfig(Section):
     policy: str = "monotone"
     estimator: str = "exact"
     strata: str | None = None
+    readout: str = "logit"
     layer_thresholds: dict[int, float] | None = None
     alpha: float | None = None
     alpha_rate: float | None = None
@@ -100,6 +104,11 @@ class PointConfig(Section):
     def _estimator(cls, v: str) -> str:
         return _one_of("estimator", ESTIMATORS.names(), v)
 
+    @field_validator("readout")
+    @classmethod
+    def _readout(cls, v: str) -> str:
+        return _one_of("readout", READOUTS.names(), v)
+
     @field_validator("strata")
     @classmethod
     def _strata(cls, v: str | None) -> str | None:
@@ -133,6 +142,8 @@ class PointConfig(Section):
             out.update(policy=self.policy, estimator=self.estimator, **self._given(_estimator_params(self.estimator)))
         if self.needs_profile and self.strata is not None:
             out["strata"] = self.strata
+        if self.readout != "logit":
+            out["readout"] = self.readout
         return out
 
     def _given(self, names: set[str]) -> dict[str, Any]:
@@ -173,20 +184,25 @@ def _init_params(method: str) -> set[str]:
 
 def build_method(point: PointConfig, n_layers: int, fingerprint: dict, profile_path: str | Path | None = None,
                  estimators_path: str | Path | None = None,
-                 load: Callable[[str], tuple[Any, Any]] | None = None) -> Method | Strategy:
+                 load: Callable[[str], tuple[Any, Any]] | None = None,
+                 readouts_path: str | Path | None = None) -> Method | Strategy:
     """The :class:`Method` (or strategy) of ``point`` for a model with ``n_layers`` layers and the given fingerprint.
 
     Args:
         profile_path: profile.json for methods that need one.
         estimators_path: fitted estimators (default: ``estimators.json`` beside the profile).
         load: ``load(spec) -> (LayerStack, tokenizer)`` for a strategy's second model (``small``, ``drafter``).
+        readouts_path: readouts.safetensors (stage fit_readouts) for ``readout: tuned``.
 
     Raises:
-        ValueError: a missing option, a missing/mismatched profile or estimator file — before any decoding.
+        ValueError: a missing option, a missing/mismatched profile, estimator or readouts file — before any
+            decoding.
     """
     if point.is_strategy:
         strategy = STRATEGIES.get(point.method).from_options(load=load, **point._given(_init_params(point.method)))
         strategy.validate(n_layers)
+        strategy.readout = load_readout(point.readout, readouts_path, fingerprint, strategy.readout_layers(n_layers),
+                                        n_layers)
         return strategy
     profile = None
     if point.needs_profile:
@@ -195,9 +211,14 @@ def build_method(point: PointConfig, n_layers: int, fingerprint: dict, profile_p
         if not Path(profile_path).is_file():
             raise FileNotFoundError(f"profile {profile_path} does not exist (run the calibrate and smooth stages, "
                                     "or `emad calibrate`)")
-        profile = Profile.load(profile_file(profile_path, point.strata))
+        chosen = profile_file(profile_path, point.strata)
+        profile = Profile.load(chosen)
         profile.check_model(fingerprint)
-    options = {**point.model_dump(exclude={"method", "policy", "estimator", "strata"}), "profile": profile}  # Profile object
+        if profile.readout != point.readout:
+            raise ValueError(f"profile {chosen} was calibrated through the {profile.readout!r} readout, but the "
+                             f"point reads out through {point.readout!r}: calibrate with readout "
+                             f"{point.readout!r} (emad calibrate --readout {point.readout}) and use that profile")
+    options = {**point.model_dump(exclude={"method", "policy", "estimator", "strata", "readout"}), "profile": profile}  # Profile object
     criterion = CRITERIA.get(point.method).from_options(**options)
     criterion.validate(n_layers)
     estimator_cls = ESTIMATORS.get(point.estimator)
@@ -210,7 +231,8 @@ def build_method(point: PointConfig, n_layers: int, fingerprint: dict, profile_p
             raise ValueError(f"estimator {point.estimator!r} needs a fitted estimators file (estimators.json "
                              "beside the profile, from the fit_estimators stage)")
         estimator = estimator_fit.load(fitted, point.estimator, fingerprint, criterion.probes(n_layers))
-    method = Method(criterion, point.policy, estimator)
+    readout = load_readout(point.readout, readouts_path, fingerprint, criterion.probes(n_layers), n_layers)
+    method = Method(criterion, point.policy, estimator, readout)
     method.validate(n_layers)
     return method
 
@@ -233,8 +255,8 @@ def model_loader(device: str = "auto", dtype: str = "auto") -> Callable[[str], t
     """``load(spec) -> (LayerStack, tokenizer)`` for a strategy's second model, on the given device and dtype."""
 
     def load(spec: str):
-        from emad.models import load_model
-        from emad.stack import LayerStack
+        from emad.engine.models import load_model
+        from emad.engine.stack import LayerStack
 
         loaded = load_model(spec, device=device, dtype=dtype)
         return LayerStack(loaded.model), loaded.tokenizer

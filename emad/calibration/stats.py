@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
+from emad.exits.strata import VARIANTS, Strata
 from emad.io import atomic_write_text, read_json
-from emad.strata import VARIANTS, Strata
 
 FORMAT, VERSION = "emad-stats", 1
 _ARRAYS = ("count", "sum", "sumsq", "hist", "agree", "oracle")
@@ -39,6 +39,7 @@ class CalibrationStats:
         hist_bins: number of histogram bins.
         model: the model fingerprint (dict).
         corpus: the corpus manifest hash.
+        readout: the readout the entropies were read through (``logit`` or ``tuned``).
     """
 
     probe_layers: list[int]
@@ -47,6 +48,7 @@ class CalibrationStats:
     hist_bins: int = 100
     model: dict = field(default_factory=dict)
     corpus: str = ""
+    readout: str = "logit"
 
     def __post_init__(self):
         s, p = len(self.strata), len(self.probe_layers)
@@ -116,7 +118,7 @@ class CalibrationStats:
             return grid.reshape(-1, *array.shape[1:]).clone()
 
         out = CalibrationStats(list(self.probe_layers), strata, self.vocab_size, self.hist_bins, self.model,
-                               self.corpus)
+                               self.corpus, self.readout)
         for name in ("count", "sum", "sumsq", "hist"):
             setattr(out, name, fold(getattr(self, name)))
         out.agree, out.oracle = self.agree.clone(), self.oracle.clone()
@@ -162,6 +164,7 @@ class CalibrationStats:
             "tokens": self.tokens,
             "model": self.model,
             "corpus": self.corpus,
+            "readout": self.readout,
             **{name: getattr(self, name).tolist() for name in _ARRAYS},
         }
 
@@ -173,7 +176,8 @@ class CalibrationStats:
                 f"version {data.get('version')!r})")
         try:
             stats = cls(list(data["probe_layers"]), Strata(**data["strata"]), int(data["vocab_size"]),
-                        int(data["hist_bins"]), data.get("model", {}), data.get("corpus", ""))
+                        int(data["hist_bins"]), data.get("model", {}), data.get("corpus", ""),
+                        data.get("readout", "logit"))
             for name in _ARRAYS:
                 value = torch.tensor(data[name], dtype=torch.float64)
                 if value.shape != getattr(stats, name).shape:

@@ -15,7 +15,7 @@ methods: keep it equal across the methods compared.
 
 model_args: ``model`` (alias ``pretrained``; embedded alias, local folder or hub id), the operating point
 (``method``, ``depth``, ``threshold``, ``probe_every``, ``margin``, ``min_exit_layer``, ``policy``,
-``estimator``; see :class:`~emad.operating_point.PointConfig`), ``profile`` (profile.json), ``estimators``
+``estimator``; see :class:`~emad.evaluation.operating_point.PointConfig`), ``profile`` (profile.json), ``estimators``
 (fitted estimators; default beside the profile), ``device``, ``dtype``, ``batch_size`` (generation rows per
 batch), ``max_length`` (context in tokens; default the model's), ``rolling_window`` and ``rolling_prefix`` (see
 above), ``add_bos_token`` (default: Gemma only) and ``seed`` (sampling). ``max_batch_size`` and
@@ -38,8 +38,8 @@ from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
 from emad.decode import ContextLengthError, Sampling, generate, score_adaptive
-from emad.operating_point import PointConfig, build_method, model_loader, point_from_options
-from emad.stack import LayerStack
+from emad.engine.stack import LayerStack
+from emad.evaluation.operating_point import PointConfig, build_method, model_loader, point_from_options
 
 log = logging.getLogger(__name__)
 
@@ -302,7 +302,7 @@ def _check_profile(point: PointConfig, profile: str | None) -> None:
 
 
 def _load(spec: str, device: str, dtype: str):
-    from emad.models import load_model
+    from emad.engine.models import load_model
 
     try:
         return load_model(spec, device=device, dtype=dtype)

@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import torch
 
-from emad.contrastive import choose_amateur, contrastive_logprobs, plausibility_alpha
+from emad.exits.contrastive import choose_amateur, contrastive_logprobs, plausibility_alpha
 from emad.registry import Registry
 
 
@@ -305,7 +305,7 @@ def top2_gap(logits: torch.Tensor) -> torch.Tensor:
 
 @CRITERIA.register("contrastive")
 class Contrastive(Criterion):
-    """Within-model contrast (see :mod:`emad.contrastive`): the amateur is the earlier probe layer of the token
+    """Within-model contrast (see :mod:`emad.exits.contrastive`): the amateur is the earlier probe layer of the token
     with the largest distance-discounted JSD from the current layer's readout; the contrastive distribution is
     ``softmax(log p − w·log p_amateur)`` on the plausible set. Exit when its top probability is ≥ the threshold
     (no exit at the first probe, which has no amateur). With ``contrastive_output`` the token is also read from

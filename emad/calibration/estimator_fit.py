@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
-from emad.entropy import readout_summary
-from emad.estimators import ESTIMATORS, Estimator
+from emad.engine.entropy import readout_summary
+from emad.engine.stack import LayerStack
+from emad.exits.estimators import ESTIMATORS, Estimator
 from emad.io import atomic_write_json, read_json
-from emad.stack import LayerStack
 
 FORMAT, VERSION = "emad-estimators", 1
 
@@ -43,7 +43,7 @@ def collect(stack: LayerStack, token_windows: Sequence[Sequence[int]], probe_lay
         for p in probe_layers:
             h = stack.run(h, done, p, cache, pos, slots)
             done = p
-            ent, argmax, _ = readout_summary(stack.readout(h[0]))
+            ent, argmax, _ = readout_summary(stack.readout(h[0], p))
             hidden[p].append(h[0])
             entropy[p].append(ent)
         final.append(argmax)

@@ -1,20 +1,23 @@
-"""The layer-stack view of a HF causal LM: ``embed`` → ``run(h, start, stop, ...)`` → ``readout``.
+"""The layer-stack view of a HF causal LM: ``embed`` → ``run(h, start, stop, ...)`` → ``readout(h, layer)``.
 
 The HF layer modules themselves do the work (no forked model code); this module only feeds them hidden states,
-position embeddings, attention masks and a :class:`~emad.cache.KVCache`. Architecture differences live in
-:mod:`emad.adapters`. Layers are numbered 1..L in the project's words; ``run(h, start, stop)`` runs the 0-based
-half-open range ``[start, stop)``, so ``run(h, 0, D)`` leaves the hidden state at depth D.
+position embeddings, attention masks and a :class:`~emad.engine.cache.KVCache`. Architecture differences live in
+:mod:`emad.engine.adapters`. Layers are numbered 1..L in the project's words; ``run(h, start, stop)`` runs the 0-based
+half-open range ``[start, stop)``, so ``run(h, 0, D)`` leaves the hidden state at depth D. A stack reads out
+through the readout it carries (:mod:`emad.exits.readouts`; the logit lens unless :meth:`LayerStack.with_readout`
+gives another).
 """
 
 from __future__ import annotations
 
+import copy
 from functools import cached_property
 
 import torch
 from torch import nn
 
-from emad.adapters import Adapter, adapter_for
-from emad.cache import KVCache, KVWritten, Slots, slot_end, slot_index
+from emad.engine.adapters import Adapter, adapter_for
+from emad.engine.cache import KVCache, KVWritten, Slots, slot_end, slot_index
 
 
 def _resolve(module: nn.Module, dotted: str) -> nn.Module:
@@ -32,10 +35,14 @@ class LayerStack:
 
     Args:
         model: a HF ``*ForCausalLM`` whose ``config.model_type`` is in the adapter table.
+
+    Attributes:
+        lens: the readout's translators (an :class:`emad.exits.readouts.Readout`), or None for the logit lens.
     """
 
     def __init__(self, model: nn.Module):
         self.model = model
+        self.lens = None
         self.config = model.config
         self.adapter: Adapter = adapter_for(model.config.model_type)
         self.base = _resolve(model, self.adapter.base)
@@ -70,6 +77,17 @@ class LayerStack:
             if (value := getattr(self.config, key, None)) is not None:
                 return int(value)
         return None
+
+    @property
+    def readout_name(self) -> str:
+        """``logit`` or the name of the readout this stack carries."""
+        return "logit" if self.lens is None else self.lens.name
+
+    def with_readout(self, readout) -> LayerStack:
+        """A view of the same model that reads out through ``readout`` (moved to this model's device and dtype)."""
+        view = copy.copy(self)
+        view.lens = None if readout is None or not readout.layers else readout.to(self.device, self.dtype)
+        return view
 
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
         """An empty cache for ``batch_size`` rows and ``capacity`` slots."""
@@ -139,9 +157,18 @@ class LayerStack:
             h = norm(h)
         return h
 
-    def readout(self, h: torch.Tensor) -> torch.Tensor:
-        """Logits ``[..., V]`` = head(final_norm(h)), at any depth (the final norm is never skipped)."""
-        logits = self.head(self.final_norm(h))
+    def translate(self, h: torch.Tensor, layer: int | None) -> torch.Tensor:
+        """T_ℓ(h) of the carried readout for hidden states ``[..., d]`` after ``layer`` (None or L: unchanged)."""
+        return h if self.lens is None or layer is None else self.lens.translate(h, layer)
+
+    def readout_input(self, h: torch.Tensor, layer: int | None = None) -> torch.Tensor:
+        """final_norm(T_ℓ(h)) ``[..., d]``: what the head reads (estimators read head rows against it)."""
+        return self.final_norm(self.translate(h, layer))
+
+    def readout(self, h: torch.Tensor, layer: int | None = None) -> torch.Tensor:
+        """Logits ``[..., V]`` = head(final_norm(T_ℓ(h))) for ``h`` after layer ``layer`` (default L: T is the
+        identity); the final norm is never skipped."""
+        logits = self.head(self.readout_input(h, layer))
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         if not bool(torch.isfinite(logits).all()):

@@ -8,6 +8,9 @@ Definitions (DESIGN.md §4; they must not drift):
   for the weighted sum of ``V``;
 - the head: ``2 × d × V``; a readout (probe with the exact estimator) = final norm + head, whose FLOPs are the head's
   (plus any output projection the architecture applies before it, e.g. OPT's ``project_out``);
+- a translation (the ``tuned`` readout's T_ℓ(h) = h + A·h + b before the final norm, at layers below L):
+  ``2 × (A's parameters)`` — ``2·d²`` at full rank, ``4·d·r`` at rank r — and the bytes of T_ℓ's weights; it is
+  charged with every readout or probe at a translated layer, on top of the estimator's own cost;
 - a K/V copy (state propagation into a skipped layer): ``2 × (Q, K and V projection parameters)`` — the query
   is computed and dropped — and the bytes of those weights;
 - embedding lookups are free;
@@ -53,6 +56,8 @@ class CostModel:
         vocab_size: V (rows of the head).
         head_in: width of the head's input (d, or the projected width where an output projection exists).
         head_element_bytes: bytes per head weight.
+        translator_params: matmul parameters of T_ℓ for layers 1..L (0 where the readout does not translate).
+        translator_bytes: bytes of T_ℓ's weights, ``[L]``.
     """
 
     d_model: int
@@ -65,12 +70,16 @@ class CostModel:
     vocab_size: int = 0
     head_in: int = 0
     head_element_bytes: int = 4
+    translator_params: tuple[int, ...] = ()
+    translator_bytes: tuple[int, ...] = ()
 
     @classmethod
     def from_stack(cls, stack) -> CostModel:
-        """Count parameters of a :class:`~emad.stack.LayerStack`'s model."""
+        """Count parameters of a :class:`~emad.engine.stack.LayerStack`'s model."""
         norms = nn.ModuleList(stack.norms)
         qkv = [m for name, m in stack.layers[0].named_modules() if name.split(".")[-1] in stack.adapter.qkv]
+        layers = range(1, stack.n_layers + 1)
+        lens = stack.lens
         return cls(
             d_model=stack.config.hidden_size,
             layer_params=tuple(_matmul_params(layer) for layer in stack.layers),
@@ -82,6 +91,8 @@ class CostModel:
             vocab_size=stack.head.weight.shape[0],
             head_in=stack.head.weight.shape[1],
             head_element_bytes=stack.head.weight.element_size(),
+            translator_params=tuple(0 if lens is None else lens.matmul_params(layer) for layer in layers),
+            translator_bytes=tuple(0 if lens is None else lens.param_bytes(layer) for layer in layers),
         )
 
     @property
@@ -101,6 +112,17 @@ class CostModel:
     def readout_flops(self) -> int:
         """FLOPs of one exact readout: ``2 × d × V`` (+ output projection if any)."""
         return 2 * self.readout_params
+
+    def translation(self, layer: int) -> tuple[float, float]:
+        """(FLOPs, bytes) of translating one token's state at ``layer`` (1-based) before a readout or probe."""
+        if not self.translator_params or not 1 <= layer <= len(self.translator_params):
+            return 0.0, 0.0
+        return 2.0 * self.translator_params[layer - 1], float(self.translator_bytes[layer - 1])
+
+    def readout_at(self, layer: int) -> tuple[float, float]:
+        """(FLOPs, bytes) of one exact readout at ``layer``: the translation there plus final norm + head."""
+        tf, tb = self.translation(layer)
+        return self.readout_flops + tf, self.readout_bytes + tb
 
     def flops(self, n_ctx: torch.Tensor, readouts: torch.Tensor) -> torch.Tensor:
         """FLOPs of the layers tokens ran plus their exact readouts.

@@ -16,9 +16,9 @@ import numpy as np
 import torch
 from scipy.optimize import isotonic_regression
 
+from emad.calibration.stats import CalibrationStats
+from emad.exits.strata import Strata
 from emad.io import atomic_write_json, read_json
-from emad.stats import CalibrationStats
-from emad.strata import Strata
 
 FORMAT, VERSION = "emad-profile", 1
 
@@ -59,6 +59,7 @@ class Profile:
     oracle: list[float] = field(default_factory=list)
     model: dict = field(default_factory=dict)
     corpus: str = ""
+    readout: str = "logit"
 
     # ----------------------------------------------------------------- lookup
     def table(self, device=None) -> torch.Tensor:
@@ -79,7 +80,7 @@ class Profile:
                 "strata": self.strata.as_dict(), "strata_names": self.strata.names(), "tau": self.tau,
                 "raw": self.raw, "count": self.count, "backed_off": self.backed_off, "smoothing": self.smoothing,
                 "monotonicity": self.monotonicity, "agreement": self.agreement, "oracle": self.oracle,
-                "model": self.model, "corpus": self.corpus}
+                "model": self.model, "corpus": self.corpus, "readout": self.readout}
 
     def save(self, path: str | Path) -> None:
         atomic_write_json(path, self.to_dict())
@@ -92,7 +93,7 @@ class Profile:
         try:
             fields = {k: data[k] for k in ("probe_layers", "tau")}
             extra = {k: data[k] for k in ("raw", "count", "backed_off", "smoothing", "monotonicity", "agreement",
-                                          "oracle", "model", "corpus") if k in data}
+                                          "oracle", "model", "corpus", "readout") if k in data}
             profile = cls(strata=Strata(**data["strata"]), **fields, **extra)
         except (KeyError, TypeError, ValueError) as err:
             raise ProfileError(f"profile {path} is malformed ({type(err).__name__}: {err})") from None
@@ -151,6 +152,7 @@ def smooth(stats: CalibrationStats, statistic: str = "mean", min_count: int = 50
         backed_off=backed, smoothing={"statistic": statistic, "isotonic": isotonic, "min_count": min_count},
         monotonicity=mono, agreement=stats.agreement().tolist(),
         oracle=(stats.oracle / max(stats.tokens, 1)).tolist(), model=stats.model, corpus=stats.corpus,
+        readout=stats.readout,
     )
 
 

@@ -1,0 +1,155 @@
+"""The ``calibrate``, ``readouts``, ``smooth`` and ``estimators`` sections of params.yaml."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from emad.config import Section
+from emad.exits.readouts import READOUTS
+from emad.exits.strata import Strata
+
+
+class StrataConfig(Section):
+    """Bucket edges (interior edges; empty = no stratification on that axis)."""
+
+    position_edges: list[int] = Field(default_factory=list)
+    confidence_edges: list[float] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _edges(self) -> StrataConfig:
+        Strata(self.position_edges, self.confidence_edges)  # sorted, unique, in range, or a ValueError naming them
+        return self
+
+
+class CalibrateConfig(Section):
+    """Params of stage ``calibrate``.
+
+    Attributes:
+        sources: corpus sources calibrated on (one profile per model × source).
+        window: tokens per teacher-forcing window (≤ the model's context).
+        batch_size: windows per forward pass.
+        probe_layers: a list of layers, or an int k meaning every k-th layer; L is always added.
+        strata: stratification of the profile.
+        hist_bins: entropy histogram bins over [0, log V].
+        max_tokens: stop after this many calibration tokens (None = the whole split).
+        checkpoint_every: batches between resumable checkpoints.
+        readouts: the readouts calibrated through (one profile each: ``logit``, ``tuned``).
+        device, dtype: where and how the model runs (auto = cuda/bf16 when present, else cpu/fp32).
+    """
+
+    sources: list[str] = Field(default_factory=lambda: ["stdlib-prose"], min_length=1)
+    readouts: list[str] = Field(default_factory=lambda: ["logit"], min_length=1)
+    window: int = Field(256, ge=2)
+    batch_size: int = Field(4, ge=1)
+    probe_layers: int | list[int] = 3
+    strata: StrataConfig = Field(default_factory=StrataConfig)
+    hist_bins: int = Field(100, ge=2)
+    max_tokens: int | None = Field(None, gt=0)
+    checkpoint_every: int = Field(10, ge=1)
+    device: str = "auto"
+    dtype: str = "auto"
+
+    @field_validator("probe_layers")
+    @classmethod
+    def _positive(cls, value):
+        return _probe_spec(value)
+
+    @field_validator("readouts")
+    @classmethod
+    def _readouts(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if name not in READOUTS:
+                raise ValueError(f"unknown readout {name!r}; valid: {', '.join(READOUTS.names())}")
+        return value
+
+
+def _probe_spec(value):
+    layers = [value] if isinstance(value, int) else value
+    if not layers or any(x < 1 for x in layers):
+        raise ValueError("probe layers must be >= 1 (a non-empty list, or an every-k step)")
+    return value
+
+
+class ReadoutsConfig(Section):
+    """Params of stage ``fit_readouts`` (the ``tuned`` readout's translators, model frozen).
+
+    Attributes:
+        layers: translated layers, as ``calibrate.probe_layers`` (a list, or every k-th layer); L never is.
+        tokens: training tokens (the first of the calibration split).
+        holdout: held-out tokens (the last of the split) for early stopping and the metrics.
+        window: tokens per teacher-forcing window.
+        epochs: passes over the training tokens (early stopping after ``patience`` without improvement).
+        lr: Adam learning rate.
+        rank: translator rank r (A = U·Vᵀ); null = full rank (d × d).
+        seed: seeds initialisation, batch order and vocabulary draws.
+        batch_tokens: tokens per optimiser step.
+        vocab_sample: uniform vocabulary draws per step for the KL, beside the teacher's ``top_k`` of each token
+            (null = the full vocabulary: exact and about V / (sample + k·batch) times slower).
+        top_k: teacher tokens per token always in the KL's vocabulary subset.
+        patience: epochs without held-out improvement before stopping.
+        source: the calibration source whose readouts serve points without a calibration (baselines, related).
+        device, dtype: where and how the model runs.
+    """
+
+    layers: int | list[int] = 3
+    tokens: int = Field(8192, ge=16)
+    holdout: int = Field(1024, ge=16)
+    window: int = Field(256, ge=2)
+    epochs: int = Field(8, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    rank: int | None = Field(None, ge=1)
+    seed: int = 0
+    batch_tokens: int = Field(256, ge=1)
+    vocab_sample: int | None = Field(4096, ge=1)
+    top_k: int = Field(32, ge=1)
+    patience: int = Field(2, ge=1)
+    source: str = "stdlib-prose"
+    device: str = "auto"
+    dtype: str = "auto"
+
+    @field_validator("layers")
+    @classmethod
+    def _layers(cls, value):
+        return _probe_spec(value)
+
+
+class SmoothConfig(Section):
+    """Params of stage ``smooth``: which statistic becomes τ, isotonic smoothing, back-off threshold."""
+
+    statistic: str = Field("mean", pattern=r"^(mean|q0?\.\d+)$")
+    isotonic: bool = True
+    min_count: int = Field(50, ge=1)
+    method: Literal["isotonic"] = "isotonic"
+
+
+class TopKConfig(Section):
+    k: int = Field(1024, ge=1)
+
+
+class LowRankConfig(Section):
+    rank: int = Field(64, ge=1)
+
+
+class EstimatorsConfig(Section):
+    """Params of stage ``fit_estimators``.
+
+    Attributes:
+        topk: shortlist size K (null = do not fit).
+        lowrank: rank r (null = do not fit).
+        tokens: calibration tokens used (first windows of the calibration split).
+        window: tokens per window.
+        holdout: share of those tokens kept out of the fit to measure the error.
+    """
+
+    topk: TopKConfig | None = Field(default_factory=TopKConfig)
+    lowrank: LowRankConfig | None = Field(default_factory=LowRankConfig)
+    tokens: int = Field(4096, ge=16)
+    window: int = Field(256, ge=2)
+    holdout: float = Field(0.2, gt=0, lt=1)
+
+    def fitted(self) -> dict[str, dict]:
+        """Estimator name → constructor options, for those not switched off."""
+        return {name: cfg.model_dump() for name, cfg in (("topk", self.topk), ("lowrank", self.lowrank))
+                if cfg is not None}

@@ -1,0 +1,1 @@
+"""Evaluation: operating points, the run of one point over its tasks, run files, and risk control."""
