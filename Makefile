@@ -15,7 +15,7 @@ export MLFLOW_DISABLE_TELEMETRY ?= true
 export TOKENIZERS_PARALLELISM ?= false
 export DVC_NO_ANALYTICS ?= 1
 
-.PHONY: setup test repro lint bench mlflow clean-venv
+.PHONY: setup test test-heavy repro lint bench mlflow clean-venv
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,7 +29,11 @@ $(VENV): $(STAMP)
 setup: $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not heavy"
+
+# The heavy tests (minutes each: the DVC graph end to end, kills and resumes, torchrun, χ² sampling); CI runs both.
+test-heavy: $(STAMP)
+	$(BIN)/python -m pytest -q -m heavy
 
 repro: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/dvc repro

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from emad.exits.estimators import ESTIMATORS
 from emad.exits.policies import POLICIES
+from emad.exits.readouts import READOUTS
 from emad.exits.strata import VARIANTS
 
 
@@ -34,6 +35,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--estimator", default="exact", choices=ESTIMATORS.names(), help="entropy estimator at probes")
     p.add_argument("--estimators", type=Path,
                    help="fitted estimators file (default: estimators.json beside --profile)")
+    _add_readout_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt / text")
     calm = p.add_argument_group("--method softmax / contrastive, --estimator prune")
     calm.add_argument("--layer-thresholds", type=_layer_values, metavar="L=T,...",
@@ -65,6 +67,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     spec.add_argument("--beta", type=float, help="AdaEDL acceptance EMA factor (default 0.9)")
     spec.add_argument("--eta", type=float, help="AdaEDL λ step (default 0.1)")
     spec.add_argument("--draft-confidence", type=float, help="confidence policy: stop below this top-1 probability")
+
+
+def _add_readout_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--readout", choices=READOUTS.names(),
+                   help="how probe layers are read out: logit (final norm + head) or tuned (trained translators)")
+    p.add_argument("--readouts", type=Path, help="readouts.safetensors for --readout tuned (stage fit_readouts)")
 
 
 def _layer_values(text: str) -> dict[int, float]:
@@ -103,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--corpus", type=Path, help="sampled corpus folder (its calib.jsonl is used)")
     src.add_argument("--text-file", type=Path, action="append", help="plain text file(s), one document each")
     cal.add_argument("--out", type=Path, required=True, help="folder for stats.json and profile.json")
+    _add_readout_args(cal)
     cal.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a calibrate/smooth param, e.g. --set calibrate.window=128 "
                           "--set smooth.min_count=20 (YAML values)")
@@ -143,7 +152,7 @@ def _load(args):
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     stack = LayerStack(loaded.model)
     method = build_method(point, stack.n_layers, loaded.fingerprint.as_dict(), args.profile, args.estimators,
-                          model_loader(args.device, args.dtype))
+                          model_loader(args.device, args.dtype), args.readouts)
     method.bind(stack, loaded.tokenizer)  # e.g. a strategy's second model must share this tokenizer
     return loaded, stack, method
 
@@ -241,12 +250,13 @@ def _overrides(pairs: list[str]) -> dict[str, dict]:
 
 
 def cmd_calibrate(args) -> None:
-    from emad.calibration.calibrate import calibrate_texts
+    from emad.calibration.calibrate import calibrate_texts, resolve_probe_layers
     from emad.calibration.config import CalibrateConfig, SmoothConfig
     from emad.calibration.profile import smooth, smooth_variants, variant_path
     from emad.config import validate_section
     from emad.corpus import read_split
     from emad.engine.models import load_model
+    from emad.exits.readouts import load_readout
 
     sets = _overrides(args.set)
     cfg = validate_section("calibrate", sets["calibrate"], CalibrateConfig)
@@ -259,7 +269,10 @@ def cmd_calibrate(args) -> None:
                 raise ValueError(f"--text-file {path}: no such file")
         texts, corpus_hash = [p.read_text(encoding="utf-8") for p in args.text_file], ""
     loaded = load_model(args.model, device=cfg.device, dtype=cfg.dtype)
-    stats = calibrate_texts(loaded, texts, cfg, corpus_hash, checkpoint=args.out / "stats.json.ckpt")
+    n_layers = loaded.fingerprint.n_layers
+    readout = load_readout(args.readout or "logit", args.readouts, loaded.fingerprint.as_dict(),
+                           resolve_probe_layers(cfg.probe_layers, n_layers), n_layers)
+    stats = calibrate_texts(loaded, texts, cfg, corpus_hash, checkpoint=args.out / "stats.json.ckpt", readout=readout)
     profile = smooth(stats, smooth_cfg.statistic, smooth_cfg.min_count, smooth_cfg.isotonic)
     stats.save(args.out / "stats.json")
     profile.save(args.out / "profile.json")

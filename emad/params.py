@@ -12,7 +12,7 @@ from typing import Annotated, Any, TypeVar
 
 from pydantic import AfterValidator, RootModel, StringConstraints
 
-from emad.calibration.config import CalibrateConfig, EstimatorsConfig, SmoothConfig
+from emad.calibration.config import CalibrateConfig, EstimatorsConfig, ReadoutsConfig, SmoothConfig
 from emad.config import ConfigError, Section, read_params, validate_section
 from emad.corpus.config import CorpusConfig
 from emad.evaluation.config import DecodeConfig
@@ -36,7 +36,8 @@ class ModelsConfig(RootModel[dict[Annotated[str, StringConstraints(pattern=NAME)
 
 def sections() -> dict[str, type[Section] | type[RootModel]]:
     """Section name → its typed model."""
-    return {"models": ModelsConfig, "corpus": CorpusConfig, "calibrate": CalibrateConfig, "smooth": SmoothConfig,
+    return {"models": ModelsConfig, "corpus": CorpusConfig, "readouts": ReadoutsConfig, "calibrate": CalibrateConfig,
+            "smooth": SmoothConfig,
             "estimators": EstimatorsConfig, "decode": DecodeConfig, "risk": RiskConfig,
             "aggregate": AggregateConfig}
 
@@ -71,6 +72,7 @@ def _check_across(cfg: dict[str, Any]) -> None:
         if source not in sampled:
             raise ConfigError(f"calibrate.sources[{i}]: {source!r} is not sampled; add it to corpus.sources "
                               f"({', '.join(sorted(sampled))})")
+    _check_readouts(cfg)
     if "risk" in cfg and cfg["risk"].searches and cfg["risk"].domain not in sampled:
         raise ConfigError(f"risk.domain: {cfg['risk'].domain!r} is not sampled; add it to corpus.sources "
                           f"({', '.join(sorted(sampled))})")
@@ -78,6 +80,22 @@ def _check_across(cfg: dict[str, Any]) -> None:
         if domain not in sampled:
             raise ConfigError(f"decode.domains.{domain}: the domain is not sampled; add it to corpus.sources "
                               f"({', '.join(sorted(sampled))})")
+
+
+def _check_readouts(cfg: dict[str, Any]) -> None:
+    """The readouts serve what calibration and decoding ask of them: the source of points without a calibration
+    is fitted, and a tuned profile's probe layers all have translators."""
+    calibrate = cfg.get("calibrate", CalibrateConfig())
+    readouts = cfg.get("readouts", ReadoutsConfig())
+    if readouts.source not in calibrate.sources:
+        raise ConfigError(f"readouts.source: {readouts.source!r} is not a calibration source; readouts are fitted "
+                          f"on calibrate.sources ({', '.join(calibrate.sources)})")
+    probes, layers = calibrate.probe_layers, readouts.layers
+    missing = set(probes) - set(layers) if isinstance(probes, list) and isinstance(layers, list) else None
+    covered = probes == layers or (missing is not None and missing <= {max(probes)})  # L needs no translator
+    if "tuned" in calibrate.readouts and not covered:
+        raise ConfigError(f"readouts.layers = {layers!r} must cover calibrate.probe_layers = {probes!r} when "
+                          f"calibrate.readouts includes tuned (the same spec, or a list holding every probe layer)")
 
 
 def load_section(name: str, model: type[S], path: str | Path = "params.yaml") -> S:

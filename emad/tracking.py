@@ -149,53 +149,89 @@ def stage_run(stage: str, params: dict, tags: dict[str, Any] | None = None,
     """An MLflow run for one stage execution, with the project's tags and the resolved params.
 
     The run ends FINISHED, or FAILED (with the error as tag ``error``) when the body raises — KeyboardInterrupt,
-    SystemExit and SIGTERM (turned into SystemExit 143 while the run is open) included. A SIGKILL cannot be
-    caught: the next run of the same stage and name on this host ends such an orphan FAILED (tags ``host`` and
-    ``pid`` tell whose it was). If the store cannot be opened, a warning goes to stderr and a :class:`NullRun` is
-    yielded, so the stage still produces its files. ``enabled=False`` (e.g. ranks other than 0) yields a NullRun.
+    SystemExit and SIGTERM (turned into SystemExit 143) included. The SIGTERM handler is installed before the run
+    is created, and a SIGTERM that arrives while the run is being created, tagged or closed is held back until the
+    run can be ended FAILED, so no SIGTERM leaves it RUNNING. A SIGKILL cannot be caught: the next run of the same
+    stage and name on this host ends such an orphan FAILED (tags ``host`` and ``pid`` tell whose it was). If the
+    store cannot be opened, a warning goes to stderr and a :class:`NullRun` is yielded, so the stage still produces
+    its files. ``enabled=False`` (e.g. ranks other than 0) yields a NullRun.
     """
     if not enabled:
         yield NullRun()
         return
-    try:
-        mlflow = _open(stage)
-        _fail_orphans(mlflow, stage, run_name or stage)
-        run = mlflow.start_run(run_name=run_name or stage)
-    except Exception as err:  # noqa: BLE001 - any store failure must not stop the stage
-        print(f"WARNING: MLflow skipped for stage {stage!r}: cannot open tracking store {tracking_uri()} "
-              f"({type(err).__name__}: {err}). The stage's files are still written.", file=sys.stderr)
-        yield NullRun()
-        return
-    handle = Run(mlflow, run.info.run_id)
-    handle.set_tags({"git_rev": git_rev(), "dvc_stage": stage, "params_hash": params_hash(params),
-                     "host": socket.gethostname(), "pid": os.getpid(), **(tags or {})})
-    flat = flatten(params)
-    for i in range(0, len(flat), 100):
-        mlflow.log_params(dict(list(flat.items())[i:i + 100]))
-    mlflow.log_dict(params, "resolved_params.json")
-    try:
-        with _sigterm_as_exit():
+    with _sigterm_as_exit() as sigterm:
+        try:
+            mlflow = _open(stage)
+            _fail_orphans(mlflow, stage, run_name or stage)
+            sigterm.hold()  # the run exists from inside start_run on: a SIGTERM now waits until it can end FAILED
+            run_id = mlflow.start_run(run_name=run_name or stage).info.run_id
+        except Exception as err:  # noqa: BLE001 - any store failure must not stop the stage
+            sigterm.release()
+            print(f"WARNING: MLflow skipped for stage {stage!r}: cannot open tracking store {tracking_uri()} "
+                  f"({type(err).__name__}: {err}). The stage's files are still written.", file=sys.stderr)
+            yield NullRun()
+            return
+        try:
+            handle = Run(mlflow, run_id)
+            handle.set_tags({"git_rev": git_rev(), "dvc_stage": stage, "params_hash": params_hash(params),
+                             "host": socket.gethostname(), "pid": os.getpid(), **(tags or {})})
+            flat = flatten(params)
+            for i in range(0, len(flat), 100):
+                mlflow.log_params(dict(list(flat.items())[i:i + 100]))
+            mlflow.log_dict(params, "resolved_params.json")
+            sigterm.release()  # a SIGTERM held back since start_run raises here, inside this try
             yield handle
-    except BaseException as err:
-        mlflow.set_tag("error", f"{type(err).__name__}: {err}"[:5000])
-        mlflow.end_run(status="FAILED")
-        raise
-    mlflow.end_run(status="FINISHED")
+            sigterm.hold()
+        except BaseException as err:
+            sigterm.hold()
+            mlflow.set_tag("error", f"{type(err).__name__}: {err}"[:5000])
+            mlflow.end_run(status="FAILED")
+            raise
+        mlflow.end_run(status="FINISHED")
+        sigterm.release()
+
+
+class _Sigterm:
+    """The SIGTERM handler of :func:`stage_run`: raises SystemExit(143) once; while held, only notes the signal.
+
+    After it has raised it stays held, so a second SIGTERM cannot cut short the ending of the run FAILED.
+    """
+
+    def __init__(self) -> None:
+        self.holding = self.pending = False
+
+    def __call__(self, signum, frame) -> None:
+        if self.holding:
+            self.pending = True
+            return
+        self.holding = True
+        raise SystemExit(128 + signum)
+
+    def hold(self) -> None:
+        """From now on a SIGTERM is only noted (while the run is being created, tagged or ended)."""
+        self.holding = True
+
+    def release(self) -> None:
+        """Stop holding back: a SIGTERM noted meanwhile raises SystemExit(143) now."""
+        self.holding = False
+        if self.pending:
+            self.holding, self.pending = True, False
+            raise SystemExit(128 + signal.SIGTERM)
 
 
 @contextlib.contextmanager
-def _sigterm_as_exit() -> Iterator[None]:
-    """While open, SIGTERM raises SystemExit(143) so that ``finally`` blocks and FAILED statuses run."""
+def _sigterm_as_exit() -> Iterator[_Sigterm]:
+    """While open, SIGTERM goes to the yielded :class:`_Sigterm`: ``finally`` blocks run and the run ends FAILED.
+
+    Outside the main thread no handler can be installed; the yielded one is then never called.
+    """
+    handler = _Sigterm()
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield handler
         return
-
-    def _exit(signum, frame):
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, _exit)
+    previous = signal.signal(signal.SIGTERM, handler)
     try:
-        yield
+        yield handler
     finally:
         signal.signal(signal.SIGTERM, previous)
 

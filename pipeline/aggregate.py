@@ -48,10 +48,20 @@ def _risk_results(folder: Path | None) -> list[dict]:
     return [read_json(path, "risk result", ValueError) for path in sorted(folder.glob("*.json"))]
 
 
+def _readout_fits(folder: Path | None) -> dict[str, dict]:
+    """``{"model/source": metrics.json}`` of stage fit_readouts (none when the folder is absent)."""
+    if folder is None or not folder.is_dir():
+        return {}
+    return {f"{p.parent.parent.name}/{p.parent.name}": read_json(p, "readout metrics", ValueError)
+            for p in sorted(folder.glob("*/*/metrics.json"))}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=Path, required=True, help="folder of run files (reports/runs)")
     parser.add_argument("--risk", type=Path, help="folder of risk-control results (reports/risk)")
+    parser.add_argument("--readouts", type=Path, help="folder of fitted readouts (data/readouts: <model>/<source>/"
+                        "metrics.json)")
     parser.add_argument("--default-point", required=True, help="the EMAD point the ablations vary")
     parser.add_argument("--metrics", type=Path, required=True, help="metrics.json to write")
     parser.add_argument("--pareto", type=Path, required=True, help="folder for dvc plots data")
@@ -79,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             shutil.move(str(src), dst)
     for entry in index:
         entry["path"] = str(args.figures / Path(entry["path"]).name)
-    text = report_markdown(runs, verdicts, tables, index, family_verdicts=others, relative_to=args.report.parent)
+    text = report_markdown(runs, verdicts, tables, index, family_verdicts=others, relative_to=args.report.parent,
+                           readout_fits=_readout_fits(args.readouts))
     summary = metrics_summary(runs, verdicts)
 
     params = {"aggregate": cfg.model_dump(), "default_point": args.default_point, "runs": len(runs)}

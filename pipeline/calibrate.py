@@ -15,10 +15,11 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from emad import tracking
-from emad.calibration.calibrate import calibrate_texts
+from emad.calibration.calibrate import calibrate_texts, resolve_probe_layers
 from emad.calibration.config import CalibrateConfig
 from emad.corpus import read_split
 from emad.engine.models import load_model
+from emad.exits.readouts import load_readout
 from emad.params import load_section
 
 
@@ -38,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-dir", required=True, help="model spec (prepared folder, alias or hub id)")
     parser.add_argument("--corpus", type=Path, required=True, help="sampled corpus folder (calib.jsonl)")
     parser.add_argument("--out", type=Path, required=True, help="stats JSON to write")
+    parser.add_argument("--readout", default="logit", help="the readout entropies are read through (logit, tuned)")
+    parser.add_argument("--readouts", type=Path, help="readouts.safetensors (stage fit_readouts) for --readout tuned")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
     cfg = load_section("calibrate", CalibrateConfig, args.params)
@@ -50,15 +53,20 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
         device = f"cuda:{local}" if device.startswith("cuda") else device
     rank = dist.get_rank() if dist.is_initialized() else 0
-    params = {"calibrate": cfg.model_dump(), "model": args.model_dir, "corpus": str(args.corpus), "world_size": world}
+    params = {"calibrate": cfg.model_dump(), "model": args.model_dir, "corpus": str(args.corpus), "world_size": world,
+              "readout": args.readout}
     with tracking.stage_run("calibrate", params, {"corpus_manifest": corpus_hash}, enabled=rank == 0) as run:
         loaded = load_model(args.model_dir, device=device, dtype=cfg.dtype)
-        run.set_tags({"model_fingerprint": loaded.fingerprint.digest})
+        run.set_tags({"model_fingerprint": loaded.fingerprint.digest, "readout": args.readout})
+        layers = resolve_probe_layers(cfg.probe_layers, loaded.fingerprint.n_layers)
+        readout = load_readout(args.readout, args.readouts, loaded.fingerprint.as_dict(), layers,
+                               loaded.fingerprint.n_layers)
         bar = tqdm(unit="tok", desc=f"calibrate {args.corpus.name}", disable=rank != 0)
         start = time.perf_counter()
         stats = calibrate_texts(loaded, texts, cfg, corpus_hash,
                                 checkpoint=args.out.with_name(args.out.name + ".ckpt"),
-                                on_batch=lambda n: bar.update(n * world), on_start=lambda n: bar.reset(total=n))
+                                on_batch=lambda n: bar.update(n * world), on_start=lambda n: bar.reset(total=n),
+                                readout=readout)
         bar.close()
         probes = stats.probe_layers
         elapsed = time.perf_counter() - start

@@ -19,7 +19,7 @@ from emad.engine.stack import LayerStack
 from emad.evaluation import runfile
 from emad.evaluation.config import DecodeConfig
 from emad.evaluation.evaluate import evaluate, prepare
-from emad.evaluation.operating_point import build_method, model_loader, profile_file
+from emad.evaluation.operating_point import build_method, model_loader, profile_file, readout_path
 from emad.io import atomic_write_text
 from emad.params import load_section
 from emad.report.heatmap import heatmap_html
@@ -47,7 +47,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--domain", required=True, help="eval domain (a key of decode.domains)")
     parser.add_argument("--corpus", type=Path, help="the domain's sampled corpus folder (for text tasks)")
     parser.add_argument("--calibration", help="calibration source of the profile")
-    parser.add_argument("--profile", type=Path, help="profile.json (points and ablations)")
+    parser.add_argument("--profile", help="profile.json (points and ablations); {readout} in the path is replaced "
+                        "by the point's readout")
+    parser.add_argument("--readouts", type=Path, help="readouts.safetensors (stage fit_readouts) for readout: tuned")
     parser.add_argument("--out", type=Path, required=True, help="run file to write")
     parser.add_argument("--artifacts", type=Path, required=True, help="folder for the histogram and heat map")
     parser.add_argument("--params", default="params.yaml")
@@ -64,9 +66,9 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"point {args.point!r} ({point.method}) needs --profile and --calibration")
     loaded = load_model(args.model_dir, device=cfg.device, dtype=cfg.dtype)
     stack = LayerStack(loaded.model)
-    profile_path = args.profile if point.needs_profile else None
+    profile_path = readout_path(args.profile, point.readout) if point.needs_profile else None
     method = build_method(point, stack.n_layers, loaded.fingerprint.as_dict(), profile_path,
-                          load=model_loader(cfg.device, cfg.dtype))
+                          load=model_loader(cfg.device, cfg.dtype), readouts_path=args.readouts)
     method.bind(stack, loaded.tokenizer)
     prepared = prepare(cfg.domains[args.domain], cfg.tasks, args.corpus, loaded.tokenizer)
     rid = runfile.run_id(args.model, args.point, args.domain, args.calibration if profile_path else None)
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
               "run_id": rid, "model": args.model, "domain": args.domain,
               "calibration": args.calibration if profile_path else None, "kind": args.kind}
     tags = {"model_fingerprint": loaded.fingerprint.digest, "profile_fingerprint": facts["profile_fingerprint"] or "",
-            "run_id": rid, "family": point.method}
+            "run_id": rid, "family": point.family, "readout": point.readout}
 
     print(f"decode: {rid}: {', '.join(p.name for p in prepared)}", file=sys.stderr)
     with tracking.stage_run(f"decode_{args.kind}" if args.kind != "point" else "decode", params, tags,
@@ -86,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         hist, cost = result.depth_histogram(), result.cost()
         record = {
             "run_id": rid, "model": args.model, "model_fingerprint": loaded.fingerprint.digest,
-            "n_layers": stack.n_layers, "point": args.point, "kind": args.kind, "family": point.method,
+            "n_layers": stack.n_layers, "point": args.point, "kind": args.kind, "family": point.family,
+            "readout": point.readout,
             "options": point.options(), "method": method.describe(), "calibration": params["calibration"],
             "domain": args.domain, **facts, "tasks": result.tasks, "quality": runfile.quality_of(result.tasks),
             "cost": cost, "depth_histogram": {str(d): n for d, n in hist.items()}, "mlflow_run_id": run.run_id,

@@ -17,6 +17,7 @@ from emad.calibration.profile import Profile
 from emad.corpus import read_split
 from emad.engine.models import load_model
 from emad.engine.stack import LayerStack
+from emad.exits.readouts import load_readout
 from emad.params import load_section
 
 
@@ -25,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--corpus", type=Path, required=True, help="sampled corpus folder (calib.jsonl)")
     parser.add_argument("--profile", type=Path, required=True, help="profile.json (its probe layers are fitted)")
+    parser.add_argument("--readouts", type=Path, help="readouts.safetensors, for a profile calibrated through "
+                        "the tuned readout (estimators are fitted through the profile's readout)")
     parser.add_argument("--out", type=Path, required=True, help="estimators.json to write")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
@@ -34,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_model(args.model_dir)
     profile.check_model(loaded.fingerprint.as_dict())
     stack = LayerStack(loaded.model)
+    stack = stack.with_readout(load_readout(profile.readout, args.readouts, loaded.fingerprint.as_dict(),
+                                            profile.probe_layers, stack.n_layers))
     docs = [loaded.tokenizer(t)["input_ids"] for t in texts]
     sample = collect(stack, cap_tokens(windows(docs, cfg.window), cfg.tokens), profile.probe_layers)
     fitted = {}

@@ -17,7 +17,7 @@ from emad import tracking
 from emad.decode import generate
 from emad.engine.models import load_model
 from emad.engine.stack import LayerStack
-from emad.evaluation.operating_point import build_method
+from emad.evaluation.operating_point import build_method, readout_path
 from emad.evaluation.risk import control, prompt_losses
 from emad.evaluation.risk_config import RiskConfig
 from emad.exits.criteria import Full
@@ -45,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-dir", required=True, help="prepared model folder")
     parser.add_argument("--corpus", type=Path, required=True, help="the risk domain's sampled corpus folder")
     parser.add_argument("--calibration", required=True, help="calibration source of the profile")
-    parser.add_argument("--profile", type=Path, required=True, help="profile.json (for methods that use one)")
+    parser.add_argument("--profile", required=True, help="profile.json (for methods that use one); {readout} in "
+                        "the path is replaced by the point's readout")
+    parser.add_argument("--readouts", type=Path, help="readouts.safetensors (stage fit_readouts) for readout: tuned")
     parser.add_argument("--out", type=Path, required=True, help="result file to write")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
@@ -60,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     for value in search.values:
         point = search.point_at(value)
         methods[float(value)] = build_method(point, stack.n_layers, fingerprint,
-                                             args.profile if point.needs_profile else None)
+                                             readout_path(args.profile, point.readout) if point.needs_profile else None,
+                                             readouts_path=args.readouts)
     held, fresh = split_prompts(cfg, args.corpus, tok)
     reference = generate(stack, tok, held, Full(), cfg.new_tokens).token_ids
 
@@ -71,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     params = {"risk": cfg.model_dump(exclude={"searches"}), "search": search.model_dump(), "model": args.model,
               "calibration": args.calibration}
     name = f"{args.model}--{args.search}--cal-{args.calibration}"
-    profile_hash = hashlib.sha256(args.profile.read_bytes()).hexdigest()[:16] if args.profile.is_file() else ""
+    profile = readout_path(args.profile, search.point_at(search.values[0]).readout)
+    profile_hash = hashlib.sha256(profile.read_bytes()).hexdigest()[:16] if profile.is_file() else ""
     with tracking.stage_run("risk", params, {"model_fingerprint": loaded.fingerprint.digest,
                                              "profile_fingerprint": profile_hash}, run_name=name) as run:
         result = control(losses, search.knob, search.values, search.conservative, cfg.delta, cfg.epsilon,

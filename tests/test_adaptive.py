@@ -225,7 +225,7 @@ def test_profile_of_another_depth_or_model_is_refused(profile):
 
 
 def test_unknown_policy_lists_valid_names():
-    with pytest.raises(KeyError, match="backfill, copy, monotone"):
+    with pytest.raises(KeyError, match="backfill, copy, copy-translated, monotone"):
         Method(Full(), "sometimes")
 
 

@@ -33,7 +33,8 @@ TEXT = "Entropy falls with depth for easy tokens. The quick brown fox jumps over
 BASE = {
     "models": {"tiny": "tiny-folder"},
     "corpus": {"sources": ["stdlib-prose", "gsm8k"], "calib_tokens": 1000, "eval_tokens": 500},
-    "calibrate": {"sources": ["stdlib-prose"], "window": 32, "probe_layers": [1, 2, 3]},
+    "calibrate": {"sources": ["stdlib-prose"], "window": 32, "probe_layers": [1, 2, 3], "readouts": ["logit", "tuned"]},
+    "readouts": {"layers": [1, 2, 3], "tokens": 256, "holdout": 64},
     "smooth": {"statistic": "mean", "min_count": 1},
     "estimators": {"topk": {"k": 16}},
     "decode": {
@@ -109,6 +110,12 @@ PARAMS_CASES = [  # (path with '/' between keys, value, what the message must na
     ("risk/prompts", 5, "need at least 22 held-out prompts, got 5"),
     ("risk/domain", "shakespeare", r"risk\.domain: 'shakespeare' is not sampled"),
     ("risk/searches/m/knob", "depth", "knob 'depth' is not a scalar knob of method 'emad'"),
+    ("readouts/rank", 0, r"readouts\.rank.*greater than or equal to 1"),
+    ("readouts/lr", 0, r"readouts\.lr"),
+    ("readouts/source", "shakespeare", r"readouts\.source: 'shakespeare' is not a calibration source"),
+    ("readouts/layers", [2, 3], r"readouts\.layers = \[2, 3\] must cover calibrate\.probe_layers = \[1, 2, 3\]"),
+    ("calibrate/readouts", ["tuned", "lens"], r"calibrate\.readouts.*unknown readout 'lens'; valid: logit, tuned"),
+    ("decode/points/p/readout", "trained", r"decode\.points\.p\.readout.*'trained'.*valid: logit, tuned"),
     ("models", {"smol.lm": "x"}, r"models\.smol\.lm"),
     ("models/tiny", " ", r"models\.tiny.*not empty"),
 ]

@@ -28,7 +28,8 @@ def test_generate_json_has_the_contract_fields(smollm2, capsys, tmp_path):
     for row in rows:
         assert len(row["token_ids"]) == 6 and row["depths"] == [20] * 6
         assert isinstance(row["text"], str) and 0 < row["cost_ratio"] < 1
-        assert row["method"] == {"method": "fixed", "depth": 20, "policy": "monotone", "estimator": "exact"}
+        assert row["method"] == {"method": "fixed", "depth": 20, "policy": "monotone", "estimator": "exact",
+                                 "readout": "logit"}
         assert [t["depth"] for t in row["trace"]] == [20] * 6
 
 

@@ -17,13 +17,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from emad import runfile
-from emad.calibrate import calibrate_texts
-from emad.calibration_config import CalibrateConfig
-from emad.models import load_model
-from emad.profile import smooth
-from emad.stats import CalibrationStats
+from emad.calibration.calibrate import calibrate_texts
+from emad.calibration.config import CalibrateConfig
+from emad.calibration.profile import smooth
+from emad.calibration.stats import CalibrationStats
+from emad.engine.models import load_model
+from emad.evaluation import runfile
 from tests.tiny import save_tiny_pretrained
+
+pytestmark = pytest.mark.heavy  # run by `make test-heavy` (and CI), not `make test`
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = "Entropy falls with depth for easy tokens. The quick brown fox jumps over the lazy dog. " * 40
@@ -76,8 +78,10 @@ def _run(cmd: list[str], root: Path) -> subprocess.CompletedProcess:
     return done
 
 
-def _start_and_kill(cmd: list[str], root: Path, ready, sig=signal.SIGKILL, timeout: float = 120) -> None:
-    """Start ``cmd``, wait until ``ready()`` is true, then send ``sig``; fail if it finished first."""
+def _start_and_kill(cmd: list[str], root: Path, ready, sig=signal.SIGKILL, timeout: float = 120) -> int:
+    """Start ``cmd``, poll until ``ready()`` is true, then send ``sig``; fail if it finished first.
+
+    Returns the exit status (negative: killed by that signal)."""
     proc = subprocess.Popen(cmd, env=_env(root), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + timeout
     while not ready():
@@ -87,6 +91,7 @@ def _start_and_kill(cmd: list[str], root: Path, ready, sig=signal.SIGKILL, timeo
     proc.send_signal(sig)
     proc.wait(timeout=60)
     assert proc.returncode != 0
+    return proc.returncode
 
 
 def _runs(root: Path, stage: str):
@@ -148,10 +153,43 @@ def test_sigterm_ends_the_mlflow_run_failed_with_the_error(workspace):
     out = workspace / "dterm"
     before = len(_runs(workspace, "decode"))
 
-    def decoding() -> bool:
+    def run_exists() -> bool:  # the run is in the store (tagged dvc_stage=decode): SIGTERM from now on ends it FAILED
         return len(_runs(workspace, "decode")) > before
 
-    _start_and_kill(_decode_cmd(workspace, out), workspace, decoding, sig=signal.SIGTERM)
+    code = _start_and_kill(_decode_cmd(workspace, out), workspace, run_exists, sig=signal.SIGTERM)
+    assert code == 143  # SystemExit(143), not the default SIGTERM death (-15) that would leave the run RUNNING
     last = _runs(workspace, "decode").iloc[-1]
     assert last["status"] == "FAILED" and last["tags.error"] == "SystemExit: 143"
     assert not (out / "run.json").exists()
+
+
+@pytest.mark.parametrize("during", ["start_run", "log_dict"])
+def test_sigterm_while_the_run_is_being_created_ends_it_failed(tmp_path, monkeypatch, during):
+    """Deterministic: SIGTERM arrives inside ``mlflow.start_run`` (the run just written to the store) or while it
+    is being tagged, before the body could run. The run must end FAILED, not stay RUNNING."""
+    import mlflow
+
+    from emad import tracking
+
+    def unhandled(signum, frame):  # stands in for the default action, which would kill pytest itself
+        raise RuntimeError("SIGTERM reached the previous handler: stage_run did not cover it")
+
+    real = getattr(mlflow, during)
+
+    def then_sigterm(*args, **kwargs):
+        result = real(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return result
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setattr(mlflow, during, then_sigterm)
+    previous = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        with pytest.raises(SystemExit) as exited, tracking.stage_run("decode", {"a": 1}, run_name="r"):
+            pytest.fail("the body ran although SIGTERM came before it")
+        assert signal.getsignal(signal.SIGTERM) is unhandled  # stage_run put the previous handler back
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert exited.value.code == 143 and mlflow.active_run() is None
+    runs = _runs(tmp_path, "decode")
+    assert list(runs["status"]) == ["FAILED"] and list(runs["tags.error"]) == ["SystemExit: 143"]

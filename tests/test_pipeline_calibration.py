@@ -53,6 +53,7 @@ def _calibrate(root: Path, out: Path, nproc: int = 1, params: Path | None = None
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.heavy
 def test_two_process_torchrun_equals_one_process(workspace):
     one = _calibrate(workspace, workspace / "one" / "stats.json")
     assert one.returncode == 0, one.stderr

@@ -20,6 +20,8 @@ import yaml
 
 from tests.tiny import save_tiny_pretrained
 
+pytestmark = pytest.mark.heavy  # run by `make test-heavy` (and CI), not `make test`
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
@@ -28,23 +30,26 @@ def _params(model_dir: Path) -> dict:
     return {
         "models": {"tiny": str(model_dir)},
         "corpus": {"seed": 0, "calib_tokens": 600, "eval_tokens": 400, "tokenizer_model": str(model_dir),
-                   "sources": ["stdlib-prose", "gsm8k"]},
+                   "sources": ["stdlib-prose"]},
+        "readouts": {"layers": 1, "tokens": 256, "holdout": 64, "window": 32, "epochs": 2, "batch_tokens": 64,
+                     "vocab_sample": 32, "top_k": 4, "source": "stdlib-prose", "device": "cpu", "dtype": "float32"},
         "calibrate": {"sources": ["stdlib-prose"], "window": 32, "batch_size": 4, "probe_layers": 1,
-                      "device": "cpu", "dtype": "float32"},
+                      "readouts": ["logit", "tuned"], "device": "cpu", "dtype": "float32"},
         "smooth": {"statistic": "mean", "min_count": 5},
         "estimators": {"topk": {"k": 64}, "lowrank": {"rank": 8}, "tokens": 256, "window": 32},
         "decode": {
-            "domains": {"stdlib-prose": ["perplexity", "fidelity"], "gsm8k": ["gsm8k"]},
+            "domains": {"stdlib-prose": ["perplexity", "fidelity"]},
             "tasks": {"perplexity": {"tokens": 128, "window": 64, "prefix": 16},
-                      "fidelity": {"prompts": 2, "prompt_tokens": 16, "new_tokens": 8},
-                      "gsm8k": {"problems": 2, "shots": 0, "max_new_tokens": 8}},
-            "baselines": {"full": {"method": "full"}, "fixed-2": {"method": "fixed", "depth": 2}},
-            "points": {"emad-m0": {"method": "emad", "margin": 0.0}},
+                      "fidelity": {"prompts": 2, "prompt_tokens": 16, "new_tokens": 8}},
+            "baselines": {"full": {"method": "full"}, "fixed-2-tuned": {"method": "fixed", "depth": 2,
+                                                                        "readout": "tuned"}},
+            "points": {"emad-m0": {"method": "emad", "margin": 0.0},
+                       "emad-m0-tuned": {"method": "emad", "margin": 0.0, "readout": "tuned"}},
             "default_point": "emad-m0",
             "ablations": {"backfill": {"policy": "backfill"}},
             "ablation_domains": ["stdlib-prose"],
             "related": {"ead-k2": {"method": "ead", "small_layers": 2, "tau": 3.0, "window": 2, "d_min": 2}},
-            "related_domains": ["gsm8k"],
+            "related_domains": ["stdlib-prose"],
             "heatmap_texts": 1, "device": "cpu", "dtype": "float32",
         },
         "risk": {"domain": "stdlib-prose", "prompts": 4, "fresh_prompts": 2, "prompt_tokens": 8, "new_tokens": 4,
@@ -100,14 +105,15 @@ def repo(tmp_path_factory, smollm2) -> Path:
 def test_repro_writes_every_output(repo):
     runs = sorted(p.name for p in (repo / "reports" / "runs").glob("*.json"))
     assert runs == sorted([
-        "tiny--full--stdlib-prose.json", "tiny--full--gsm8k.json", "tiny--fixed-2--stdlib-prose.json",
-        "tiny--fixed-2--gsm8k.json", "tiny--emad-m0--cal-stdlib-prose--stdlib-prose.json",
-        "tiny--emad-m0--cal-stdlib-prose--gsm8k.json", "tiny--backfill--cal-stdlib-prose--stdlib-prose.json",
-        "tiny--ead-k2--gsm8k.json"])
+        "tiny--full--stdlib-prose.json", "tiny--fixed-2-tuned--stdlib-prose.json",
+        "tiny--emad-m0--cal-stdlib-prose--stdlib-prose.json", "tiny--emad-m0-tuned--cal-stdlib-prose--stdlib-prose.json",
+        "tiny--backfill--cal-stdlib-prose--stdlib-prose.json", "tiny--ead-k2--stdlib-prose.json"])
     for stem in (p[:-5] for p in runs):
         assert (repo / "reports" / "artifacts" / stem / "heatmap.html").is_file()
-    for path in ("data/profiles/tiny/stdlib-prose/profile.json", "data/profiles/tiny/stdlib-prose/estimators.json",
-                 "reports/profiles/tiny-stdlib-prose.png", "reports/report.md", "reports/metrics.json",
+    for path in ("data/profiles/tiny/stdlib-prose/logit/profile.json", "data/profiles/tiny/stdlib-prose/tuned/profile.json",
+                 "data/profiles/tiny/stdlib-prose/tuned/estimators.json", "reports/profiles/tiny-stdlib-prose-tuned.png",
+                 "data/readouts/tiny/stdlib-prose/readouts.safetensors", "data/readouts/tiny/stdlib-prose/metrics.json",
+                 "reports/readouts/tiny-stdlib-prose.png", "reports/report.md", "reports/metrics.json",
                  "reports/risk/tiny--margin--cal-stdlib-prose.json"):
         assert (repo / path).is_file(), path
     assert list((repo / "reports" / "figures").glob("*.png"))
@@ -124,11 +130,13 @@ def test_repro_writes_every_output(repo):
 def test_mlflow_holds_one_run_per_stage_execution(repo):
     runs = _mlflow_runs(repo)
     stages = runs["tags.dvc_stage"].value_counts().to_dict()
-    assert stages == {"calibrate": 1, "smooth": 1, "fit_estimators": 1, "decode_baseline": 4, "decode": 2,
-                      "decode_ablation": 1, "decode_related": 1, "risk": 1, "aggregate": 1}
+    assert stages == {"fit_readouts": 1, "calibrate": 2, "smooth": 2, "fit_estimators": 2, "decode_baseline": 2,
+                      "decode": 2, "decode_ablation": 1, "decode_related": 1, "risk": 1, "aggregate": 1}
     parent = runs[runs["tags.dvc_stage"] == "aggregate"].iloc[0]["run_id"]
     nested = runs[runs["tags.mlflow.parentRunId"] == parent]
-    assert len(nested) == 8
+    assert len(nested) == 6
+    tuned = json.loads((repo / "reports/runs/tiny--emad-m0-tuned--cal-stdlib-prose--stdlib-prose.json").read_text())
+    assert tuned["readout"] == "tuned" and tuned["method"]["readout"] == "tuned"
 
 
 def test_offline_plots_render(repo):
@@ -153,7 +161,7 @@ def test_queued_two_job_sweep_keeps_every_mlflow_run(repo):
     assert "Failed" not in status, _sh(repo, "dvc", "queue", "logs", status.split()[0]) if status else status
     runs = _mlflow_runs(repo).iloc[: len(_mlflow_runs(repo)) - before]
     per_stage = runs["tags.dvc_stage"].value_counts().to_dict()
-    # each experiment reruns the two emad-m0 decodes, the ablation built on it, and the aggregate
-    assert per_stage == {"decode": 4, "decode_ablation": 2, "aggregate": 2}, per_stage
+    # each experiment reruns the emad-m0 decode, the ablation built on it, and the aggregate
+    assert per_stage == {"decode": 2, "decode_ablation": 2, "aggregate": 2}, per_stage
     margins = sorted(float(m) for m in runs[runs["tags.dvc_stage"] == "decode"]["params.decode.point.margin"])
-    assert margins == [0.5, 0.5, 1.0, 1.0]
+    assert margins == [0.5, 1.0]

@@ -15,6 +15,7 @@ from emad.engine.cache import KVCache
 from emad.engine.cost import CostModel
 from emad.engine.stack import LayerStack
 from emad.exits.criteria import Full
+from emad.exits.readouts import TunedLens
 from emad.methods import (
     DRAFT_POLICIES,
     AdaEDL,
@@ -200,6 +201,17 @@ def _exact_marginals(model, prompt: list[int], temperature: float, steps: int) -
     return marginals
 
 
+def _translators(layers: list[int], d: int) -> TunedLens:
+    """A tuned readout away from the identity (random translators)."""
+    lens = TunedLens.identity(layers, d, {})
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for t in lens.translators.values():
+            for p in t.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5 / p.shape[-1] ** 0.5)
+    return lens
+
+
 def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
     """Pearson χ² p-value, cells with expected count < 5 pooled into one."""
     expected = probs * counts.sum()
@@ -213,7 +225,8 @@ SAMPLES = 1200
 STEPS = 4
 
 
-@pytest.mark.parametrize("drafter,temperature", [("self-1", 1.0), ("model", 1.3)])
+@pytest.mark.heavy
+@pytest.mark.parametrize("drafter,temperature", [("self-1-tuned", 1.0), ("model", 1.3)])
 def test_sampled_tokens_follow_the_target_distribution(drafter, temperature):
     """χ² on the marginals of the first 4 tokens (16 symbols, 1200 samples each; fixed seeds).
 
@@ -222,7 +235,10 @@ def test_sampled_tokens_follow_the_target_distribution(drafter, temperature):
     """
     model = _small_vocab_model(seed=0)
     stack, prompt = LayerStack(model), [3, 7, 1, 12, 5]
-    make = {"self-1": lambda: SelfDrafter(1), "model": lambda: ModelDrafter(LayerStack(_small_vocab_model(1, 1)))}
+    if drafter == "self-1-tuned":  # drafts read through a translator at layer 1 (verification: the model's own)
+        stack = stack.with_readout(_translators(layers=[1, 2], d=32))
+    make = {"self-1-tuned": lambda: SelfDrafter(1),
+            "model": lambda: ModelDrafter(LayerStack(_small_vocab_model(1, 1)))}
     drafter = make[drafter]()
     counts = torch.zeros(STEPS, V_SMALL, dtype=torch.float64)
     accepted = 0

@@ -97,9 +97,10 @@ def generate(
     positions = real.long().sum(-1)  # next position id per row, [B]
     rows_state = [_Row() for _ in range(batch)]
     held = cache.held().cpu()
+    first_flops, first_bytes = cost.readout_at(depth0)
     for r in range(batch):  # the first token is read out of the prompt's last position
-        _record(rows_state[r], int(tokens[r]), float(logps[r]), depth0, held[r] * 0, int(positions[r]), cost.readout_flops,
-                cost.readout_bytes, {}, "prompt")
+        _record(rows_state[r], int(tokens[r]), float(logps[r]), depth0, held[r] * 0, int(positions[r]), first_flops,
+                first_bytes, {}, "prompt")
     alive = torch.arange(batch, device=stack.device)
     probes = method.criterion.probes(stack.n_layers)
     for t in range(1, max_new_tokens + 1):

@@ -132,6 +132,12 @@ class PointConfig(Section):
         return "profile" in _init_params(self.method)
 
     @property
+    def family(self) -> str:
+        """The method family as reports group it: the method, marked with its readout unless ``logit``
+        (``emad``, ``emad+tuned``), so verdicts and figures read family × readout."""
+        return self.method if self.readout == "logit" else f"{self.method}+{self.readout}"
+
+    @property
     def is_strategy(self) -> bool:
         return self.method in STRATEGIES
 
@@ -235,6 +241,11 @@ def build_method(point: PointConfig, n_layers: int, fingerprint: dict, profile_p
     method = Method(criterion, point.policy, estimator, readout)
     method.validate(n_layers)
     return method
+
+
+def readout_path(path: str | Path | None, readout: str) -> Path | None:
+    """``path`` with ``{readout}`` replaced by the point's readout (one DVC path template serves both readouts)."""
+    return None if path is None else Path(str(path).replace("{readout}", readout))
 
 
 def profile_file(profile_path: str | Path, strata: str | None) -> Path:

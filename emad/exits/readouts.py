@@ -179,10 +179,9 @@ class TunedLens(Readout):
 
         tensors = {f"{k}.{name}": p.detach().float().cpu().contiguous()
                    for k, t in self.translators.items() for name, p in t.named_parameters()}
-        meta = {"format": FORMAT, "fingerprint": json.dumps(self.fingerprint, sort_keys=True),
-                "layers": json.dumps(list(self.layers)), "meta": json.dumps(self.meta, sort_keys=True)}
-        path = Path(path)
-        atomic_write_bytes(path, save(tensors, metadata=meta))
+        facts = {"format": FORMAT, "fingerprint": self.fingerprint, "layers": list(self.layers), "meta": self.meta}
+        path = Path(path)  # one metadata key: safetensors writes several in a varying order, and DVC hashes bytes
+        atomic_write_bytes(path, save(tensors, metadata={"emad": json.dumps(facts, sort_keys=True)}))
         return path
 
     @classmethod
@@ -198,12 +197,11 @@ class TunedLens(Readout):
         raw = path.read_bytes()
         try:
             tensors = load(raw)
-            meta = _metadata(raw)
-            if meta.get("format") != FORMAT:
-                raise ValueError(f"format {meta.get('format')!r}, expected {FORMAT!r}")
-            layers = [int(x) for x in json.loads(meta["layers"])]
-            fingerprint = json.loads(meta["fingerprint"])
-            extra = json.loads(meta.get("meta", "{}"))
+            facts = json.loads(_metadata(raw).get("emad", "{}"))
+            if facts.get("format") != FORMAT:
+                raise ValueError(f"format {facts.get('format')!r}, expected {FORMAT!r}")
+            layers = [int(x) for x in facts["layers"]]
+            fingerprint, extra = dict(facts["fingerprint"]), dict(facts.get("meta", {}))
         except (SafetensorError, ValueError, KeyError, TypeError) as err:
             raise ReadoutError(f"readouts file {path} is damaged or not a readouts file ({err})") from None
         translators = {}

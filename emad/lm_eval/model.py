@@ -15,8 +15,9 @@ methods: keep it equal across the methods compared.
 
 model_args: ``model`` (alias ``pretrained``; embedded alias, local folder or hub id), the operating point
 (``method``, ``depth``, ``threshold``, ``probe_every``, ``margin``, ``min_exit_layer``, ``policy``,
-``estimator``; see :class:`~emad.evaluation.operating_point.PointConfig`), ``profile`` (profile.json), ``estimators``
-(fitted estimators; default beside the profile), ``device``, ``dtype``, ``batch_size`` (generation rows per
+``estimator``, ``readout``; see :class:`~emad.evaluation.operating_point.PointConfig`), ``profile`` (profile.json),
+``estimators`` (fitted estimators; default beside the profile), ``readouts`` (readouts.safetensors, for
+``readout=tuned``), ``device``, ``dtype``, ``batch_size`` (generation rows per
 batch), ``max_length`` (context in tokens; default the model's), ``rolling_window`` and ``rolling_prefix`` (see
 above), ``add_bos_token`` (default: Gemma only) and ``seed`` (sampling). ``max_batch_size`` and
 ``trust_remote_code``, which lm-eval may pass, are accepted and ignored.
@@ -47,7 +48,7 @@ DEFAULT_MAX_LENGTH = 2048  # for models whose config states no context length
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's default
 DEFAULT_ROLLING_WINDOW = 256  # as the perplexity task of params.yaml (window 256, prefix 64)
 GENERATION_OPTIONS = ("until", "max_gen_toks", "max_new_tokens", "do_sample", "temperature", "top_p")
-OWN_ARGS = ("model", "pretrained", "profile", "estimators", "device", "dtype", "batch_size", "max_length",
+OWN_ARGS = ("model", "pretrained", "profile", "estimators", "readouts", "device", "dtype", "batch_size", "max_length",
             "rolling_window", "rolling_prefix", "add_bos_token", "seed")  # model_args besides the operating point's
 
 
@@ -105,7 +106,8 @@ class EmadLM(LM):
     """An lm-eval model that decodes with an EMAD operating point (see the module docstring for model_args)."""
 
     def __init__(self, model: str | None = None, pretrained: str | None = None, profile: str | None = None,
-                 estimators: str | None = None, device: str | None = None, dtype: str = "auto",
+                 estimators: str | None = None, readouts: str | None = None, device: str | None = None,
+                 dtype: str = "auto",
                  batch_size: int | str = 1, max_batch_size: int | None = None, max_length: int | None = None,
                  rolling_window: int | None = None, rolling_prefix: int | None = None,
                  add_bos_token: bool | None = None, seed: int = 0, trust_remote_code: bool | None = None,
@@ -128,7 +130,7 @@ class EmadLM(LM):
         self.stack = LayerStack(self.loaded.model)
         try:
             self.method = build_method(point, self.stack.n_layers, self.loaded.fingerprint.as_dict(), profile,
-                                       estimators, model_loader(device or "auto", dtype))
+                                       estimators, model_loader(device or "auto", dtype), readouts)
             self.method.bind(self.stack, self.tokenizer)
         except (ValueError, FileNotFoundError) as err:
             raise ModelArgsError(f"emad model_args: {err}") from None

@@ -112,12 +112,15 @@ def oracle_flops_ratio(oracle: dict[str, float] | None, n_layers: int) -> float 
 
 
 def oracle_bounds(runs: Iterable[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Oracle FLOPs ratio per model and calibration source (from the runs that carry a profile's oracle)."""
+    """Oracle FLOPs ratio per model and calibration source, ``source+tuned`` for profiles read through the tuned
+    readout (from the runs that carry a profile's oracle)."""
     out: dict[str, dict[str, float]] = {}
     for run in runs:
         ratio = oracle_flops_ratio(run.get("oracle"), run.get("n_layers") or 0)
         if ratio is not None and run.get("calibration"):
-            out.setdefault(run["model"], {})[run["calibration"]] = ratio
+            readout = run.get("readout", "logit")
+            key = run["calibration"] if readout == "logit" else f"{run['calibration']}+{readout}"
+            out.setdefault(run["model"], {})[key] = ratio
     return {m: dict(sorted(v.items())) for m, v in sorted(out.items())}
 
 

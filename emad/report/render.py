@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from emad.report.pareto import FULL, baselines, point_label, speedup
+from emad.report.readouts import readouts_markdown
 from emad.report.tables import ablation_markdown, domain_shift_markdown, fmt, markdown_table, risk_markdown
 from emad.report.verdict import ModelVerdict
 
@@ -116,7 +117,7 @@ RISK_NOTE = ("Each search tests a method's knob from the value that exits least 
 def report_markdown(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, ModelVerdict],
                     tables: Mapping[str, Any], figures_index: Sequence[dict[str, Any]], *,
                     family_verdicts: Mapping[str, Mapping[str, ModelVerdict]] | None = None,
-                    relative_to: str | Path | None = None) -> str:
+                    relative_to: str | Path | None = None, readout_fits: Mapping[str, Any] | None = None) -> str:
     """The whole report as markdown.
 
     Args:
@@ -126,6 +127,7 @@ def report_markdown(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, Model
         figures_index: from :func:`emad.report.figures.write_pareto_figures`.
         family_verdicts: optional ``{family: {model: ModelVerdict}}`` to show whether baselines pass too.
         relative_to: folder of the report; figure links are made relative to it.
+        readout_fits: ``{"model/source": metrics.json of fit_readouts}`` for the "Readouts" section.
     """
     parts = ["# EMAD report", "## Verdict (DESIGN.md §4)", verdict_markdown(verdicts)]
     if family_verdicts:
@@ -136,6 +138,8 @@ def report_markdown(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, Model
         parts += ["## Domain shift", domain_shift_markdown(tables["domain_shift"])]
     if "ablations" in tables:
         parts += ["## Ablations", ablation_markdown(tables["ablations"])]
+    if readout_fits:
+        parts += ["## Readouts", readouts_markdown(readout_fits, runs, family_verdicts or {})]
     if tables.get("risk"):
         parts += ["## Risk-controlled thresholds", RISK_NOTE, risk_markdown(tables["risk"])]
     parts += ["## Figures", figures_markdown(figures_index, relative_to), "## How to reproduce", REPRODUCE]

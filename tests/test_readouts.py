@@ -1,0 +1,298 @@
+"""Readouts (logit lens, tuned lens): identity translators ≡ the logit lens in every method, the translator's cost,
+fitting (KL falls; 2-process gradients ≡ 1-process), files, refusals, and every method's invariants under a
+tuned readout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from emad.calibration.calibrate import calibrate, windows
+from emad.calibration.profile import smooth
+from emad.calibration.readout_fit import Sample, batch_loss, collect, fit, split_windows, vocabulary_subset
+from emad.decode import Method, generate, score_adaptive
+from emad.engine.cost import CostModel
+from emad.engine.stack import LayerStack
+from emad.exits.criteria import Confidence, Contrastive, Emad, Fixed, SoftmaxResponse
+from emad.exits.estimators import LowRank, Prune
+from emad.exits.readouts import LogitLens, ReadoutError, TunedLens, load_readout
+from emad.exits.strata import Strata
+from emad.methods import STRATEGIES
+from tests.tiny import VOCAB, TinyTokenizer, random_prompts, tiny_model
+
+TOK = TinyTokenizer()
+NEW = 14
+D = 64  # hidden size of the tiny models
+FINGERPRINT = {"spec": "tiny", "model_type": "llama", "n_layers": 4, "hidden_size": D, "vocab_size": VOCAB,
+               "tokenizer_sha256": "0"}
+
+
+@pytest.fixture(scope="module")
+def stack():
+    return LayerStack(tiny_model("llama"))
+
+
+@pytest.fixture(scope="module")
+def profile(stack):
+    stats = calibrate(stack, windows(random_prompts(12, [24], seed=11), 24), [1, 2, 3, 4], Strata(), batch_size=4)
+    return smooth(stats, min_count=5)
+
+
+def random_lens(scale: float = 0.3, rank: int | None = None, seed: int = 5) -> TunedLens:
+    """Translators away from the identity, so a tuned readout changes what layers 1..3 predict."""
+    lens = TunedLens.identity([1, 2, 3], D, FINGERPRINT, rank, seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in lens.translators.values():
+            for p in t.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * scale / p.shape[-1] ** 0.5)
+    return lens
+
+
+def _methods(profile) -> dict:
+    """Every exit family (criterion × estimator × policy) and both strategies that read a layer below L."""
+    return {
+        "emad": lambda: Method(Emad(profile, 0.0)),
+        "confidence": lambda: Method(Confidence(2.5, probe_every=1)),
+        "confidence-lowrank": lambda: Method(Confidence(2.5, probe_every=1), "monotone", LowRank(8)),
+        "confidence-copy": lambda: Method(Confidence(2.5, probe_every=1), "copy"),
+        "confidence-copy-translated": lambda: Method(Confidence(2.5, probe_every=1), "copy-translated"),
+        "confidence-backfill": lambda: Method(Confidence(2.5, probe_every=1), "backfill"),
+        "fixed": lambda: Method(Fixed(2)),
+        "softmax": lambda: Method(SoftmaxResponse(0.2, probe_every=1)),
+        "softmax-prune": lambda: Method(SoftmaxResponse(0.2, probe_every=1), "monotone", Prune(12)),
+        "contrastive": lambda: Method(Contrastive(0.5, alpha=0.2, probe_every=1)),
+        "ead-self": lambda: STRATEGIES.get("ead").from_options(tau=2.0, small_layers=2, window=2, d_min=2),
+        "speculative-self": lambda: STRATEGIES.get("speculative").from_options(exit_layer=2, max_draft=3),
+    }
+
+
+def _with(method, readout):
+    method.readout = readout
+    return method
+
+
+def _gen(stack, method, prompts=None):
+    prompts = prompts or random_prompts(3, [7, 11, 5], seed=13)
+    return generate(stack, TOK, prompts, method, NEW, eos_token_ids=[])
+
+
+METHODS = ["emad", "confidence", "confidence-lowrank", "confidence-copy", "confidence-copy-translated",
+           "confidence-backfill", "fixed", "softmax", "softmax-prune", "contrastive", "ead-self", "speculative-self"]
+
+
+# ---------------------------------------------------------------------------------------------- identity ≡ logit
+@pytest.mark.parametrize("name", METHODS)
+def test_identity_translators_reproduce_the_logit_lens_bit_for_bit(stack, profile, name, monkeypatch):
+    make = _methods(profile)[name]
+    logit = _gen(stack, make())
+    monkeypatch.setattr(TunedLens, "matmul_params", lambda self, layer: 0)  # costs without the translation
+    monkeypatch.setattr(TunedLens, "param_bytes", lambda self, layer: 0)
+    tuned = _gen(stack, _with(make(), TunedLens.identity([1, 2, 3], D, FINGERPRINT)))
+    assert tuned.token_ids == logit.token_ids
+    assert tuned.depths == logit.depths
+    assert [[t.logprob for t in row] for row in tuned.traces] == [[t.logprob for t in row] for row in logit.traces]
+    assert tuned.flops == logit.flops and tuned.bytes == logit.bytes
+    assert tuned.method["readout"] == "tuned"
+
+
+def test_the_logit_lens_at_full_depth_is_the_models_readout(stack):
+    h = torch.randn(5, D)
+    assert torch.equal(stack.with_readout(random_lens()).readout(h, 4), stack.readout(h))
+    assert torch.equal(stack.with_readout(LogitLens()).readout(h, 2), stack.readout(h))
+
+
+# ---------------------------------------------------------------------------------------------- cost
+@pytest.mark.parametrize("rank, per_token", [(None, 2 * D * D), (8, 4 * D * 8)])
+def test_cost_counts_the_translator(stack, rank, per_token):
+    method = lambda: Method(Fixed(2))  # noqa: E731  one readout at layer 2 per token, no probe
+    logit = _gen(stack, method())
+    tuned = _gen(stack, _with(method(), random_lens(rank=rank)))
+    tokens = sum(map(len, tuned.token_ids))
+    assert sum(map(sum, tuned.flops)) - sum(map(sum, logit.flops)) == pytest.approx(tokens * per_token)
+    n_params = D * D + D if rank is None else 2 * D * rank + D
+    assert sum(map(sum, tuned.bytes)) - sum(map(sum, logit.bytes)) == pytest.approx(tokens * 4 * n_params)
+    cost = CostModel.from_stack(stack.with_readout(random_lens(rank=rank)))
+    assert cost.translation(2) == (float(per_token), 4.0 * n_params)
+    assert cost.translation(4) == (0.0, 0.0)  # the final layer is never translated
+
+
+# ---------------------------------------------------------------------------------------------- tuned invariants
+@pytest.mark.parametrize("name", METHODS)
+def test_tuned_readout_is_batch_invariant(stack, profile, name):
+    make = _methods(profile)[name]
+    prompts = random_prompts(3, [5, 9, 7], seed=44)
+    lens = random_lens()
+    batch = _gen(stack, _with(make(), lens), prompts)
+    for i, prompt in enumerate(prompts):
+        alone = _gen(stack, _with(make(), lens), [prompt])
+        assert alone.token_ids[0] == batch.token_ids[i] and alone.depths[0] == batch.depths[i]
+        assert alone.flops[0] == pytest.approx(batch.flops[i])
+
+
+def test_tuned_readout_changes_what_shallow_layers_predict(stack, profile):
+    logit = _gen(stack, Method(Fixed(2)))
+    tuned = _gen(stack, _with(Method(Fixed(2)), random_lens()))
+    assert tuned.token_ids != logit.token_ids
+
+
+@pytest.mark.parametrize("name", [n for n in METHODS if n != "speculative-self"])
+def test_tuned_scoring_equals_generation(stack, profile, name):
+    make = _methods(profile)[name]
+    lens = random_lens()
+    prompt = random_prompts(1, [6], seed=45)[0]
+    out = _gen(stack, _with(make(), lens), [prompt])
+    scored = score_adaptive(stack, prompt, out.token_ids[0], _with(make(), lens))
+    assert scored.depths == out.depths[0]
+    assert scored.logprobs == pytest.approx([t.logprob for t in out.traces[0]], abs=1e-4)
+    if not name.startswith("ead"):
+        assert scored.flops == pytest.approx(sum(out.flops[0]))
+
+
+def test_speculative_with_a_tuned_drafter_is_lossless(stack):
+    full = _gen(stack, Method(Fixed(4)))
+    for exit_layer in (1, 2, 3):
+        spec = STRATEGIES.get("speculative").from_options(exit_layer=exit_layer, max_draft=3)
+        out = _gen(stack, _with(spec, random_lens()))
+        assert out.token_ids == full.token_ids
+
+
+# ---------------------------------------------------------------------------------------------- files
+def test_save_and_load_round_trip(tmp_path, stack):
+    lens = random_lens(rank=8)
+    path = lens.save(tmp_path / "readouts.safetensors")
+    back = TunedLens.load(path)
+    assert back.layers == lens.layers and back.fingerprint == FINGERPRINT and back.digest == lens.digest
+    h = torch.randn(3, D)
+    for layer in lens.layers:
+        assert torch.equal(back.translate(h, layer), lens.translate(h, layer))
+    assert _gen(stack, _with(Method(Fixed(2)), back)).token_ids == _gen(stack, _with(Method(Fixed(2)), lens)).token_ids
+
+
+def test_readouts_of_another_model_or_other_layers_are_refused(tmp_path):
+    path = random_lens().save(tmp_path / "r.safetensors")
+    other = {**FINGERPRINT, "spec": "other", "hidden_size": 128}
+    with pytest.raises(ReadoutError, match=r"(?s)fitted on model tiny.*not on other"):
+        load_readout("tuned", path, other, [1, 2, 4], 4)
+    with pytest.raises(ReadoutError, match=r"translators at layers \[1, 2, 3\].*probes layers \[5\]"):
+        load_readout("tuned", path, FINGERPRINT, [1, 5, 6], 6)
+    assert load_readout("tuned", path, FINGERPRINT, [2, 4], 4).layers == (1, 2, 3)
+
+
+def test_tuned_without_a_file_names_the_stage(tmp_path):
+    with pytest.raises(ReadoutError, match="fit_readouts"):
+        load_readout("tuned", None, FINGERPRINT, [2], 4)
+    with pytest.raises(ReadoutError, match=r"(?s)does not exist.*fit_readouts"):
+        load_readout("tuned", tmp_path / "none.safetensors", FINGERPRINT, [2], 4)
+
+
+def test_non_finite_or_damaged_weights_are_refused_naming_the_layer(tmp_path):
+    lens = random_lens()
+    with torch.no_grad():
+        lens.translators[2].bias[3] = float("nan")
+    path = lens.save(tmp_path / "r.safetensors")
+    with pytest.raises(ReadoutError, match="layer 2 has non-finite"):
+        TunedLens.load(path)
+    (tmp_path / "bad.safetensors").write_bytes(b"not a file")
+    with pytest.raises(ReadoutError, match="damaged"):
+        TunedLens.load(tmp_path / "bad.safetensors")
+
+
+@pytest.mark.parametrize("rank", [0, D + 1])
+def test_rank_outside_one_to_d_is_refused(rank):
+    with pytest.raises(ValueError, match=rf"readouts.rank must be in 1..{D}"):
+        TunedLens.identity([1], D, FINGERPRINT, rank)
+
+
+def test_a_corpus_too_small_for_the_held_out_slice_gives_the_minimum():
+    with pytest.raises(ValueError, match=r"has 300 tokens.*at least 1088"):
+        split_windows([[1] * 100] * 3, 4096, 1024)
+
+
+# ---------------------------------------------------------------------------------------------- fitting
+def _sample(stack, seed: int, n: int = 6) -> Sample:
+    return collect(stack, random_prompts(n, [32], seed=seed), [1, 2, 3], top_k=8)
+
+
+@pytest.mark.parametrize("vocab_sample", [None, 24])
+def test_a_few_steps_lower_the_held_out_kl(stack, vocab_sample):
+    train, held = _sample(stack, 1), _sample(stack, 2, 3)
+    result = fit(stack, train, held, FINGERPRINT, epochs=3, lr=3e-3, batch_tokens=64, vocab_sample=vocab_sample)
+    assert result.best_epoch > 0
+    for layer in (1, 2, 3):
+        assert result.held_out["tuned"][layer]["kl"] < result.held_out["logit"][layer]["kl"]
+    assert result.held_out["tuned"][4] == result.held_out["logit"][4]  # the final layer is the teacher itself
+
+
+def test_fitting_is_seeded(stack):
+    train, held = _sample(stack, 1), _sample(stack, 2, 3)
+    a = fit(stack, train, held, FINGERPRINT, epochs=1, batch_tokens=64, vocab_sample=24, seed=3)
+    b = fit(stack, train, held, FINGERPRINT, epochs=1, batch_tokens=64, vocab_sample=24, seed=3)
+    assert a.lens.digest == b.lens.digest
+
+
+def test_fitting_resumes_from_its_checkpoint(stack, tmp_path):
+    train, held = _sample(stack, 1), _sample(stack, 2, 3)
+    kwargs = dict(epochs=3, batch_tokens=64, vocab_sample=24, patience=5)
+    whole = fit(stack, train, held, FINGERPRINT, **kwargs)
+    ckpt = tmp_path / "readouts.ckpt"
+
+    def stop_after_two(entry):
+        if entry["epoch"] == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        fit(stack, train, held, FINGERPRINT, checkpoint=ckpt, on_epoch=stop_after_two, **kwargs)
+    assert ckpt.is_file()
+    resumed = fit(stack, train, held, FINGERPRINT, checkpoint=ckpt, **kwargs)
+    assert [e["epoch"] for e in resumed.history] == [1, 2, 3]
+    assert resumed.lens.digest == whole.lens.digest
+    assert not ckpt.exists()
+
+
+def _grads(stack, lens, sample, batch, rows) -> dict[str, torch.Tensor]:
+    modules = lens.modules()
+    modules.zero_grad(set_to_none=False)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    loss, _ = batch_loss(stack, lens, sample.take(batch[rank::world]), rows, 1.0 / len(batch))
+    loss.backward()
+    if world > 1:
+        for p in modules.parameters():
+            dist.all_reduce(p.grad)
+    return {k: p.grad.clone() for k, p in modules.named_parameters()}
+
+
+def _setup(seed: int = 4):
+    stack = LayerStack(tiny_model("llama"))
+    for p in stack.model.parameters():
+        p.requires_grad_(False)
+    sample = _sample(stack, 1)
+    lens = random_lens(seed=seed)
+    batch = torch.randperm(len(sample), generator=torch.Generator().manual_seed(0))[:50]
+    rows = vocabulary_subset(sample.top[batch], VOCAB, 24, torch.Generator().manual_seed(1))
+    return stack, lens, sample, batch, rows
+
+
+def _worker(rank: int, init: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        grads = _grads(*_setup())
+        if rank == 0:
+            torch.save(grads, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_process_gradients_equal_one_process_gradients(tmp_path):
+    out = tmp_path / "grads.pt"
+    mp.spawn(_worker, args=(f"file://{tmp_path / 'rendezvous'}", str(out)), nprocs=2, join=True)
+    two = torch.load(out)
+    one = _grads(*_setup())
+    assert set(two) == set(one)
+    for key in one:
+        assert torch.allclose(two[key], one[key], atol=1e-6, rtol=0), key
+    assert any(float(g.abs().max()) > 0 for g in one.values())
