@@ -8,10 +8,10 @@ acceptance statistics and the FLOPs / bytes cost ratios. Writes reports/bench/sp
 With ``--readouts PATH`` (a fitted readouts file) every self-draft configuration also runs with a tuned drafter —
 drafts read out through T_E (Kangaroo style) — and transformers' own self-speculation
 (``generate(..., assistant_early_exit=E)``) runs on the same prompt beside them; the result goes to
-reports/bench/speculative_readouts.json.
+reports/bench/speculative_readouts-prompt<N>.json (``--prompt N`` picks the prompt: 0 prose, 1 code, ...).
 
 Usage: python benchmarks/bench_speculative.py [--quick] [--model smollm2-135m] [--exit-layers 8 12 18]
-       [--readouts PATH --policies adaedl]
+       [--readouts PATH --policies adaedl --prompt 1]
 """
 
 from __future__ import annotations
@@ -114,6 +114,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--readouts", type=Path, help="readouts.safetensors: add tuned drafters and transformers' "
                         "assistant_early_exit")
+    parser.add_argument("--prompt", type=int, default=0, help="index into the benchmark prompts (0 prose, 1 code)")
     parser.add_argument("--policies", nargs="+", choices=sorted(policies(1)), help="draft-length policies (all)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: E=12, temperatures 0 and 1, 8 tokens, 1 repetition")
@@ -123,14 +124,14 @@ def main() -> None:
     loaded = load_model(args.model, device="cpu", dtype="float32")
     stack, tok = LayerStack(loaded.model), loaded.tokenizer
     tuned = None if args.readouts is None else stack.with_readout(TunedLens.load(args.readouts))
-    prompt = tok(PROMPTS[0])["input_ids"]
+    prompt = tok(PROMPTS[args.prompt])["input_ids"]
     for fn in candidates(stack, tok, prompt, args.exit_layers, args.n, 4, 0.0, {}, tuned,
                          args.policies).values():  # warm-up
         fn()
 
     result = {"benchmark": "self-draft speculative decoding vs the target alone",
               "model": loaded.fingerprint.as_dict(),
-              "environment": environment(stack.device, stack.dtype), "prompt": PROMPTS[0],
+              "environment": environment(stack.device, stack.dtype), "prompt": PROMPTS[args.prompt],
               "new_tokens": args.new_tokens, "reps": args.reps, "n": args.n, "temperatures": {}}
     for temperature in args.temperatures:
         last: dict = {}
@@ -138,7 +139,7 @@ def main() -> None:
                          args.policies)
         times = alternate(fns, args.reps, stack.device, warmup=0)
         result["temperatures"][str(temperature)] = rows(times, last, args.new_tokens, temperature)
-    path = write("speculative" if tuned is None else "speculative_readouts", result)
+    path = write("speculative" if tuned is None else f"speculative_readouts-prompt{args.prompt}", result)
     for temperature, table in result["temperatures"].items():
         print(f"temperature {temperature}:")
         for r in table:

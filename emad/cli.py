@@ -297,7 +297,7 @@ def format_profile(profile) -> str:
     worst = max(profile.monotonicity.values(), key=lambda m: m["max"], default={"max": 0.0, "total": 0.0})
     lines.append(f"tau = smoothed {profile.smoothing.get('statistic', '?')} entropy in nats (raw in brackets); "
                  f"largest raw rise between probes {worst['max']:.3f}, total {worst['total']:.3f}; "
-                 f"model {profile.model.get('spec', '?')}, corpus {profile.corpus[:12] or '-'}")
+                 f"model {profile.model.get('spec', '?')}, corpus {profile.corpus[:12] or '-'}, readout {profile.readout}")
     return "\n".join(lines)
 
 

@@ -93,9 +93,19 @@ def _check_readouts(cfg: dict[str, Any]) -> None:
     probes, layers = calibrate.probe_layers, readouts.layers
     missing = set(probes) - set(layers) if isinstance(probes, list) and isinstance(layers, list) else None
     covered = probes == layers or (missing is not None and missing <= {max(probes)})  # L needs no translator
-    if "tuned" in calibrate.readouts and not covered:
+    if "tuned" not in calibrate.readouts:
+        return
+    if not covered:
         raise ConfigError(f"readouts.layers = {layers!r} must cover calibrate.probe_layers = {probes!r} when "
                           f"calibrate.readouts includes tuned (the same spec, or a list holding every probe layer)")
+    needed = (calibrate.max_tokens or 0) + readouts.tokens + readouts.holdout
+    if "corpus" in cfg and (calibrate.max_tokens is None or cfg["corpus"].calib_tokens < needed):
+        raise ConfigError(f"corpus.calib_tokens = {cfg['corpus'].calib_tokens} must hold calibrate.max_tokens "
+                          f"({calibrate.max_tokens}) + readouts.tokens ({readouts.tokens}) + readouts.holdout "
+                          f"({readouts.holdout}) = {needed} when calibrate.readouts includes tuned: the translators "
+                          f"are fitted on the split's last tokens and the profiles on its first max_tokens, so a "
+                          f"tuned profile never reads the tokens its translators were fitted on (set "
+                          f"calibrate.max_tokens)")
 
 
 def load_section(name: str, model: type[S], path: str | Path = "params.yaml") -> S:

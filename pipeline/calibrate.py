@@ -6,18 +6,17 @@ Runs as a plain process or data-parallel under ``torchrun --nproc_per_node N pip
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 
-import torch.distributed as dist
 from tqdm import tqdm
 
 from emad import tracking
 from emad.calibration.calibrate import calibrate_texts, resolve_probe_layers
 from emad.calibration.config import CalibrateConfig
 from emad.corpus import read_split
+from emad.engine import distributed
 from emad.engine.models import load_model
 from emad.exits.readouts import load_readout
 from emad.params import load_section
@@ -46,13 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_section("calibrate", CalibrateConfig, args.params)
     texts, corpus_hash = read_split(args.corpus, "calib")
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    device = cfg.device
-    if world > 1:
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
-        device = f"cuda:{local}" if device.startswith("cuda") else device
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    device, rank, world = distributed.join(cfg.device)
     params = {"calibrate": cfg.model_dump(), "model": args.model_dir, "corpus": str(args.corpus), "world_size": world,
               "readout": args.readout}
     with tracking.stage_run("calibrate", params, {"corpus_manifest": corpus_hash}, enabled=rank == 0) as run:
@@ -75,8 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             _log(run, stats, elapsed)
             print(f"calibrate: {stats.tokens} tokens at {len(probes)} probes in {elapsed:.1f} s "
                   f"({stats.tokens / elapsed:.0f} tok/s) -> {args.out}")
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    distributed.leave()
     return 0
 
 

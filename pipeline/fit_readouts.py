@@ -9,18 +9,17 @@ curve) into ``--out-dir``, and a figure. Runs as a plain process or data-paralle
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 
-import torch.distributed as dist
 from tqdm import tqdm
 
 from emad import tracking
 from emad.calibration.config import ReadoutsConfig
 from emad.calibration.readout_fit import fit_texts
 from emad.corpus import read_split
+from emad.engine import distributed
 from emad.engine.models import load_model
 from emad.io import atomic_write_json
 from emad.params import load_section
@@ -38,13 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_section("readouts", ReadoutsConfig, args.params)
     texts, corpus_hash = read_split(args.corpus, "calib")
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    device = cfg.device
-    if world > 1:
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
-        device = f"cuda:{local}" if device.startswith("cuda") else device
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    device, rank, world = distributed.join(cfg.device)
     params = {"readouts": cfg.model_dump(), "model": args.model_dir, "corpus": str(args.corpus), "world_size": world}
     with tracking.stage_run("fit_readouts", params, {"corpus_manifest": corpus_hash}, enabled=rank == 0) as run:
         loaded = load_model(args.model_dir, device=device, dtype=cfg.dtype)
@@ -80,8 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"fit_readouts: {facts['tokens']} tokens, {len(result.history)} epochs in {elapsed:.0f} s; layer "
                   f"{deepest}: agreement {result.held_out['logit'][deepest]['agreement']:.3f} (logit) -> "
                   f"{result.held_out['tuned'][deepest]['agreement']:.3f} (tuned) -> {args.out_dir}")
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    distributed.leave()
     return 0
 
 

@@ -33,7 +33,8 @@ TEXT = "Entropy falls with depth for easy tokens. The quick brown fox jumps over
 BASE = {
     "models": {"tiny": "tiny-folder"},
     "corpus": {"sources": ["stdlib-prose", "gsm8k"], "calib_tokens": 1000, "eval_tokens": 500},
-    "calibrate": {"sources": ["stdlib-prose"], "window": 32, "probe_layers": [1, 2, 3], "readouts": ["logit", "tuned"]},
+    "calibrate": {"sources": ["stdlib-prose"], "window": 32, "probe_layers": [1, 2, 3], "readouts": ["logit", "tuned"],
+                  "max_tokens": 500},
     "readouts": {"layers": [1, 2, 3], "tokens": 256, "holdout": 64},
     "smooth": {"statistic": "mean", "min_count": 1},
     "estimators": {"topk": {"k": 16}},
@@ -114,6 +115,7 @@ PARAMS_CASES = [  # (path with '/' between keys, value, what the message must na
     ("readouts/lr", 0, r"readouts\.lr"),
     ("readouts/source", "shakespeare", r"readouts\.source: 'shakespeare' is not a calibration source"),
     ("readouts/layers", [2, 3], r"readouts\.layers = \[2, 3\] must cover calibrate\.probe_layers = \[1, 2, 3\]"),
+    ("calibrate/max_tokens", 900, r"corpus\.calib_tokens = 1000 must hold calibrate\.max_tokens \(900\) \+ readouts"),
     ("calibrate/readouts", ["tuned", "lens"], r"calibrate\.readouts.*unknown readout 'lens'; valid: logit, tuned"),
     ("decode/points/p/readout", "trained", r"decode\.points\.p\.readout.*'trained'.*valid: logit, tuned"),
     ("models", {"smol.lm": "x"}, r"models\.smol\.lm"),

@@ -34,7 +34,7 @@ def _params(model_dir: Path) -> dict:
         "readouts": {"layers": 1, "tokens": 256, "holdout": 64, "window": 32, "epochs": 2, "batch_tokens": 64,
                      "vocab_sample": 32, "top_k": 4, "source": "stdlib-prose", "device": "cpu", "dtype": "float32"},
         "calibrate": {"sources": ["stdlib-prose"], "window": 32, "batch_size": 4, "probe_layers": 1,
-                      "readouts": ["logit", "tuned"], "device": "cpu", "dtype": "float32"},
+                      "readouts": ["logit", "tuned"], "max_tokens": 256, "device": "cpu", "dtype": "float32"},
         "smooth": {"statistic": "mean", "min_count": 5},
         "estimators": {"topk": {"k": 64}, "lowrank": {"rank": 8}, "tokens": 256, "window": 32},
         "decode": {

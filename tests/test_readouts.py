@@ -206,6 +206,14 @@ def test_rank_outside_one_to_d_is_refused(rank):
         TunedLens.identity([1], D, FINGERPRINT, rank)
 
 
+def test_fitting_reads_the_end_of_the_split_held_out_last():
+    wins = [[w * 10 + i for i in range(100)] for w in range(6)]  # 600 tokens, window w holds w*10 .. w*10+99
+    train, held = split_windows(wins, 150, 180)
+    assert held == wins[4:]  # whole windows from the end, at least 180 tokens
+    assert train == [wins[2][-50:], wins[3]]  # the 150 tokens right before them
+    assert sum(map(len, train)) == 150
+
+
 def test_a_corpus_too_small_for_the_held_out_slice_gives_the_minimum():
     with pytest.raises(ValueError, match=r"has 300 tokens.*at least 1088"):
         split_windows([[1] * 100] * 3, 4096, 1024)

@@ -299,14 +299,13 @@ def _resume(ckpt: Path | None, key: str, modules, optimizer, state: dict) -> Non
 
 
 def split_windows(token_windows: list[list[int]], tokens: int, holdout: int) -> tuple[list[list[int]], list[list[int]]]:
-    """Training windows (the first, at most ``tokens`` tokens) and held-out windows (the last whole windows holding
-    at least ``holdout`` tokens), disjoint.
+    """Held-out windows (the last whole windows holding at least ``holdout`` tokens) and, before them, training
+    windows (at most ``tokens`` tokens): both come from the end of the split, so a calibration capped at the
+    split's first tokens (``calibrate.max_tokens``) never reads the tokens the translators were fitted on.
 
     Raises:
         ValueError: fewer than ``holdout`` + 64 tokens in all, naming that minimum.
     """
-    from emad.calibration.calibrate import cap_tokens
-
     total, minimum = sum(len(w) for w in token_windows), holdout + 64
     rest, held, kept = list(token_windows), [], 0
     while rest and kept < holdout:
@@ -317,7 +316,12 @@ def split_windows(token_windows: list[list[int]], tokens: int, holdout: int) -> 
                          f"needs at least {minimum} (holdout + 64 training tokens, in whole windows of "
                          f"readouts.window): sample more calibration tokens (corpus.calib_tokens) or lower "
                          f"readouts.holdout")
-    return cap_tokens(rest, tokens), held
+    train, kept = [], 0
+    while rest and kept < tokens:
+        w = rest.pop()[-(tokens - kept):]
+        train.insert(0, w)
+        kept += len(w)
+    return [w for w in train if len(w) >= 2], held
 
 
 def fit_texts(loaded, texts: Sequence[str], cfg, *, checkpoint: str | Path | None = None,
