@@ -31,6 +31,7 @@ _EXPORTS = {
     "emad.exits.criteria": ["CRITERIA", "Criterion"],
     "emad.exits.estimators": ["ESTIMATORS"],
     "emad.exits.policies": ["POLICIES"],
+    "emad.exits.readouts": ["READOUTS", "TunedLens", "load_readout"],
     "emad.calibration.calibrate": ["calibrate", "calibrate_texts"],
     "emad.calibration.stats": ["CalibrationStats"],
     "emad.calibration.profile": ["Profile", "smooth"],

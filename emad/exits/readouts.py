@@ -143,6 +143,8 @@ class TunedLens(Readout):
         return nn.ModuleDict({str(k): t for k, t in self.translators.items()})
 
     def translate(self, h: torch.Tensor, layer: int) -> torch.Tensor:
+        """T_ℓ(h); a layer without a translator (L, or one not fitted) reads out as the logit lens —
+        :func:`load_readout` and :meth:`check` refuse methods that probe unfitted layers below L."""
         translator = self.translators.get(layer)
         return h if translator is None else translator(h)
 

@@ -25,30 +25,30 @@ def layer_table(fit: Mapping[str, Any]) -> str:
                            "perplexity (logit)", "perplexity (tuned)"], rows)
 
 
-def _best_within(v: ModelVerdict) -> tuple[str, float | None]:
-    """The point with the largest FLOPs reduction within every tolerance (label, reduction), else ("–", None)."""
-    ok = [p for p in v.points if p.within_tolerance]
-    if not ok:
-        return "–", None
-    best = max(ok, key=lambda p: p.reduction)
-    return best.label, best.reduction
+def _closest(v: ModelVerdict) -> str:
+    """C1's deciding point: the passing point with the largest reduction, else the one closest to passing."""
+    p = v.c1.deciding
+    if p is None:
+        return "–"
+    worst = p.worst
+    return f"{p.label}: {p.reduction:.1%} fewer FLOPs; " + (worst.describe() if worst else "no check")
 
 
 def frontier_shift(family_verdicts: Mapping[str, Mapping[str, ModelVerdict]]) -> str:
-    """Per family with a tuned twin and model: the largest FLOPs reduction within tolerance, logit vs tuned."""
+    """Per family with a tuned twin and model: C1's deciding point under each readout (its FLOPs reduction and
+    its check furthest past or closest to the tolerance)."""
     rows = []
     for family in sorted(f for f in family_verdicts if not f.endswith(TUNED) and f + TUNED in family_verdicts):
         for model, logit in sorted(family_verdicts[family].items()):
             tuned = family_verdicts[family + TUNED].get(model)
             if tuned is None:
                 continue
-            (lp, lr), (tp, tr) = _best_within(logit), _best_within(tuned)
-            rows.append([family, model, lp, fmt(lr, ".1%"), tp, fmt(tr, ".1%"),
-                         "yes" if logit.c1.passed else "no", "yes" if tuned.c1.passed else "no"])
+            rows.append([family, model, "yes" if logit.c1.passed else "no", _closest(logit),
+                         "yes" if tuned.c1.passed else "no", _closest(tuned)])
     if not rows:
         return "No family ran under both readouts."
-    return markdown_table(["family", "model", "best point within tolerance (logit)", "FLOPs reduction",
-                           "best point within tolerance (tuned)", "FLOPs reduction", "C1 (logit)", "C1 (tuned)"], rows)
+    return markdown_table(["family", "model", "C1 (logit)", "deciding point (logit)", "C1 (tuned)",
+                           "deciding point (tuned)"], rows)
 
 
 def readouts_markdown(fits: Mapping[str, Mapping[str, Any]], runs: Sequence[dict[str, Any]],
