@@ -9,6 +9,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from emad.exits.batching import BATCH_EXITS
 from emad.exits.estimators import ESTIMATORS
 from emad.exits.policies import POLICIES
 from emad.exits.readouts import READOUTS
@@ -33,6 +34,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-exit-layer", type=int, help="no exit below this layer")
     p.add_argument("--policy", default="monotone", choices=POLICIES.names(), help="KV-consistency policy")
     p.add_argument("--estimator", default="exact", choices=ESTIMATORS.names(), help="entropy estimator at probes")
+    p.add_argument("--batch-exit", choices=BATCH_EXITS.names(),
+                   help="when a batch step's rows leave: per-row (default) or sync (all at the first probe where "
+                        "every row may exit)")
     p.add_argument("--estimators", type=Path,
                    help="fitted estimators file (default: estimators.json beside --profile)")
     _add_readout_args(p)

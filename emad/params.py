@@ -18,6 +18,7 @@ from emad.corpus.config import CorpusConfig
 from emad.evaluation.config import DecodeConfig
 from emad.evaluation.risk_config import RiskConfig
 from emad.report.config import AggregateConfig
+from emad.tasks.registry import TASKS
 
 S = TypeVar("S", bound=Section)
 
@@ -72,14 +73,31 @@ def _check_across(cfg: dict[str, Any]) -> None:
         if source not in sampled:
             raise ConfigError(f"calibrate.sources[{i}]: {source!r} is not sampled; add it to corpus.sources "
                               f"({', '.join(sorted(sampled))})")
+    calibrated = cfg.get("calibrate", CalibrateConfig()).sources
+    if "decode" in cfg and cfg["decode"].ablations:
+        _check_calibrated("decode.ablation_calibration", cfg["decode"].ablation_calibration, calibrated)
+    if "risk" in cfg and cfg["risk"].searches:
+        _check_calibrated("risk.calibration", cfg["risk"].calibration, calibrated)
     _check_readouts(cfg)
     if "risk" in cfg and cfg["risk"].searches and cfg["risk"].domain not in sampled:
         raise ConfigError(f"risk.domain: {cfg['risk'].domain!r} is not sampled; add it to corpus.sources "
                           f"({', '.join(sorted(sampled))})")
-    for domain in cfg["decode"].domains if "decode" in cfg else []:
+    for domain, tasks in cfg["decode"].domains.items() if "decode" in cfg else []:
         if domain not in sampled:
             raise ConfigError(f"decode.domains.{domain}: the domain is not sampled; add it to corpus.sources "
                               f"({', '.join(sorted(sampled))})")
+        for task in tasks:
+            items = TASKS.get(task).corpus_items
+            if items is not None and not cfg["corpus"].tasks.builds(domain, items):
+                raise ConfigError(f"decode.domains.{domain}: task {task!r} reads items that sample_corpus builds "
+                                  f"only when corpus.tasks.{items} is set and corpus.tasks.sources (null: all) "
+                                  f"holds {domain!r}")
+
+
+def _check_calibrated(key: str, source: str, calibrated: list[str]) -> None:
+    if source not in calibrated:
+        raise ConfigError(f"{key}: {source!r} is not a calibration source; valid: calibrate.sources "
+                          f"({', '.join(calibrated)})")
 
 
 def _check_readouts(cfg: dict[str, Any]) -> None:

@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         for model, v in verdicts.items():
             run.log_dict(v.to_dict(), f"verdict/{model}.json")
             run.log_metrics({f"{model}.c1_passed": float(v.c1.passed), f"{model}.c2_passed": float(v.c2.passed)})
+            run.set_tags({f"{model}.c1": v.c1.outcome, f"{model}.c2": v.c2.outcome})  # pass, fail or unresolved
         for entry in index:
             run.log_artifact(entry["path"], "figures")
         run.log_artifact(args.report)

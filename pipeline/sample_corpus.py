@@ -1,8 +1,8 @@
 """Stage sample_corpus: sample disjoint calibration and evaluation splits of one corpus source.
 
 Reads params section ``corpus``; counts tokens with the tokenizer of ``corpus.tokenizer_model`` (the
-tokenizer only, not the model). Writes calib.jsonl, eval.jsonl and manifest.json into --out and prints a
-one-line summary.
+tokenizer only, not the model). Writes calib.jsonl, eval.jsonl, the task item files of ``corpus.tasks``
+(cloze.jsonl, choice.jsonl) and manifest.json into --out and prints a one-line summary.
 """
 
 from __future__ import annotations
@@ -64,15 +64,17 @@ def main(argv: list[str] | None = None) -> None:
             seed=cfg.seed,
             out_dir=args.out,
             tokenizer_id=f"{cfg.tokenizer_model}@{tokenizer_sha256(tokenizer)[:16]}",
+            tasks=cfg.tasks,
             **cfg.source_options(args.source),
         )
     except (ConfigError, CorpusError) as err:
         sys.exit(f"sample_corpus: {err}")
     calib, evaluation = manifest["splits"]["calib"], manifest["splits"]["eval"]
     skipped = sum(len(ids) for ids in manifest["skipped"].values())
+    items = "".join(f", {entry['items']} {name} items" for name, entry in manifest["tasks"].items())
     print(
         f"sample_corpus {args.source}: calib {calib['documents']} docs {calib['tokens']} tokens, "
-        f"eval {evaluation['documents']} docs {evaluation['tokens']} tokens, {skipped} skipped, "
+        f"eval {evaluation['documents']} docs {evaluation['tokens']} tokens{items}, {skipped} skipped, "
         f"seed {cfg.seed}, {manifest['tokenizer']}, manifest {manifest['manifest_sha256'][:12]} -> {args.out}"
     )
 

@@ -110,6 +110,8 @@ PARAMS_CASES = [  # (path with '/' between keys, value, what the message must na
     ("risk/delta", 1.5, r"risk\.delta"),
     ("risk/prompts", 5, "need at least 22 held-out prompts, got 5"),
     ("risk/domain", "shakespeare", r"risk\.domain: 'shakespeare' is not sampled"),
+    ("risk/calibration", "gsm8k", r"risk\.calibration: 'gsm8k' is not a calibration source; valid: .*stdlib-prose"),
+    ("decode/ablation_calibration", "gsm8k", r"decode\.ablation_calibration: 'gsm8k' is not a calibration source"),
     ("risk/searches/m/knob", "depth", "knob 'depth' is not a scalar knob of method 'emad'"),
     ("readouts/rank", 0, r"readouts\.rank.*greater than or equal to 1"),
     ("readouts/lr", 0, r"readouts\.lr"),
@@ -163,7 +165,7 @@ def test_a_params_file_that_is_not_yaml_is_named(tmp_path):
 def workspace(tmp_path_factory, smollm2):
     root = tmp_path_factory.mktemp("bad")
     save_tiny_pretrained(root / "model", smollm2.tokenizer)
-    _corpus(root / "corpus", "".join(json.dumps({"id": str(i), "text": TEXT[i:]}) + "\n" for i in range(3)))
+    _corpus(root / "corpora" / "stdlib-prose", "".join(json.dumps({"id": str(i), "text": TEXT[i:]}) + "\n" for i in range(3)))
     loaded = load_model(str(root / "model"), device="cpu", dtype="float32")
     cfg = CalibrateConfig(window=32, probe_layers=[1, 2, 3], device="cpu", dtype="float32")
     smooth(calibrate_texts(loaded, [TEXT], cfg, "toy"), min_count=1).save(root / "profile.json")
@@ -181,13 +183,14 @@ def _corpus(folder: Path, eval_text: str | bytes) -> Path:
 
 def _decode(root: Path, out: Path, model: Path | None = None, corpus: Path | None = None,
             profile: Path | None = None, monkeypatch=None) -> int:
+    """Decode point ``p`` on domain stdlib-prose, whose corpus is ``corpus`` (a folder named after it)."""
     import pipeline.decode as stage
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
     return stage.main(["--kind", "point", "--point", "p", "--model", "tiny", "--model-dir",
-                       str(model or root / "model"), "--domain", "stdlib-prose", "--corpus",
-                       str(corpus or root / "corpus"), "--calibration", "toy", "--profile",
-                       str(profile or root / "profile.json"), "--out", str(out / "run.json"),
+                       str(model or root / "model"), "--domain", "stdlib-prose", "--corpora",
+                       str((corpus or root / "corpora" / "stdlib-prose").parent), "--calibration", "toy",
+                       "--profile", str(profile or root / "profile.json"), "--out", str(out / "runs"),
                        "--artifacts", str(out / "art"), "--params", str(root / "params.yaml")])
 
 
@@ -226,10 +229,10 @@ FILE_CASES = [  # (which input is damaged, how, what the message must name)
     ("model", _gguf, r"cannot load .*broken\.gguf"),
     ("profile", _truncated_profile, r"profile .*profile\.json is truncated or not JSON"),
     ("profile", _foreign_profile, r"calibrated on model .*'n_layers': 30"),
-    ("corpus", lambda root, tmp: _corpus(tmp / "c", ""), r"eval\.jsonl holds no documents"),
-    ("corpus", lambda root, tmp: _corpus(tmp / "c", b'{"id": "0", "text": "caf\xe9"}\n'),
-     r"corpus files in .*c are damaged \(UnicodeDecodeError"),
-    ("corpus", lambda root, tmp: _corpus(tmp / "c", '{"id": "0", "text": "no end'), r"c are damaged"),
+    ("corpus", lambda root, tmp: _corpus(tmp / "c" / "stdlib-prose", ""), r"eval\.jsonl holds no documents"),
+    ("corpus", lambda root, tmp: _corpus(tmp / "c" / "stdlib-prose", b'{"id": "0", "text": "caf\xe9"}\n'),
+     r"corpus files in .*c/stdlib-prose are damaged \(UnicodeDecodeError"),
+    ("corpus", lambda root, tmp: _corpus(tmp / "c" / "stdlib-prose", '{"id": "0", "text": "no end'), r"c/stdlib-prose are damaged"),
     ("profile", lambda root, tmp: tmp / "missing.json", r"profile .*missing\.json does not exist"),
 ]
 

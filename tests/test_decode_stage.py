@@ -44,8 +44,8 @@ DECODE = {
 def workspace(tmp_path_factory, smollm2):
     root = tmp_path_factory.mktemp("decode")
     save_tiny_pretrained(root / "model", smollm2.tokenizer)
-    corpus = root / "corpus"
-    corpus.mkdir()
+    corpus = root / "corpora" / "toy"
+    corpus.mkdir(parents=True)
     docs = [{"id": str(i), "text": TEXT[i * 5:], "n_tokens": 0} for i in range(3)]
     (corpus / "eval.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
     (corpus / "manifest.json").write_text(json.dumps({"manifest_sha256": "toy"}))
@@ -65,8 +65,8 @@ def _decode(root: Path, kind: str, point: str, monkeypatch, **extra) -> int:
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
     args = ["--kind", kind, "--point", point, "--model", "tiny", "--model-dir", str(root / "model"),
-            "--domain", extra.pop("domain", "toy"), "--corpus", str(root / "corpus"),
-            "--out", str(root / extra.pop("runs", "runs") / f"{kind}-{point}.json"),
+            "--domain", extra.pop("domain", "toy"), "--corpora", str(root / "corpora"),
+            "--out", str(root / extra.pop("runs", "runs") / f"{kind}-{point}"),
             "--artifacts", str(root / "art" / point),
             "--params", str(root / "params.yaml")]
     if kind not in ("baseline", "related"):
@@ -74,16 +74,26 @@ def _decode(root: Path, kind: str, point: str, monkeypatch, **extra) -> int:
     return stage.main(args)
 
 
+def _record(root: Path, name: str) -> dict:
+    """The run file of stage call ``name`` (``<kind>-<point>``) on its one domain."""
+    (path,) = (root / "runs" / name).glob("*.json")
+    return runfile.load(path)
+
+
 def test_baseline_run_file_artifacts_and_mlflow(workspace, monkeypatch):
     assert _decode(workspace, "baseline", "full", monkeypatch) == 0
-    record = runfile.load(workspace / "runs" / "baseline-full.json")
+    record = _record(workspace, "baseline-full")
     assert record["run_id"] == "tiny--full--toy" and record["family"] == "full"
     assert record["cost"]["flops_ratio"] == pytest.approx(1.0)
     assert record["tasks"]["fidelity"]["exact_match"] == 1.0
     assert set(record["quality"]) >= {"perplexity", "fidelity.token_agreement"}
+    assert set(record["intervals"]) == set(record["quality"])  # every quality metric: 95% interval and n
+    ppl = record["intervals"]["perplexity"]
+    assert ppl["n"] == len(record["tasks"]["perplexity"]["samples"]["perplexity"]) >= 2
+    assert ppl["lo"] <= record["quality"]["perplexity"] <= ppl["hi"]
     assert record["depth_histogram"] == {"4": record["cost"]["tokens"]}
-    assert (workspace / "art" / "full" / "depth.png").stat().st_size > 1000
-    html = (workspace / "art" / "full" / "heatmap.html").read_text()
+    assert (workspace / "art" / "full" / "toy" / "depth.png").stat().st_size > 1000
+    html = (workspace / "art" / "full" / "toy" / "heatmap.html").read_text()
     assert html.count('title="layer 4"') >= 2
     import mlflow
 
@@ -91,13 +101,15 @@ def test_baseline_run_file_artifacts_and_mlflow(workspace, monkeypatch):
     runs = mlflow.search_runs(experiment_names=["emad"], filter_string="tags.run_id = 'tiny--full--toy'")
     assert record["mlflow_run_id"] in set(runs["run_id"])
     assert runs.iloc[0]["metrics.cost.flops_ratio"] == pytest.approx(1.0)
+    assert runs.iloc[0]["metrics.quality.perplexity.lo"] == pytest.approx(ppl["lo"])
+    assert runs.iloc[0]["metrics.quality.perplexity.n"] == ppl["n"]
 
 
 def test_point_and_ablation_runs_carry_profile_factors(workspace, monkeypatch):
     assert _decode(workspace, "point", "emad-m0", monkeypatch) == 0
     assert _decode(workspace, "ablation", "backfill", monkeypatch) == 0
-    point = runfile.load(workspace / "runs" / "point-emad-m0.json")
-    ablation = runfile.load(workspace / "runs" / "ablation-backfill.json")
+    point = _record(workspace, "point-emad-m0")
+    ablation = _record(workspace, "ablation-backfill")
     assert point["run_id"] == "tiny--emad-m0--cal-toy--toy" and point["calibration"] == "toy"
     assert point["factors"] == {"margin": 0.0, "policy": "monotone", "estimator": "exact", "probe_stride": 1,
                                 "strata": "none"}
@@ -109,25 +121,25 @@ def test_point_and_ablation_runs_carry_profile_factors(workspace, monkeypatch):
 def test_related_runs_report_their_statistics(workspace, monkeypatch):
     assert _decode(workspace, "related", "ead-k2", monkeypatch) == 0
     assert _decode(workspace, "related", "spec-e2", monkeypatch) == 0
-    ead = runfile.load(workspace / "runs" / "related-ead-k2.json")
-    spec = runfile.load(workspace / "runs" / "related-spec-e2.json")
+    ead = _record(workspace, "related-ead-k2")
+    spec = _record(workspace, "related-spec-e2")
     assert ead["run_id"] == "tiny--ead-k2--toy" and ead["family"] == "ead" and ead["calibration"] is None
     assert ead["method"]["pair"] == "self" and ead["options"]["small_layers"] == 2
     assert 0 <= ead["cost"]["large_token_share"] <= 1 and set(ead["depth_histogram"]) <= {"2", "4"}
     assert ead["cost"]["ead_tokens"] == ead["cost"]["large_tokens"] + ead["cost"]["small_tokens"]
     assert spec["tasks"]["fidelity"]["exact_match"] == 1.0  # lossless
     assert spec["tasks"]["perplexity"]["perplexity"] == pytest.approx(
-        runfile.load(workspace / "runs" / "baseline-full.json")["tasks"]["perplexity"]["perplexity"], rel=1e-5)
+        _record(workspace, "baseline-full")["tasks"]["perplexity"]["perplexity"], rel=1e-5)
     assert 0 <= spec["cost"]["acceptance_rate"] <= 1 and spec["cost"]["target_passes_per_token"] <= 1
     assert spec["cost"]["flops_ratio"] > 0
     assert _decode(workspace, "related", "gap-prune", monkeypatch) == 0
-    gap = runfile.load(workspace / "runs" / "related-gap-prune.json")
+    gap = _record(workspace, "related-gap-prune")
     assert gap["family"] == "softmax" and gap["options"]["prune_k"] == 32 and gap["method"]["estimator"] == "prune"
 
 
 def test_strata_ablation_uses_the_variant_and_refuses_a_missing_one(workspace, monkeypatch):
     assert _decode(workspace, "ablation", "strata-position", monkeypatch) == 0
-    run = runfile.load(workspace / "runs" / "ablation-strata-position.json")
+    run = _record(workspace, "ablation-strata-position")
     assert run["factors"]["strata"] == "position" and run["method"]["strata"] == "position"
     with pytest.raises(FileNotFoundError, match=r"strata='confidence'.*variants there: none, position.*"
                                                 r"calibrate.strata"):
@@ -177,7 +189,7 @@ def test_heatmap_escapes_tokens_and_shades_by_depth():
 def test_runs_do_not_depend_on_the_working_directory(workspace, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     assert _decode(workspace, "baseline", "fixed-2", monkeypatch) == 0
-    assert runfile.load(workspace / "runs" / "baseline-fixed-2.json")["cost"]["mean_depth"] < 4
+    assert _record(workspace, "baseline-fixed-2")["cost"]["mean_depth"] < 4
     assert os.listdir(tmp_path) == []
 
 
@@ -196,7 +208,7 @@ def _risk(root: Path, search: str, monkeypatch, risk: dict | None = None) -> Pat
     params.write_text(yaml.safe_dump({"risk": risk or RISK}))
     out = root / "risk" / f"{search}.json"
     assert stage.main(["--search", search, "--model", "tiny", "--model-dir", str(root / "model"),
-                       "--corpus", str(root / "corpus"), "--calibration", "toy", "--profile",
+                       "--corpus", str(root / "corpora" / "toy"), "--calibration", "toy", "--profile",
                        str(root / "profile.json"), "--out", str(out), "--params", str(params)]) == 0
     return out
 

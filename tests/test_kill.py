@@ -28,6 +28,7 @@ from tests.tiny import save_tiny_pretrained
 pytestmark = pytest.mark.heavy  # run by `make test-heavy` (and CI), not `make test`
 
 ROOT = Path(__file__).resolve().parent.parent
+RUN = Path("runs") / "tiny--p--cal-toy--toy.json"
 TEXT = "Entropy falls with depth for easy tokens. The quick brown fox jumps over the lazy dog. " * 40
 PARAMS = {
     "calibrate": {"window": 32, "batch_size": 1, "probe_layers": [1, 2, 3], "checkpoint_every": 1,
@@ -42,8 +43,8 @@ PARAMS = {
 def workspace(tmp_path_factory, smollm2):
     root = tmp_path_factory.mktemp("kill")
     save_tiny_pretrained(root / "model", smollm2.tokenizer)
-    corpus = root / "corpus"
-    corpus.mkdir()
+    corpus = root / "corpora" / "toy"
+    corpus.mkdir(parents=True)
     docs = [{"id": str(i), "text": TEXT[i * 11:]} for i in range(4)]  # ~2,800 tokens: ~90 calibration batches
     for split in ("calib", "eval"):
         (corpus / f"{split}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
@@ -62,13 +63,13 @@ def _env(root: Path) -> dict:
 
 def _calibrate_cmd(root: Path, out: Path) -> list[str]:
     return [sys.executable, str(ROOT / "pipeline" / "calibrate.py"), "--model-dir", str(root / "model"),
-            "--corpus", str(root / "corpus"), "--out", str(out), "--params", str(root / "params.yaml")]
+            "--corpus", str(root / "corpora" / "toy"), "--out", str(out), "--params", str(root / "params.yaml")]
 
 
 def _decode_cmd(root: Path, out: Path) -> list[str]:
     return [sys.executable, str(ROOT / "pipeline" / "decode.py"), "--kind", "point", "--point", "p", "--model",
-            "tiny", "--model-dir", str(root / "model"), "--domain", "toy", "--corpus", str(root / "corpus"),
-            "--calibration", "toy", "--profile", str(root / "profile.json"), "--out", str(out / "run.json"),
+            "tiny", "--model-dir", str(root / "model"), "--domain", "toy", "--corpora", str(root / "corpora"),
+            "--calibration", "toy", "--profile", str(root / "profile.json"), "--out", str(out / "runs"),
             "--artifacts", str(out / "art"), "--params", str(root / "params.yaml")]
 
 
@@ -136,9 +137,9 @@ def test_killed_decode_run_leaves_nothing_and_its_rerun_equals_an_uninterrupted_
         return len(_runs(workspace, "decode")) > started
 
     _start_and_kill(_decode_cmd(workspace, killed), workspace, decoding)
-    assert not (killed / "run.json").exists()
+    assert not (killed / "runs").exists()
     _run(_decode_cmd(workspace, killed), workspace)
-    a, b = runfile.load(clean / "run.json"), runfile.load(killed / "run.json")
+    a, b = runfile.load(clean / RUN), runfile.load(killed / RUN)
     for key in ("quality", "depth_histogram", "tasks"):
         strip = (lambda d: {k: v for k, v in d.items() if "seconds" not in k and "per_s" not in k})
         assert {t: strip(m) if isinstance(m, dict) else m for t, m in a[key].items()} == \
@@ -160,7 +161,7 @@ def test_sigterm_ends_the_mlflow_run_failed_with_the_error(workspace):
     assert code == 143  # SystemExit(143), not the default SIGTERM death (-15) that would leave the run RUNNING
     last = _runs(workspace, "decode").iloc[-1]
     assert last["status"] == "FAILED" and last["tags.error"] == "SystemExit: 143"
-    assert not (out / "run.json").exists()
+    assert not (out / "runs").exists()
 
 
 @pytest.mark.parametrize("during", ["start_run", "log_dict"])

@@ -103,13 +103,14 @@ def repo(tmp_path_factory, smollm2) -> Path:
 
 
 def test_repro_writes_every_output(repo):
-    runs = sorted(p.name for p in (repo / "reports" / "runs").glob("*.json"))
+    runs = sorted(p.name for p in (repo / "reports" / "runs").rglob("*.json"))
     assert runs == sorted([
         "tiny--full--stdlib-prose.json", "tiny--fixed-2-tuned--stdlib-prose.json",
         "tiny--emad-m0--cal-stdlib-prose--stdlib-prose.json", "tiny--emad-m0-tuned--cal-stdlib-prose--stdlib-prose.json",
         "tiny--backfill--cal-stdlib-prose--stdlib-prose.json", "tiny--ead-k2--stdlib-prose.json"])
-    for stem in (p[:-5] for p in runs):
-        assert (repo / "reports" / "artifacts" / stem / "heatmap.html").is_file()
+    for stem in (p[: -len("--stdlib-prose.json")] for p in runs):  # one folder per stage, one per domain in it
+        assert (repo / "reports" / "runs" / stem / f"{stem}--stdlib-prose.json").is_file()
+        assert (repo / "reports" / "artifacts" / stem / "stdlib-prose" / "heatmap.html").is_file()
     for path in ("data/profiles/tiny/stdlib-prose/logit/profile.json", "data/profiles/tiny/stdlib-prose/tuned/profile.json",
                  "data/profiles/tiny/stdlib-prose/tuned/estimators.json", "reports/profiles/tiny-stdlib-prose-tuned.png",
                  "data/readouts/tiny/stdlib-prose/readouts.safetensors", "data/readouts/tiny/stdlib-prose/metrics.json",
@@ -135,7 +136,8 @@ def test_mlflow_holds_one_run_per_stage_execution(repo):
     parent = runs[runs["tags.dvc_stage"] == "aggregate"].iloc[0]["run_id"]
     nested = runs[runs["tags.mlflow.parentRunId"] == parent]
     assert len(nested) == 6
-    tuned = json.loads((repo / "reports/runs/tiny--emad-m0-tuned--cal-stdlib-prose--stdlib-prose.json").read_text())
+    tuned = json.loads((repo / "reports/runs/tiny--emad-m0-tuned--cal-stdlib-prose"
+                        / "tiny--emad-m0-tuned--cal-stdlib-prose--stdlib-prose.json").read_text())
     assert tuned["readout"] == "tuned" and tuned["method"]["readout"] == "tuned"
 
 

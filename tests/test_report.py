@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
+import zlib
 
+import numpy as np
 import pytest
 
-from emad.evaluation.runfile import run_id
+from emad.evaluation.runfile import intervals_of, quality_of, run_id
 from emad.report import (
     ablation_markdown,
     ablation_tables,
@@ -25,17 +28,41 @@ from emad.report import (
 DOMAINS = ("code", "prose")
 
 
+UNITS, WINDOW, COMPARED = 50, 200, 100  # per-unit samples of the synthetic runs: windows / prompts, their tokens
+
+
+def _jitter(rid: str, scale: float) -> np.ndarray:
+    """Small centred per-unit noise, different for every run: tight paired intervals around the given values."""
+    x = np.random.default_rng(zlib.crc32(rid.encode())).normal(0.0, scale, UNITS)
+    return x - x.mean()
+
+
+def synthetic_tasks(rid: str, ppl: float | None, acc: float | None, noise: float = 1e-4) -> dict:
+    """Task results whose per-unit samples reproduce ``ppl`` (windows' [nll, tokens]) and ``acc`` (prompts'
+    [agreeing, compared] tokens) exactly, with a little variation between units (``noise``: per-token NLL)."""
+    tasks = {}
+    if ppl is not None:
+        nll = WINDOW * (math.log(ppl) + _jitter(rid + "ppl", noise))
+        tasks["perplexity"] = {"perplexity": ppl, "samples": {"perplexity": [[float(v), WINDOW] for v in nll]}}
+    if acc is not None:
+        agree = COMPARED * (acc + _jitter(rid + "acc", 1e-4))
+        tasks["fidelity"] = {"token_agreement": acc,
+                             "samples": {"token_agreement": [[float(v), COMPARED] for v in agree]}}
+    return tasks
+
+
 def make_run(point: str, domain: str, family: str | None = None, *, model: str = "m", calibration: str | None = None,
              flops: float = 1.0, ppl: float | None = 10.0, acc: float | None = 0.5, tps: float = 100.0,
              tokens: int = 1000, factors: dict | None = None, oracle: dict | None = None,
-             backfill: float = 0.0) -> dict:
-    """A run record in the emad-run format with the fields the report reads."""
+             backfill: float = 0.0, tasks: dict | None = None) -> dict:
+    """A run record in the emad-run format with the fields the report reads; ``tasks`` replaces the synthetic
+    task results (with their samples) made from ``ppl`` and ``acc``."""
     family = family or point.split("-")[0]
-    quality = {k: v for k, v in (("perplexity", ppl), ("fidelity.token_agreement", acc)) if v is not None}
     rid = run_id(model, point, domain, calibration)
+    tasks = synthetic_tasks(rid, ppl, acc) if tasks is None else tasks
     return {"run_id": rid, "model": model, "n_layers": 30, "point": point, "family": family, "options": {},
-            "factors": factors or {}, "calibration": calibration, "domain": domain, "tasks": {},
-            "quality": quality,
+            "factors": factors or {}, "calibration": calibration, "domain": domain, "tasks": tasks,
+            "quality": quality_of(tasks), "intervals": intervals_of(tasks),
             "cost": {"flops_ratio": flops, "bytes_ratio": flops, "mean_depth": 30 * flops, "backfill_share": backfill,
                      "policy_events": 0, "tokens": tokens, "seconds": tokens / tps, "tokens_per_s": tps},
             "depth_histogram": {}, "oracle": oracle, "mlflow_run_id": f"ml-{rid}"}
@@ -281,7 +308,91 @@ def test_report_markdown_and_metrics(tmp_path):
     assert "### m · code" in md and "`dvc repro`" in md and "`make mlflow`" in md
     assert "| fixed | m | fail |" in md
     metrics = metrics_summary(runs, verdicts)
-    assert metrics["m"]["verdict"] == {"c1": True, "c2": True, "c1_literal": False}
+    assert metrics["m"]["verdict"] == {"c1": True, "c2": True, "c1_outcome": "pass", "c2_outcome": "pass",
+                                       "c1_literal": False}
     assert metrics["m"]["best"]["c1_point"] == "emad-a@prose"
     assert metrics["m"]["runs"]["emad-a@prose"]["code"]["flops_ratio"] == 0.8
     json.dumps(metrics)
+
+
+# --- uncertainty: three states on run files -------------------------------------------------------------------
+
+def _saved(tmp_path, runs: list[dict]) -> list[dict]:
+    """The runs written as run files and read back, as the aggregate stage reads them."""
+    from emad.evaluation import runfile
+
+    for r in runs:
+        runfile.save(tmp_path / f"{r['run_id']}.json", r)
+    return runfile.load_all(tmp_path)
+
+
+def noisy_runs(point: str, ppl: float, noise: float, **kw) -> list[dict]:
+    """A point whose windows vary by ``noise`` nats per token around ``ppl``: its paired interval is wide."""
+    return [make_run(point, d, tasks=synthetic_tasks(run_id("m", point, d, None), ppl, 0.5, noise), **kw)
+            for d in DOMAINS]
+
+
+def test_checks_are_met_violated_or_unresolved_on_run_files(tmp_path):
+    runs = _saved(tmp_path, full_runs() + point_runs("emad-met", flops=0.8, ppl=10.05)
+                  + point_runs("emad-bad", flops=0.8, ppl=10.3)
+                  + noisy_runs("emad-open", ppl=10.08, noise=0.05, flops=0.8))
+    points = {p.label: p for p in verdict(runs)["m"].points}
+    ppl = {label: next(c for c in p.checks if c.metric == "perplexity" and c.domain == "code")
+           for label, p in points.items()}
+    assert ppl["emad-met"].state == "met" and ppl["emad-met"].hi <= 0.01
+    assert ppl["emad-bad"].state == "violated" and ppl["emad-bad"].lo > 0.01
+    open_ = ppl["emad-open"]
+    assert open_.state == "unresolved" and open_.lo < 0.01 < open_.hi and open_.n == 50
+    assert all(c.lo <= c.change <= c.hi for c in ppl.values())
+    assert {label: p.state for label, p in points.items()} == {"emad-met": "met", "emad-bad": "violated",
+                                                               "emad-open": "unresolved"}
+    assert "95% CI" in open_.describe() and open_.describe().endswith(": unresolved")
+
+
+def test_c1_and_c2_are_unresolved_when_no_candidate_is_shown_either_way(tmp_path):
+    runs = _saved(tmp_path, full_runs() + noisy_runs("emad-open", ppl=10.08, noise=0.05, flops=0.7, tps=130)
+                  + point_runs("emad-bad", flops=0.6, ppl=10.5, tps=150) + point_runs("emad-slow", flops=0.95))
+    v = verdict(runs)["m"]
+    assert v.c1.outcome == "unresolved" and not v.c1.passed and not v.c1.falsified
+    assert v.c1.deciding.label == "emad-open" and v.c1.unresolved_points == ["emad-open"]
+    assert "C1 unresolved at this sample size" in v.c1.sentence()
+    assert v.c1.literal and v.c1.literal_points == ["emad-bad"]  # the literal reading counts violations only
+    assert "(unresolved at this sample size: emad-open)" in v.c1.literal_sentence(0.15)
+    # the met point is too slow; the unresolved one would reach the gain: C2 cannot be decided either
+    assert v.c2.outcome == "unresolved" and v.c2.deciding.label == "emad-open" and v.c2.matched == ["emad-slow"]
+    md = report_markdown(runs, verdict(runs), {}, [])
+    assert "**C1 unresolved.**" in md and "**C2 unresolved.**" in md and "Checks of emad-open" in md
+    assert "falsified only when no such point is met or unresolved" in md
+    assert metrics_summary(runs, verdict(runs))["m"]["verdict"]["c1_outcome"] == "unresolved"
+    json.dumps(v.to_dict())
+
+
+def test_c1_is_falsified_only_when_every_candidate_is_violated(tmp_path):
+    runs = _saved(tmp_path, full_runs() + point_runs("emad-bad", flops=0.6, ppl=10.5)
+                  + noisy_runs("emad-small", ppl=10.08, noise=0.05, flops=0.9))
+    v = verdict(runs)["m"]
+    assert v.c1.outcome == "fail" and v.c1.falsified  # the unresolved point does not reach 15%
+    assert "every operating point with ≥ 15% FLOP reduction violates a tolerance" in v.c1.sentence()
+    assert v.c2.outcome == "fail" and v.c2.deciding.label == "emad-small"  # unresolved and too slow
+
+
+def test_run_files_without_samples_leave_checks_unresolved():
+    runs = full_runs() + point_runs("emad-a", flops=0.8, ppl=10.0)
+    for r in runs:
+        r["tasks"] = {k: {m: v for m, v in t.items() if m != "samples"} for k, t in r["tasks"].items()}
+    v = verdict(runs)["m"]
+    check = v.points[0].checks[0]
+    assert check.state == "unresolved" and check.lo is None and "no per-unit samples in m--emad-a--code" in \
+        check.method
+    assert "95% CI n/a" in check.describe()
+    assert v.c1.outcome == "unresolved"
+
+
+def test_results_table_shows_intervals_and_sample_sizes():
+    runs = full_runs() + point_runs("emad-a", flops=0.8, ppl=10.05)
+    md = report_markdown(runs, verdict(runs), {}, [])
+    iv = runs[0]["intervals"]["perplexity"]
+    assert iv["n"] == 50 and iv["lo"] < 10.0 < iv["hi"]
+    assert f"10.000 [{iv['lo']:.3f}, {iv['hi']:.3f}] n=50" in md
+    metrics = metrics_summary(runs, verdict(runs))["m"]["runs"]["full"]["code"]
+    assert metrics["perplexity.n"] == 50 and metrics["perplexity.lo"] < 10.0 < metrics["perplexity.hi"]

@@ -41,6 +41,9 @@ def test_full_depth_perplexity_equals_hf_window_nll():
     assert got["nll"] == pytest.approx(nll, rel=1e-5)
     assert got["perplexity"] == pytest.approx(math.exp(nll / 26), rel=1e-5)
     assert got["flops_ratio"] == pytest.approx(1.0)
+    windows = got["samples"]["perplexity"]  # [nll, tokens] per window: perplexity = exp(Σnll / Σtokens)
+    assert [t for _, t in windows] == [len(c) for _, c in windows_with_prefix(doc, 12, 4)]
+    assert math.exp(sum(n for n, _ in windows) / sum(t for _, t in windows)) == pytest.approx(got["perplexity"])
 
 
 def test_fidelity_of_full_is_perfect_and_of_a_shallow_model_is_not():
@@ -51,6 +54,13 @@ def test_fidelity_of_full_is_perfect_and_of_a_shallow_model_is_not():
     assert same["tokens_to_divergence"] == 12
     shallow = fidelity(stack, TinyTokenizer(), prompts, Method(Fixed(1)), 12)
     assert shallow["token_agreement"] < 1 and shallow["flops_ratio"] < 1
+    for got in (same, shallow):  # per prompt, reproducing each metric
+        s = got["samples"]
+        assert len(s["exact_match"]) == len(s["rouge_l"]) == len(s["token_agreement"]) == 3
+        assert sum(s["exact_match"]) / 3 == got["exact_match"] and set(s["exact_match"]) <= {0, 1}
+        assert sum(a for a, _ in s["token_agreement"]) / sum(t for _, t in s["token_agreement"]) == pytest.approx(
+            got["token_agreement"])
+        assert sum(s["rouge_l"]) / 3 == pytest.approx(got["rouge_l"])
 
 
 def test_first_divergence():
@@ -84,6 +94,7 @@ def test_gsm8k_on_embedded_data_runs_end_to_end(smollm2):
     result = gsm8k(LayerStack(smollm2.model), smollm2.tokenizer, problems[1:], Method(Full()),
                    shots=problems[:1], max_new_tokens=8)
     assert result["n"] == 2 and 0 <= result["accuracy"] <= 1 and 0 <= result["invalid"] <= 1
+    assert len(result["samples"]["accuracy"]) == 2 and sum(result["samples"]["accuracy"]) / 2 == result["accuracy"]
 
 
 def test_multiple_choice_on_a_tiny_local_arc_file(smollm2, tmp_path):
@@ -114,5 +125,6 @@ def test_multiple_choice_on_a_tiny_local_arc_file(smollm2, tmp_path):
                 lls.append(logp.gather(-1, ids[0, n:, None]).sum().item())
             expected += lls.index(max(lls)) == item.answer
     assert result["n"] == 2 and result["acc"] == expected / 2 and result["flops_ratio"] == pytest.approx(1.0)
+    assert sum(result["samples"]["acc"]) == expected and len(result["samples"]["acc_norm"]) == 2
     with pytest.raises(ValueError, match="outside"):
         Item("q", ("a",), 3)

@@ -91,8 +91,11 @@ def random_prompts(n: int, lengths, seed: int = 0) -> list[list[int]]:
     return [torch.randint(2, VOCAB, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
 
 
-def save_tiny_pretrained(path, tokenizer, arch: str = "llama", n_layers: int = 4, seed: int = 0):
-    """Save a tiny random model whose vocabulary fits ``tokenizer`` (plus the tokenizer) as a HF folder."""
+def save_tiny_pretrained(path, tokenizer, arch: str = "llama", n_layers: int = 4, seed: int = 0, **overrides):
+    """Save a tiny random model whose vocabulary fits ``tokenizer`` (plus the tokenizer) as a HF folder.
+
+    ``overrides`` set fields of the model's config after the tiny defaults (e.g. ``max_position_embeddings``).
+    """
     config = _configs()[arch]()
     config.vocab_size = len(tokenizer)
     config.num_hidden_layers = n_layers
@@ -100,6 +103,8 @@ def save_tiny_pretrained(path, tokenizer, arch: str = "llama", n_layers: int = 4
     if hasattr(config, "num_key_value_heads"):
         config.num_key_value_heads = 2
     config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    for key, value in overrides.items():
+        setattr(config, key, value)
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     _spread_weights(model, seed)

@@ -6,7 +6,7 @@ sample_corpus("shakespeare", lambda t: len(t.split()), calib_tokens=40_000, eval
 """
 
 from emad.corpus import hub, stdlib  # noqa: F401  (register their sources)
-from emad.corpus.read import read_split
+from emad.corpus.read import read_items, read_split
 from emad.corpus.sample import sample_corpus
 from emad.corpus.sources import (
     SOURCES,
@@ -19,6 +19,7 @@ from emad.corpus.sources import (
 )
 
 __all__ = [
+    "read_items",
     "read_split",
     "SOURCES",
     "CorpusError",

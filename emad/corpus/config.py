@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, Field, field_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from emad.config import Section
 from emad.corpus import SOURCES, CorpusError, build_source
+from emad.corpus.items import ItemBuilds
 
 
 def _registered(name: str) -> str:
@@ -29,6 +30,8 @@ class CorpusConfig(Section):
         tokenizer_model: model spec (embedded alias, folder or hub id) whose tokenizer counts the tokens.
         sources: the sources sampled by ``dvc repro`` (one stage per source).
         options: per source name, its constructor options (e.g. ``{shakespeare: {edition: folio}}``).
+        tasks: task item files (``cloze``, ``choice``) cut out of the eval split of ``tasks.sources`` (all
+            sampled sources when null), seeded by ``seed``; see :mod:`emad.corpus.items`.
     """
 
     seed: int = Field(0, ge=0)
@@ -37,6 +40,7 @@ class CorpusConfig(Section):
     tokenizer_model: str = Field("smollm2-135m", min_length=1)
     sources: list[SourceName] = Field(default_factory=lambda: ["stdlib-prose", "stdlib-code", "shakespeare"])
     options: dict[SourceName, dict[str, Any]] = Field(default_factory=dict)
+    tasks: ItemBuilds = Field(default_factory=ItemBuilds)
 
     @field_validator("sources")
     @classmethod
@@ -45,6 +49,14 @@ class CorpusConfig(Section):
         if repeated:
             raise ValueError(f"{', '.join(map(repr, repeated))} listed more than once")
         return sources
+
+    @model_validator(mode="after")
+    def _items_from_sampled_sources(self) -> CorpusConfig:
+        for i, name in enumerate(self.tasks.sources or []):
+            if name not in self.sources:
+                raise ValueError(f"tasks.sources[{i}]: {name!r} is not sampled; add it to corpus.sources "
+                                 f"({', '.join(self.sources)})")
+        return self
 
     @field_validator("options")
     @classmethod

@@ -1,4 +1,4 @@
-"""Reading a sampled corpus folder (``calib.jsonl`` / ``eval.jsonl`` + ``manifest.json``)."""
+"""Reading a sampled corpus folder (``calib.jsonl`` / ``eval.jsonl`` + ``manifest.json``, task item files)."""
 
 from __future__ import annotations
 
@@ -28,3 +28,22 @@ def read_split(corpus_dir: str | Path, split: str = "calib") -> tuple[list[str],
     if not texts:
         raise CorpusError(f"{split_path} holds no documents")
     return texts, manifest.get("manifest_sha256", "")
+
+
+def read_items(corpus_dir: str | Path, task: str) -> list[dict]:
+    """The item records of a task's file (``<task>.jsonl``, built by stage sample_corpus from ``corpus.tasks``).
+
+    Raises:
+        CorpusError: a missing, damaged or empty file, named, with the params key that builds it.
+    """
+    path = Path(corpus_dir) / f"{task}.jsonl"
+    if not path.is_file():
+        raise CorpusError(f"{path} does not exist: set corpus.tasks.{task} in params.yaml and sample the corpus "
+                          "(stage sample_corpus)")
+    try:
+        items = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CorpusError(f"{path} is damaged ({type(err).__name__}: {err})") from None
+    if not items or not all(isinstance(item, dict) for item in items):
+        raise CorpusError(f"{path} holds no items (one JSON object per line)")
+    return items

@@ -7,8 +7,9 @@ between ``budget - (tokens of one word)`` and ``budget`` tokens, never more. The
 dropped: no document, whole or in part, is in both splits. Empty documents and exact duplicates of an earlier
 text are skipped and reported in the manifest, as are inputs the source could not read.
 
-Outputs in `out_dir`: ``eval.jsonl`` and ``calib.jsonl`` (one ``{"id", "text", "n_tokens"}`` per line) and
-``manifest.json``, each written atomically (temp file in `out_dir`, then `os.replace`). Every check runs
+Outputs in `out_dir`: ``eval.jsonl`` and ``calib.jsonl`` (one ``{"id", "text", "n_tokens"}`` per line), the
+task item files asked for (``cloze.jsonl``, ``choice.jsonl``: cut out of the eval split, see
+:mod:`emad.corpus.items`) and ``manifest.json``, each written atomically (temp file in `out_dir`, then `os.replace`). Every check runs
 before anything is written; an old manifest is removed first and the new one written last, so a manifest is
 present only beside the files it describes.
 """
@@ -17,18 +18,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from emad.corpus.boundaries import truncate_to_budget
+from emad.corpus.items import BUILDERS, ItemBuilds, build_items
 from emad.corpus.sources import CorpusError, Document, Source, build_source
 from emad.io import atomic_write_bytes
 
 SPLITS = ("eval", "calib")  # fill order
 MANIFEST = "manifest.json"
-_BOUNDARY = re.compile(r"\s+")
 
 
 @dataclass
@@ -75,28 +76,6 @@ def clean_documents(source: Source) -> tuple[list[Document], dict[str, list[str]
     for doc_id, reason in source.skipped.items():
         skipped.setdefault(reason, []).append(doc_id)
     return docs, skipped
-
-
-def truncate_to_budget(text: str, limit: int, count_tokens: Callable[[str], int]) -> tuple[str, int]:
-    """The longest prefix of `text` that ends at a whitespace boundary and fits `limit` tokens, and its count.
-
-    Binary search over the boundaries (token counts grow with the prefix, nearly always; a candidate is
-    accepted only once counted). Returns ("", 0) when not even the first word fits.
-    """
-    cuts = [m.start() for m in _BOUNDARY.finditer(text)] + [len(text)]
-    best, best_n = "", 0
-    lo, hi = 0, len(cuts) - 1
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        prefix = text[: cuts[mid]].rstrip()
-        n = count_tokens(prefix) if prefix else 0
-        if n <= limit:
-            if len(prefix) > len(best):
-                best, best_n = prefix, n
-            lo = mid + 1
-        else:
-            hi = mid - 1
-    return best, best_n
 
 
 def fill_splits(
@@ -155,6 +134,7 @@ def sample_corpus(
     out_dir: str | Path,
     *,
     tokenizer_id: str = "unknown",
+    tasks: ItemBuilds | None = None,
     **source_options: Any,
 ) -> dict[str, Any]:
     """Samples disjoint calibration and evaluation splits of a source into `out_dir` (see the module doc).
@@ -166,15 +146,19 @@ def sample_corpus(
         seed: orders the documents; the same seed gives byte-identical files.
         out_dir: output folder, created when the sample succeeds.
         tokenizer_id: names the tokenizer behind `count_tokens` in the manifest.
+        tasks: the task item files to build from the eval split (none when None; only when the source is one of
+            ``tasks.sources``).
         **source_options: constructor options of a source given by name.
 
     Returns:
         The manifest: source, options, seed, budgets, tokenizer, per split (file, documents, tokens, truncated
         id, sha256 of the file), the skipped ids by reason, and ``manifest_sha256`` = sha256 of the calib and
-        eval file hashes (hex, concatenated in that order).
+        eval file hashes (hex, concatenated in that order; the item files, listed under ``tasks`` with their
+        settings, item count and sha256, do not enter it).
 
     Raises:
-        CorpusError: unknown source or option, a budget < 1, an empty source, or budgets beyond the source.
+        CorpusError: unknown source or option, a budget < 1, an empty source, budgets beyond the source, or an
+            eval split too short for the items asked for.
     """
     if isinstance(source, Source):
         if source_options:
@@ -193,9 +177,12 @@ def sample_corpus(
             f"corpus source {src.name!r} has 0 usable documents (0 tokens): it yielded {detail}"
         )
     splits = fill_splits(order_documents(docs, seed), budgets, count_tokens, src.name)
+    tasks = tasks or ItemBuilds()
+    items = build_items(tasks, [(r["id"], r["text"]) for r in splits["eval"].records], count_tokens, seed, src.name)
 
     blobs = {name: _jsonl(splits[name].records) for name in ("calib", "eval")}
     hashes = {name: hashlib.sha256(blob).hexdigest() for name, blob in blobs.items()}
+    item_blobs = {name: _jsonl(records) for name, records in items.items()}
     manifest = {
         "source": src.name,
         "source_options": source_options,
@@ -215,13 +202,20 @@ def sample_corpus(
             for name in ("calib", "eval")
         },
         "skipped": {reason: sorted(ids) for reason, ids in sorted(skipped.items())},
+        "tasks": {
+            name: {"file": f"{name}.jsonl", "items": len(items[name]), "sha256": hashlib.sha256(blob).hexdigest(),
+                   "settings": getattr(tasks, name).model_dump()}
+            for name, blob in item_blobs.items()
+        },
         "manifest_sha256": hashlib.sha256((hashes["calib"] + hashes["eval"]).encode()).hexdigest(),
     }
     manifest = json.loads(json.dumps(manifest, default=str))  # what is returned is what is written
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).unlink(missing_ok=True)
-    for name, blob in blobs.items():
+    for name, blob in {**blobs, **item_blobs}.items():
         atomic_write_bytes(out / f"{name}.jsonl", blob)
+    for name in set(BUILDERS) - set(item_blobs):  # an item file of an earlier sample no longer asked for
+        (out / f"{name}.jsonl").unlink(missing_ok=True)
     atomic_write_bytes(out / MANIFEST, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
     return manifest

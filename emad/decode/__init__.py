@@ -7,7 +7,7 @@ consistent; the readout of the exit layer gives the token.
 
 from emad.decode.generate import generate
 from emad.decode.results import Generation, Scored, TokenTrace
-from emad.decode.score import score, score_adaptive
+from emad.decode.score import score, score_adaptive, score_continuations
 from emad.decode.step import (
     ContextLengthError,
     Method,
@@ -22,5 +22,5 @@ from emad.decode.step import (
 
 __all__ = [
     "ContextLengthError", "Generation", "Method", "Sampling", "Scored", "StepOutput", "TokenTrace", "choose",
-    "generate", "left_pad", "positions_of", "prefill", "score", "score_adaptive", "step",
+    "generate", "left_pad", "positions_of", "prefill", "score", "score_adaptive", "score_continuations", "step",
 ]

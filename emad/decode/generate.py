@@ -39,6 +39,8 @@ class _Row:
     extra_bytes: list[float] = field(default_factory=list)
     entropies: list[dict[int, float]] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)
+    allowed: list[int] = field(default_factory=list)  # per token: the first layer where it may exit
+    steps: list[int] = field(default_factory=list)  # per token: the decode step that produced it
     finish: str | None = None
 
 
@@ -100,7 +102,7 @@ def generate(
     first_flops, first_bytes = cost.readout_at(depth0)
     for r in range(batch):  # the first token is read out of the prompt's last position
         _record(rows_state[r], int(tokens[r]), float(logps[r]), depth0, held[r] * 0, int(positions[r]), first_flops,
-                first_bytes, {}, "prompt")
+                first_bytes, {}, "prompt", depth0, 0)
     alive = torch.arange(batch, device=stack.device)
     probes = method.criterion.probes(stack.n_layers)
     for t in range(1, max_new_tokens + 1):
@@ -113,13 +115,13 @@ def generate(
         logps = _logprob(out.logits, new)
         tokens[alive] = new
         positions[alive] += 1
-        held = cache.held().cpu()
+        held, allowed = cache.held().cpu(), out.allowed.tolist()
         for i, r in enumerate(alive.tolist()):
             extra_f = float(out.probe_flops[i] + policy.extra.flops[r] - before[0][r])
             extra_b = float(out.probe_bytes[i] + policy.extra.bytes[r] - before[1][r])
             seen = {p: float(e) for p, e in zip(probes, out.entropies[i].tolist()) if e == e}
             _record(rows_state[r], int(new[i]), float(logps[i]), int(out.depths[i]), held[r], int(positions[r]), extra_f, extra_b,
-                    seen, EXIT_REASONS[int(out.reasons[i])])
+                    seen, EXIT_REASONS[int(out.reasons[i])], allowed[i], t)
     for s in rows_state:
         s.finish = s.finish or "length"
     out = _assemble(rows_state, tokenizer, stop_strings, cost, method, policy)
@@ -140,7 +142,7 @@ def _logprob(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _record(row: _Row, token: int, logprob: float, depth: int, held: torch.Tensor, context: int, extra_flops: float,
-            extra_bytes: float, entropies: dict[int, float], reason: str) -> None:
+            extra_bytes: float, entropies: dict[int, float], reason: str, allowed: int, step_index: int) -> None:
     layers = torch.arange(held.shape[0])
     row.ids.append(token)
     row.logprobs.append(logprob)
@@ -151,6 +153,8 @@ def _record(row: _Row, token: int, logprob: float, depth: int, held: torch.Tenso
     row.extra_bytes.append(extra_bytes)
     row.entropies.append(entropies)
     row.reasons.append(reason)
+    row.allowed.append(allowed)
+    row.steps.append(step_index)
 
 
 def _drop_finished(rows, alive, tokenizer, eos, stop_strings, on_token) -> torch.Tensor:
@@ -188,7 +192,7 @@ def _assemble(rows: list[_Row], tokenizer, stop_strings, cost: CostModel, method
         full_flops.append(ff.tolist())
         full_bytes.append(fb.tolist())
         traces.append([TokenTrace(*x) for x in zip(r.ids, r.logprobs, r.depths, r.entropies, r.reasons, f.tolist(),
-                                                   ff.tolist())])
+                                                   ff.tolist(), r.allowed)])
     return Generation(
         token_ids=[r.ids for r in rows],
         texts=[_cut_at_stop(tokenizer.decode(r.ids, skip_special_tokens=True), stop_strings) for r in rows],
@@ -197,4 +201,5 @@ def _assemble(rows: list[_Row], tokenizer, stop_strings, cost: CostModel, method
         finish_reasons=[r.finish for r in rows],
         policy_flops=policy.extra.flops.tolist(), policy_token_layers=policy.extra.token_layers.tolist(),
         policy_events=policy.extra.events.tolist(), traces=traces, method=method.describe(),
+        steps=[r.steps for r in rows],
     )

@@ -7,10 +7,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from emad.engine.cost import step_bound
+
 
 @dataclass
 class TokenTrace:
-    """One generated token: depth, Ĥ at the probes it passed, why it exited, and its cost."""
+    """One generated token: depth, Ĥ at the probes it passed, why it exited, and its cost.
+
+    ``allowed`` is the first layer where it could exit (its criterion passed, its depth cap or the last probe):
+    ``depth`` unless the ``sync`` batch exit carried it deeper (reason ``carried``); None where a strategy made it.
+    """
 
     token: int
     logprob: float
@@ -19,6 +25,7 @@ class TokenTrace:
     reason: str
     flops: float
     full_flops: float
+    allowed: int | None = None
 
 
 @dataclass
@@ -36,6 +43,8 @@ class Generation:
         traces: per row, a :class:`TokenTrace` per token.
         seconds: wall-clock time of the call (device synchronised), prefill included.
         stats: counts a strategy reports, summed over rows (e.g. drafts proposed and accepted, large-model tokens).
+        steps: per row, the decode step that produced each token (tokens of one step were decoded together); empty
+            where rows were decoded one after another (every token its own step).
     """
 
     token_ids: list[list[int]]
@@ -53,12 +62,26 @@ class Generation:
     method: dict = field(default_factory=dict)
     seconds: float = 0.0
     stats: dict[str, float] = field(default_factory=dict)
+    steps: list[list[int]] = field(default_factory=list)
 
     def cost_ratio(self, row: int | None = None, kind: str = "flops") -> float:
         """Cost of this generation over full depth for the same tokens (all rows, or one)."""
         rows = range(len(self.token_ids)) if row is None else [row]
         spent = sum(sum(getattr(self, kind)[r]) for r in rows)
         full = sum(sum(getattr(self, "full_" + kind)[r]) for r in rows)
+        return spent / full if full else 1.0
+
+    def step_cost(self, kind: str = "flops") -> tuple[float, float]:
+        """Numerator and denominator of the step ratio (:func:`emad.engine.cost.step_bound`): per step, the
+        costliest running row's token, and the costliest at full depth, summed over steps."""
+        spent = [c for row in getattr(self, kind) for c in row]
+        full = [c for row in getattr(self, "full_" + kind) for c in row]
+        steps = [s for row in self.steps for s in row] if self.steps else range(len(spent))
+        return step_bound(spent, full, steps)
+
+    def step_ratio(self, kind: str = "flops") -> float:
+        """The step bound over full depth (all rows): what a batch step costs where it reads each layer once."""
+        spent, full = self.step_cost(kind)
         return spent / full if full else 1.0
 
     def policy_share(self) -> float:

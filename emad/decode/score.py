@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -21,9 +22,32 @@ from emad.decode.step import (
     step,
 )
 from emad.decode.strategy import Strategy
+from emad.engine.cache import KVCache
 from emad.engine.cost import CostModel
 from emad.engine.stack import LayerStack
 from emad.exits.criteria import Criterion, ProbeView
+
+
+@dataclass
+class _Prompt:
+    """A prompt prefilled once (as :func:`~emad.decode.generate` prefills it): its cache, cropped back to the prompt
+    before each continuation, and the readout of its last position, which predicts a continuation's first token."""
+
+    cache: KVCache
+    logits: torch.Tensor  # [V]
+    depth: int
+    length: int
+
+    @classmethod
+    def prefill(cls, stack: LayerStack, prompt: Sequence[int], room: int, method: Method) -> _Prompt:
+        ids, real = left_pad([prompt], 0, stack.device)
+        cache = stack.new_cache(1, len(prompt) + room)
+        depth = method.criterion.prefill_depth(stack.n_layers)
+        return cls(cache, prefill(stack, cache, ids, real, depth)[0], depth, len(prompt))
+
+    def fresh_cache(self) -> KVCache:
+        self.cache.crop(self.length)
+        return self.cache
 
 
 def _check_length(stack: LayerStack, n: int) -> None:
@@ -64,35 +88,51 @@ def score_adaptive(stack: LayerStack, prompt: Sequence[int], continuation: Seque
     is scored with one parallel pass per layer (``parallel``, the default there); otherwise token by token.
     A :class:`Strategy` scores with its own semantics (:meth:`Strategy.score`).
     """
+    return score_continuations(stack, prompt, [continuation], method, parallel)[0]
+
+
+@torch.inference_mode()
+def score_continuations(stack: LayerStack, prompt: Sequence[int], continuations: Sequence[Sequence[int]],
+                        method: Method | Criterion | Strategy, parallel: bool | None = None) -> list[Scored]:
+    """:func:`score_adaptive` of each continuation after the same prompt, with the prompt prefilled once.
+
+    Between continuations the KV cache is cropped back to the prompt. A prompt's prefill is never charged to a
+    :class:`Scored`, so each result equals its own :func:`score_adaptive` call; the prefill's time is counted in
+    the first result's ``seconds``. A :class:`Strategy` scores each continuation alone.
+    """
     started = time.perf_counter()
     stack = reading(stack, method)
-    if isinstance(method, Strategy):
-        scored = method.score(stack, prompt, continuation)
-    else:
-        scored = _score_adaptive(stack, prompt, continuation, as_method(method), parallel)
-    scored.seconds = elapsed(stack.device, started)
-    return scored
-
-
-def _score_adaptive(stack: LayerStack, prompt: Sequence[int], continuation: Sequence[int], method: Method,
-                    parallel: bool | None) -> Scored:
-    method.validate(stack.n_layers)
-    if not prompt or not continuation:
+    if not prompt or not continuations or not all(continuations):
         raise ValueError("score_adaptive needs a non-empty prompt and continuation")
-    _check_length(stack, len(prompt) + len(continuation))
+    out = []
+    if isinstance(method, Strategy):
+        for continuation in continuations:
+            out.append(method.score(stack, prompt, continuation))
+            out[-1].seconds, started = elapsed(stack.device, started), time.perf_counter()
+        return out
+    method = as_method(method)
+    method.validate(stack.n_layers)
+    for continuation in continuations:
+        _check_length(stack, len(prompt) + len(continuation) - 1)  # the last token is predicted, never read
+    shared = _Prompt.prefill(stack, prompt, max(len(c) for c in continuations), method)
+    for continuation in continuations:
+        out.append(_score_adaptive(stack, shared, continuation, method, parallel))
+        out[-1].seconds, started = elapsed(stack.device, started), time.perf_counter()
+    return out
+
+
+def _score_adaptive(stack: LayerStack, shared: _Prompt, continuation: Sequence[int], method: Method,
+                    parallel: bool | None) -> Scored:
     if parallel is None:
         parallel = method.policy == "monotone" and not method.criterion.reads_every_exit
     if parallel:
         if method.policy != "monotone" or method.criterion.reads_every_exit:
             raise ValueError(f"parallel scoring needs the monotone policy and a criterion that reads exit tokens "
                              f"from the readout, not policy {method.policy!r} with {method.criterion.name!r}")
-        return _score_monotone(stack, prompt, continuation, method)
+        return _score_monotone(stack, shared, continuation, method)
     cost = CostModel.from_stack(stack)
-    ids, real = left_pad([prompt], 0, stack.device)
-    cache = stack.new_cache(1, len(prompt) + len(continuation))
+    cache, logits, depth0, n_prompt = shared.fresh_cache(), shared.logits, shared.depth, shared.length
     policy = method.new_policy(1, stack.n_layers, cost)
-    depth0 = method.criterion.prefill_depth(stack.n_layers)
-    logits = prefill(stack, cache, ids, real, depth0)[0]
     rows = torch.zeros(1, dtype=torch.long, device=stack.device)
     logprobs, depths, flops, full = [], [depth0], cost.readout_at(depth0)[0], float(cost.readout_flops)
     greedy = []
@@ -101,7 +141,7 @@ def _score_adaptive(stack: LayerStack, prompt: Sequence[int], continuation: Sequ
         greedy.append(int(logits.argmax()) == token)
         if t == len(continuation) - 1:
             break
-        position = torch.tensor([len(prompt) + t], device=stack.device)
+        position = torch.tensor([n_prompt + t], device=stack.device)
         before = float(policy.extra.flops[0])
         out = step(stack, cache, method, policy, cost, torch.tensor([token], device=stack.device), position, rows)
         logits = out.logits[0]
@@ -110,11 +150,11 @@ def _score_adaptive(stack: LayerStack, prompt: Sequence[int], continuation: Sequ
         held = cache.valid[:depth, 0, : cache.n_slots].sum(-1).cpu()  # [depth] keys per layer run
         flops += float(sum(cost.layer_flops(i, int(n)) for i, n in enumerate(held)))
         flops += float(out.probe_flops[0]) + float(policy.extra.flops[0]) - before
-        full += float(cost.full_depth(torch.tensor([len(prompt) + t + 1]))[0][0])
+        full += float(cost.full_depth(torch.tensor([n_prompt + t + 1]))[0][0])
     return Scored(logprobs, depths, flops, full, greedy=greedy)
 
 
-def _score_monotone(stack: LayerStack, prompt: Sequence[int], continuation: Sequence[int], method: Method) -> Scored:
+def _score_monotone(stack: LayerStack, shared: _Prompt, continuation: Sequence[int], method: Method) -> Scored:
     """Monotone scoring, one pass per layer over the prefix of positions still running.
 
     At probe ℓ, if the first running position whose criterion passes is i*, then i* exits at ℓ and so must every
@@ -125,13 +165,10 @@ def _score_monotone(stack: LayerStack, prompt: Sequence[int], continuation: Sequ
     """
     criterion, estimator = method.criterion, method.estimator
     cost = CostModel.from_stack(stack)
-    device, n_prompt, m = stack.device, len(prompt), len(continuation) - 1
-    ids, real = left_pad([prompt], 0, device)
-    cache = stack.new_cache(1, n_prompt + len(continuation))
+    device, n_prompt, m = stack.device, shared.length, len(continuation) - 1
+    cache, first_logits, depth0 = shared.fresh_cache(), shared.logits, shared.depth
     probes = criterion.probes(stack.n_layers)
-    depth0 = criterion.prefill_depth(stack.n_layers)
     assert depth0 == probes[-1], "monotone scoring assumes the prompt runs to the deepest probe"
-    first_logits = prefill(stack, cache, ids, real, depth0)[0]
     logprobs = [float(torch.log_softmax(first_logits.float(), -1)[continuation[0]])]
     greedy = [int(first_logits.argmax()) == continuation[0]]
     flops, full = cost.readout_at(depth0)[0], float(cost.readout_flops)

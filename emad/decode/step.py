@@ -11,6 +11,7 @@ import torch
 from emad.engine.cache import KVCache
 from emad.engine.cost import CostModel
 from emad.engine.stack import LayerStack
+from emad.exits.batching import BATCH_EXITS, check_batch_exit
 from emad.exits.criteria import Criterion, ProbeView
 from emad.exits.estimators import ESTIMATORS, Estimator
 from emad.exits.policies import POLICIES, Policy
@@ -53,22 +54,25 @@ class Sampling:
 
 @dataclass
 class Method:
-    """An operating point: exit criterion × KV policy × entropy estimator × readout.
+    """An operating point: exit criterion × KV policy × entropy estimator × readout, and the batch exit rule.
 
     Attributes:
         criterion: where tokens exit.
         policy: name of the KV-consistency policy (``monotone``, ``copy``, ``copy-translated``, ``backfill``).
         estimator: how Ĥ is computed at probes.
         readout: how a probe layer is read out (:mod:`emad.exits.readouts`); None reads through the stack's own.
+        batch_exit: when the rows of a batch step leave (:mod:`emad.exits.batching`): ``per-row`` or ``sync``.
     """
 
     criterion: Criterion
     policy: str = "monotone"
     estimator: Estimator = field(default_factory=lambda: ESTIMATORS.get("exact")())
     readout: Readout | None = None
+    batch_exit: str = "per-row"
 
     def __post_init__(self):
         POLICIES.get(self.policy)  # unknown names fail here, listing the valid ones
+        check_batch_exit(self.batch_exit, self.policy)
 
     def validate(self, n_layers: int) -> None:
         self.criterion.validate(n_layers)
@@ -83,7 +87,8 @@ class Method:
 
     def describe(self) -> dict:
         readout = {} if self.readout is None else self.readout.describe()
-        return {**self.criterion.describe(), "policy": self.policy, **self.estimator.describe(), **readout}
+        batch = {} if self.batch_exit == "per-row" else {"batch_exit": self.batch_exit}
+        return {**self.criterion.describe(), "policy": self.policy, **self.estimator.describe(), **readout, **batch}
 
 
 def reading(stack: LayerStack, method) -> LayerStack:
@@ -115,6 +120,8 @@ class StepOutput:
         probe_flops, probe_bytes: ``[b]`` cost of the probes and the exit readout.
         entropies: ``[b, P]`` Ĥ seen at each probe (NaN where not probed).
         reasons: ``[b]`` exit reason code (see :data:`EXIT_REASONS`).
+        allowed: ``[b]`` the first probe where each row may exit (its criterion passed, its cap or the last
+            probe); below ``depths`` where the ``sync`` batch exit carried the row on.
     """
 
     logits: torch.Tensor
@@ -123,9 +130,10 @@ class StepOutput:
     probe_bytes: torch.Tensor
     entropies: torch.Tensor
     reasons: torch.Tensor
+    allowed: torch.Tensor
 
 
-EXIT_REASONS = ("criterion", "depth_cap", "last_probe")
+EXIT_REASONS = ("criterion", "depth_cap", "last_probe", "carried")
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,7 +176,8 @@ def step(
     positions: torch.Tensor,
     rows: torch.Tensor,
 ) -> StepOutput:
-    """Decode one token for ``rows``, each exiting where the criterion says, within the policy's depth cap.
+    """Decode one token for ``rows``, each exiting where the criterion says, within the policy's depth cap; the
+    method's batch exit rule decides whether rows that may exit leave at once (``per-row``) or together (``sync``).
 
     Args:
         tokens: ``[b]`` the previous token of each row being run.
@@ -187,15 +196,21 @@ def step(
     criterion, estimator = method.criterion, method.estimator
     probes = criterion.probes(stack.n_layers)
     cap = policy.max_depth(rows)  # [b]
+    rule = BATCH_EXITS.get(method.batch_exit)()
+    if rule.shares_depth and b > 1 and bool((cap != cap[0]).any()):
+        raise RuntimeError(f"batch_exit {method.batch_exit!r}: policy {method.policy!r} capped the rows of one step "
+                           f"at different layers {sorted(set(cap.tolist()))}; it cannot combine with this rule")
     probe_flops, probe_bytes = estimator.probe_cost(cost)
     out = StepOutput(
         logits=torch.empty(b, stack.vocab_size, dtype=stack.dtype, device=device),
         depths=torch.zeros(b, dtype=torch.long, device=device),
         probe_flops=torch.zeros(b, dtype=torch.float64), probe_bytes=torch.zeros(b, dtype=torch.float64),
         entropies=torch.full((b, len(probes)), float("nan")), reasons=torch.zeros(b, dtype=torch.long),
+        allowed=torch.zeros(b, dtype=torch.long, device=device),
     )
     first_conf = torch.ones(b, device=device)
     active = torch.arange(b, device=device)  # indices into the b rows still running
+    ready = torch.zeros(b, dtype=torch.bool, device=device)  # per running row: it may exit at an earlier probe
     estimator.begin(b)
     criterion.begin(b)
     done = 0
@@ -209,8 +224,9 @@ def step(
         capped = cap[active] <= probe
         passed = torch.zeros_like(last)
         probe_logits = None  # [p, V] exit logits of the probed rows
-        # rows whose depth is decided here are probed; capped rows exit without a probe (as they would alone)
-        probing = torch.ones_like(last) if criterion.reads_every_exit else ~(last | capped)
+        # rows whose depth is decided here are probed; capped rows exit without a probe (as they would alone), and
+        # rows carried on by the batch exit rule are not probed again
+        probing = torch.ones_like(last) if criterion.reads_every_exit else ~(last | capped | ready)
         if criterion.needs_estimate and criterion.wants_estimate(k, probe) and bool(probing.any()):
             probed = active[probing]
             est = estimator.estimate(stack, h[probing, -1], probe, probed)
@@ -227,7 +243,9 @@ def step(
             if probe >= criterion.min_exit_layer:
                 passed[probing] = criterion.exits(view)
             probe_logits = criterion.exit_logits(view)
-        leave = passed | capped | last
+        allowed = passed | capped | last | ready
+        out.allowed[active] = torch.where(allowed & ~ready, probe, out.allowed[active])  # first allowed here
+        leave = rule.leaving(allowed)
         if bool(leave.any()):
             gone = active[leave]
             read = leave & ~probing if probe_logits is not None else leave  # rows read out afresh
@@ -237,9 +255,10 @@ def step(
             if bool(read.any()):
                 out.logits[active[read]] = _readout(stack, h[read], probe, cost, out, active[read]).to(out.logits.dtype)
             out.depths[gone] = probe
-            out.reasons[gone.cpu()] = torch.where(passed[leave], 0, torch.where(capped[leave], 1, 2)).cpu()
+            code = torch.where(passed[leave], 0, torch.where(capped[leave], 1, 2))
+            out.reasons[gone.cpu()] = torch.where(ready[leave], 3, code).cpu()
             policy.after_exit(stack, cache, rows[gone], slots.start, h[leave], pos[gone, 0], probe)
-        active, h = active[~leave], h[~leave]
+        active, h, ready = active[~leave], h[~leave], allowed[~leave]
         if len(active) == 0:
             break
     policy.record(rows, out.depths)

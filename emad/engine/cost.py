@@ -17,11 +17,25 @@ Definitions (DESIGN.md §4; they must not drift):
 - bytes = bytes of the weights read: every parameter of each layer run (norms and biases included), and of the
   final norm + head for each readout. Per token, as at batch 1 (a batch shares weight reads; ratios are unchanged).
 
-The cost ratio of a method is its cost divided by the cost of full depth for the same tokens.
+The cost ratio of a method is its cost divided by the cost of full depth for the same tokens — the FLOPs bound on
+its speed-up, exact where time follows FLOPs.
+
+The step bound (:func:`step_bound`), for batches: the rows of a batch decode each token in one step, and a step runs
+each layer, reading its weights once for all rows, while any row still runs it — so where a step's time is the
+weights it reads (decoding is memory-bound), a step costs its costliest row, not the sum of its rows. With
+``c_{r,s}`` the cost of row r's token at step s (its layers, probes, exit readout and policy work, as above) and
+``f_{r,s}`` that token at full depth, over the rows running at step s::
+
+    step ratio = Σ_s max_r c_{r,s} / Σ_s max_r f_{r,s}
+
+The costliest row is the deepest one unless probes or a longer context outweigh a layer. At batch 1 (one row per
+step) the step ratio is the cost ratio. Rows of one step that exit at different depths lower the cost ratio but not
+the step ratio; under the ``sync`` batch exit every row of a step runs the same layers (only their probes differ).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -149,3 +163,30 @@ class CostModel:
         n_ctx = context[:, None].expand(-1, self.n_layers)
         ones = torch.ones_like(context)
         return self.flops(n_ctx, ones), self.bytes(n_ctx, ones)
+
+
+def step_bound(spent: Sequence[float], full: Sequence[float], steps: Sequence[int]) -> tuple[float, float]:
+    """Numerator and denominator of the step ratio (see the module docstring): ``Σ_s max spent`` and ``Σ_s max full``
+    over the steps ``s``, each token counted at the step that produced it.
+
+    Args:
+        spent: ``[N]`` cost of each token (FLOPs or bytes).
+        full: ``[N]`` the same tokens at full depth.
+        steps: ``[N]`` the step of each token (tokens of one step were decoded together).
+
+    Returns:
+        ``(Σ_s max_{i∈s} spent_i, Σ_s max_{i∈s} full_i)`` as floats (0, 0 without tokens).
+    """
+    if not len(spent) == len(full) == len(steps):
+        raise ValueError(f"spent, full and steps need one entry per token, got {len(spent)}, {len(full)} and "
+                         f"{len(steps)}")
+    if not len(steps):
+        return 0.0, 0.0
+    _, index = torch.unique(torch.as_tensor(steps, dtype=torch.long), return_inverse=True)  # [N] in 0..S-1
+    n_steps = int(index.max()) + 1
+
+    def per_step_max(values: Sequence[float]) -> float:
+        values = torch.as_tensor(values, dtype=torch.float64)  # [N]
+        return float(values.new_zeros(n_steps).scatter_reduce(0, index, values, "amax", include_self=False).sum())
+
+    return per_step_max(spent), per_step_max(full)

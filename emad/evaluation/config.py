@@ -31,6 +31,8 @@ class DecodeConfig(Section):
         default_point: the EMAD point the ablations start from (a name in ``points``).
         ablations: name → the options changed from ``default_point`` (one factor each).
         ablation_domains: domains the ablations run on (each also in ``domains``).
+        ablation_calibration: the calibration source whose profiles the ablations read (one of
+            ``calibrate.sources``).
         related: methods from related work without a profile (softmax response, contrastive, EAD, speculative
             decoding ...): one run per model × related domain.
         related_domains: domains the related methods run on (each also in ``domains``).
@@ -45,6 +47,7 @@ class DecodeConfig(Section):
     default_point: str | None = None
     ablations: dict[str, dict[str, Any]] = Field(default_factory=dict)
     ablation_domains: list[str] = Field(default_factory=list)
+    ablation_calibration: str = "stdlib-prose"
     related: dict[str, PointConfig] = Field(default_factory=dict)
     related_domains: list[str] = Field(default_factory=list)
     heatmap_texts: int = Field(3, ge=0)
@@ -119,6 +122,16 @@ class DecodeConfig(Section):
         if name not in table:
             raise ValueError(f"unknown {kind} {name!r}; valid: {', '.join(table) or 'none'}")
         return table[name]
+
+    def domains_of(self, kind: str, chosen: list[str] | None = None) -> list[str]:
+        """The eval domains a point of ``kind`` runs on (``chosen``, when given, must be among them)."""
+        own = {"ablation": self.ablation_domains, "related": self.related_domains}.get(kind, list(self.domains))
+        stray = [d for d in chosen or [] if d not in own]
+        if stray:
+            table = {"ablation": "decode.ablation_domains", "related": "decode.related_domains"}.get(
+                kind, "decode.domains")
+            raise ValueError(f"--domain {', '.join(map(repr, stray))}: not in {table} ({', '.join(own) or 'none'})")
+        return list(chosen) if chosen else list(own)
 
     def task_settings(self, name: str):
         return TASKS.get(name).settings(self.tasks.get(name))

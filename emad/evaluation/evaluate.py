@@ -47,12 +47,16 @@ class Evaluation:
         return dict(sorted(counts.items()))
 
     def cost(self) -> dict[str, float | None]:
-        """FLOPs/bytes ratios vs full depth, mean depth, policy share (backfill, K/V copy, EAD catch-up), decoding
-        speed, and a strategy's counts and rates."""
+        """FLOPs/bytes ratios vs full depth, the step ratio (:func:`emad.engine.cost.step_bound`: per batch step,
+        its costliest row; a scored text is one row), mean depth, policy share (backfill, K/V copy, EAD catch-up),
+        decoding speed, and a strategy's counts and rates."""
         gens = self.generations()
-        flops = sum(_total(g.flops) for g in gens) + sum(s.flops for s in self.outputs if isinstance(s, Scored))
-        full = sum(_total(g.full_flops) for g in gens) + sum(s.full_flops for s in self.outputs
-                                                             if isinstance(s, Scored))
+        scored = [s for s in self.outputs if isinstance(s, Scored)]
+        flops = sum(_total(g.flops) for g in gens) + sum(s.flops for s in scored)
+        full = sum(_total(g.full_flops) for g in gens) + sum(s.full_flops for s in scored)
+        steps = [g.step_cost() for g in gens]
+        step_spent = sum(s for s, _ in steps) + sum(s.flops for s in scored)
+        step_full = sum(f for _, f in steps) + sum(s.full_flops for s in scored)
         gen_bytes, gen_full_bytes = sum(_total(g.bytes) for g in gens), sum(_total(g.full_bytes) for g in gens)
         gen_flops = sum(_total(g.flops) for g in gens)
         hist = self.depth_histogram()
@@ -61,6 +65,7 @@ class Evaluation:
         seconds = sum(g.seconds for g in gens)
         return {
             "flops_ratio": flops / full if full else None,
+            "step_ratio": step_spent / step_full if step_full else None,
             "bytes_ratio": gen_bytes / gen_full_bytes if gen_full_bytes else None,
             "mean_depth": sum(d * n for d, n in hist.items()) / n_tokens if n_tokens else None,
             "backfill_share": sum(sum(g.policy_flops) for g in gens) / gen_flops if gen_flops else 0.0,

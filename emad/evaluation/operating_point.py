@@ -21,6 +21,7 @@ from emad.config import Section
 from emad.decode import Method
 from emad.decode.step import check_pairing
 from emad.decode.strategy import Strategy
+from emad.exits.batching import BATCH_EXITS, check_batch_exit
 from emad.exits.criteria import CRITERIA
 from emad.exits.estimators import ESTIMATORS
 from emad.exits.policies import POLICIES
@@ -48,7 +49,9 @@ class PointConfig(Section):
     ``strata`` picks a stratification of that profile (``strata/<variant>.json`` beside it, written by the smooth
     stage); None uses the profile as given. ``readout`` (``logit`` or ``tuned``) is how probe layers are read out,
     for every criterion, the self drafter's exit layer and the EAD self pair's k; ``tuned`` needs a readouts file
-    (stage ``fit_readouts``) and a profile calibrated through it.
+    (stage ``fit_readouts``) and a profile calibrated through it. ``batch_exit`` (``per-row`` or ``sync``,
+    :mod:`emad.exits.batching`) is when the rows of a batch step leave: each where it may exit, or all together at
+    the first probe where every one may; ``sync`` is for exit criteria (strategies decode rows one at a time).
     """
 
     method: str = "full"
@@ -62,6 +65,7 @@ class PointConfig(Section):
     estimator: str = "exact"
     strata: str | None = None
     readout: str = "logit"
+    batch_exit: str = "per-row"
     layer_thresholds: dict[int, float] | None = None
     alpha: float | None = None
     alpha_rate: float | None = None
@@ -109,6 +113,11 @@ class PointConfig(Section):
     def _readout(cls, v: str) -> str:
         return _one_of("readout", READOUTS.names(), v)
 
+    @field_validator("batch_exit")
+    @classmethod
+    def _batch_exit(cls, v: str) -> str:
+        return _one_of("batch exit", BATCH_EXITS.names(), v)
+
     @field_validator("strata")
     @classmethod
     def _strata(cls, v: str | None) -> str | None:
@@ -117,12 +126,18 @@ class PointConfig(Section):
     @model_validator(mode="after")
     def _options_valid(self) -> PointConfig:
         """Check the options' values now (a params typo costs seconds): the strategy's, the criterion's where it
-        needs no profile, and an estimator built from the point."""
+        needs no profile, the batch exit with the policy, and an estimator built from the point."""
         given = self._given(_init_params(self.method))
         if self.is_strategy:
+            if self.batch_exit != "per-row":
+                raise ValueError(f"batch_exit {self.batch_exit!r} applies to exit criteria, not to method "
+                                 f"{self.method!r}: a strategy decodes its rows one at a time; drop batch_exit or "
+                                 f"pick a criterion ({', '.join(CRITERIA.names())})")
             STRATEGIES.get(self.method).check_options(**given)
-        elif not self.needs_profile:
-            CRITERIA.get(self.method).from_options(**given)
+        else:
+            check_batch_exit(self.batch_exit, self.policy)
+            if not self.needs_profile:
+                CRITERIA.get(self.method).from_options(**given)
         if not ESTIMATORS.get(self.estimator).needs_fit:
             ESTIMATORS.get(self.estimator)(**self._given(_estimator_params(self.estimator)))
         return self
@@ -150,6 +165,8 @@ class PointConfig(Section):
             out["strata"] = self.strata
         if self.readout != "logit":
             out["readout"] = self.readout
+        if self.batch_exit != "per-row":
+            out["batch_exit"] = self.batch_exit
         return out
 
     def _given(self, names: set[str]) -> dict[str, Any]:
@@ -224,7 +241,8 @@ def build_method(point: PointConfig, n_layers: int, fingerprint: dict, profile_p
             raise ValueError(f"profile {chosen} was calibrated through the {profile.readout!r} readout, but the "
                              f"point reads out through {point.readout!r}: calibrate with readout "
                              f"{point.readout!r} (emad calibrate --readout {point.readout}) and use that profile")
-    options = {**point.model_dump(exclude={"method", "policy", "estimator", "strata", "readout"}), "profile": profile}  # Profile object
+    options = {**point.model_dump(exclude={"method", "policy", "estimator", "strata", "readout", "batch_exit"}),
+               "profile": profile}  # Profile object
     criterion = CRITERIA.get(point.method).from_options(**options)
     criterion.validate(n_layers)
     estimator_cls = ESTIMATORS.get(point.estimator)
@@ -238,7 +256,7 @@ def build_method(point: PointConfig, n_layers: int, fingerprint: dict, profile_p
                              "beside the profile, from the fit_estimators stage)")
         estimator = estimator_fit.load(fitted, point.estimator, fingerprint, criterion.probes(n_layers))
     readout = load_readout(point.readout, readouts_path, fingerprint, criterion.probes(n_layers), n_layers)
-    method = Method(criterion, point.policy, estimator, readout)
+    method = Method(criterion, point.policy, estimator, readout, point.batch_exit)
     method.validate(n_layers)
     return method
 

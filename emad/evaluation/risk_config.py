@@ -49,6 +49,7 @@ class RiskConfig(Section):
 
     Attributes:
         domain: the domain whose eval split gives the prompts (it must be sampled).
+        calibration: the calibration source whose profiles the searches read (one of ``calibrate.sources``).
         prompts: held-out prompts for the search (at least the minimum δ and ε need).
         fresh_prompts: further prompts, disjoint from those, on which the chosen value is checked.
         prompt_tokens, new_tokens: prompt length and continuation length in tokens.
@@ -60,6 +61,7 @@ class RiskConfig(Section):
     """
 
     domain: str = "stdlib-prose"
+    calibration: str = "stdlib-prose"
     prompts: int = Field(24, ge=1)
     fresh_prompts: int = Field(24, ge=1)
     prompt_tokens: int = Field(32, ge=1)

@@ -14,16 +14,22 @@ run cache still count. Format ``emad-run`` version 1::
      "calibration": "stdlib-prose" | null,      # profile's calibration source (null: no profile)
      "profile_fingerprint": "<sha256[:16]>" | null,
      "domain": "stdlib-code",
-     "tasks": {"perplexity": {"perplexity": 12.3, ...}, "fidelity": {...}, ...},
+     "tasks": {"perplexity": {"perplexity": 12.3, ...,
+                              "samples": {"perplexity": [[nll, tokens], ...]}},   # per-unit values
+               "fidelity": {...}, ...},
      "quality": {"perplexity": 12.3, "fidelity.token_agreement": 0.97, ...},   # one number per quality metric
-     "cost": {"flops_ratio": 0.8, "bytes_ratio": 0.85, "mean_depth": 24.1, "backfill_share": 0.0,
+     "intervals": {"perplexity": {"lo": 11.8, "hi": 12.9, "n": 11, "method": "bootstrap-bca"}, ...},
+     "cost": {"flops_ratio": 0.8, "step_ratio": 0.9, "bytes_ratio": 0.85, "mean_depth": 24.1, "backfill_share": 0.0,
               "policy_events": 0, "tokens": 4096, "seconds": 40.2, "tokens_per_s": 101.9},
      "depth_histogram": {"3": 10, "30": 4086},  # tokens per exit depth (generated and scored)
      "oracle": {"3": 0.05, ...} | null,         # share of calibration tokens per oracle depth (profile)
      "mlflow_run_id": "<id>" | null}
 
 Quality metrics and their direction live in :data:`QUALITY`: perplexity is lower-better (relative tolerance in
-the verdict), every other metric higher-better in [0, 1] (absolute tolerance, in points = 0.01).
+the verdict), every other metric higher-better in [0, 1] (absolute tolerance, in points = 0.01). Each carries its
+95% interval and sample size in ``intervals`` (:mod:`emad.evaluation.intervals`: lo/hi null when undefined), from
+the per-unit ``samples`` its task returned; the samples stay in the run file so that the verdict can pair a point
+with the full-depth run unit by unit. Run files without samples (older ones) read as undefined intervals.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from emad.evaluation.intervals import metric_interval
 from emad.io import atomic_write_json, read_json
 
 FORMAT, VERSION = "emad-run", 1
@@ -56,6 +63,36 @@ def quality_of(tasks: dict[str, dict]) -> dict[str, float]:
     """The quality metrics (see :data:`QUALITY`) present in a run's task results."""
     return {name: float(tasks[task][key]) for name, (task, key, _) in QUALITY.items()
             if task in tasks and key in tasks[task]}
+
+
+def samples_of(tasks: dict[str, dict], metric: str) -> tuple[str, list] | None:
+    """``(key, per-unit samples)`` of a quality metric (:data:`QUALITY`) in a run's task results; None when its
+    task kept none or the metric is not in :data:`QUALITY`."""
+    if metric not in QUALITY:
+        return None
+    task, key, _ = QUALITY[metric]
+    samples = tasks.get(task, {}).get("samples", {}).get(key)
+    return None if samples is None else (key, samples)
+
+
+def intervals_of(tasks: dict[str, dict]) -> dict[str, dict[str, Any]]:
+    """``{metric: {"lo", "hi", "n", "method"}}`` for every quality metric present (see :func:`quality_of`): the
+    95% interval of its per-unit samples; undefined (lo/hi None, n None) when the task returned none."""
+    out = {}
+    for name in quality_of(tasks):
+        found = samples_of(tasks, name)
+        if found is None:
+            out[name] = {"lo": None, "hi": None, "n": None, "method": "undefined: no per-unit samples"}
+        else:
+            iv = metric_interval(*found).to_dict()
+            out[name] = {k: iv[k] for k in ("lo", "hi", "n", "method")}
+    return out
+
+
+def interval_metrics(intervals: dict[str, dict[str, Any]], prefix: str = "") -> dict[str, float]:
+    """MLflow metrics beside each value: ``<prefix><metric>.lo`` / ``.hi`` / ``.n`` (undefined bounds left out)."""
+    return {f"{prefix}{name}.{part}": float(iv[part]) for name, iv in intervals.items()
+            for part in ("lo", "hi", "n") if iv.get(part) is not None}
 
 
 def run_id(model: str, point: str, domain: str, calibration: str | None) -> str:

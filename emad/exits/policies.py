@@ -35,9 +35,16 @@ class PolicyCost:
 
 
 class Policy:
-    """Base class: no limit on depth, nothing done for skipped layers."""
+    """Base class: no limit on depth, nothing done for skipped layers.
+
+    Attributes:
+        syncs: True when rows that ran the same depths get the same depth cap, so the ``sync`` batch exit
+            (:mod:`emad.exits.batching`) can stop every row of a step at one layer without carrying a row past its
+            cap. Every policy here does; a policy whose caps depend on more than a row's depths sets it False.
+    """
 
     name: ClassVar[str]
+    syncs: ClassVar[bool] = True
 
     def __init__(self, batch_size: int, n_layers: int, prefill_depth: int, cost_model):
         self.n_layers, self.cost_model = n_layers, cost_model

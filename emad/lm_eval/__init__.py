@@ -9,6 +9,10 @@ defaults to ``cuda:0`` where CUDA is available and ``cpu`` elsewhere (lm-eval's 
         profile=data/profiles/smollm2-135m/stdlib-prose/profile.json \\
         --tasks emad_stdlib_lastword,emad_gsm8k --limit 20 --output_path reports/lm_eval
 
+At ``method=full`` the ``emad`` model reproduces ``--model hf`` on the same task; ``rolling_window=N`` (and
+``rolling_prefix``) switches rolling log-likelihood to EMAD's perplexity windows (see :mod:`emad.lm_eval.model`).
+``--help`` lists the model's model_args.
+
 From Python: importing this module registers the model; :func:`task_manager` gives ``lm_eval.simple_evaluate``
 a task manager that knows the tasks.
 """
@@ -27,6 +31,20 @@ from emad.lm_eval.model import ModelArgsError  # importing it registers the mode
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 PROG = "python -m emad.lm_eval"
+MODEL_HELP = """\
+the emad model (the default --model; lm-eval's own models work too):
+  --model_args model=<embedded alias | folder | hub id>,method=<full | emad | fixed | confidence | ...>
+      [,profile=<profile.json>,margin=...,policy=...,estimator=...,readout=logit|tuned,readouts=<file>]
+  At method=full it reproduces --model hf on the same task: the tokenizer's own BOS handling
+  (add_bos_token=True|False forces it), max_length from the model's config (max_length=N), rolling
+  log-likelihood over max_length-token windows, lm-eval's generation options.
+  rolling_window=N[,rolling_prefix=P]: EMAD perplexity windows instead: N tokens each, the first P
+  (default N // 4) context prefilled at full depth, as the pipeline's perplexity task (window/prefix);
+  their scores are not comparable with --model hf.
+  Also: device, dtype, batch_size (generation rows per batch), seed (sampling), estimators, and the
+  strategies' options (method=ead,small_layers=..,tau=..; method=speculative,exit_layer=..).
+
+"""
 
 
 def default_device() -> str:
@@ -87,6 +105,17 @@ def _share_lm_eval_logging() -> None:
             ours.addHandler(handler)
 
 
+def _describe_model(cli) -> None:
+    """Our program name, and the emad model's model_args at the head of the help of lm-eval's CLI and ``run``."""
+    parsers = [getattr(cli, "_parser", None), *getattr(getattr(cli, "_subparsers", None), "choices", {}).values()]
+    for parser in parsers:
+        if parser is not None:
+            parser.prog = parser.prog.replace("lm-eval", PROG, 1)
+            parser.usage = parser.usage and parser.usage.replace("lm-eval", PROG, 1)
+            if parser.prog in (PROG, f"{PROG} run"):
+                parser.epilog = MODEL_HELP + (parser.epilog or "")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse lm-eval arguments, apply our defaults and run lm-eval; returns the exit status."""
     from lm_eval._cli import HarnessCLI
@@ -95,6 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging()
     _share_lm_eval_logging()
     cli = HarnessCLI()
+    _describe_model(cli)
     saved, sys.argv = sys.argv, [PROG, *(sys.argv[1:] if argv is None else argv)]
     try:
         args = cli.parse_args()  # reads sys.argv (it inserts the implied "run")

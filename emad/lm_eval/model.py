@@ -4,23 +4,42 @@
 full depth, the continuation with generation semantics: the depths the generator would choose);
 ``generate_until`` runs :func:`~emad.decode.generate`. Importing this module registers the model as ``emad``.
 
-Rolling log-likelihood uses the perplexity windows of DESIGN §4 rather than the model's whole context: windows
-of ``rolling_window`` tokens (default 256) whose first ``rolling_prefix`` tokens (default a quarter of the
-window; in the first window, the prefix token) are context, so every token is scored exactly once. Under the
-monotone policy one early exit caps every later token of its window, so the window length matters for adaptive
-methods: keep it equal across the methods compared.
+At full depth (``method=full``) it reproduces lm-eval's own ``--model hf`` by default: requests are tokenized,
+truncated and windowed as ``HFLM`` does (:mod:`emad.lm_eval.tokens`): the tokenizer's own BOS handling,
+``max_length`` resolved from the model's config as lm-eval resolves it, rolling log-likelihood over windows of
+``max_length`` tokens, the EOS string added to the stop strings and lm-eval's generation options
+(``max_gen_toks`` 256 and its aliases; ``do_sample`` implied by a temperature > 0). What still differs, and why:
+
+- log-probabilities are computed in fp32 (DESIGN §3), ``HFLM`` in the model's dtype unless given
+  ``softmax_dtype=float32``; equal in fp32, close in bf16.
+- generation is greedy, or samples with ``temperature`` and ``top_p`` only: other options, and sampling settings
+  in the model's ``generation_config``, are not applied (a warning names ignored options); sampled text follows
+  another random stream than HF's.
+- batched generation: rows never affect each other (each with its own positions), so results do not depend on
+  ``batch_size`` (under ``batch_exit=sync`` a step's rows stop together, so they do); an empty generation
+  context is the prefix token (BOS, else EOS).
+- where ``max_length`` is the model's whole context, a truncated request keeps one context token fewer (see
+  :mod:`emad.lm_eval.tokens`).
+
+EMAD's perplexity windows (DESIGN §4) are an explicit model_arg: ``rolling_window=N`` scores each text in windows
+of N tokens whose first ``rolling_prefix`` tokens (default N // 4; in the first window, the prefix token) are
+context prefilled at full depth, as the pipeline's perplexity task (``window``/``prefix``). Under the monotone
+policy one early exit caps every later token of its window, so the window length matters for adaptive methods:
+keep it equal across the methods compared. Their scores are not comparable with ``--model hf``.
 
     lm_eval.simple_evaluate(model="emad", model_args="model=smollm2-135m,method=emad,"
                             "profile=data/profiles/smollm2-135m/stdlib-prose/profile.json,margin=0.2", tasks=[...])
 
 model_args: ``model`` (alias ``pretrained``; embedded alias, local folder or hub id), the operating point
 (``method``, ``depth``, ``threshold``, ``probe_every``, ``margin``, ``min_exit_layer``, ``policy``,
-``estimator``, ``readout``; see :class:`~emad.evaluation.operating_point.PointConfig`), ``profile`` (profile.json),
+``estimator``, ``readout``, ``batch_exit``; see :class:`~emad.evaluation.operating_point.PointConfig`), ``profile``
+(profile.json),
 ``estimators`` (fitted estimators; default beside the profile), ``readouts`` (readouts.safetensors, for
-``readout=tuned``), ``device``, ``dtype``, ``batch_size`` (generation rows per
-batch), ``max_length`` (context in tokens; default the model's), ``rolling_window`` and ``rolling_prefix`` (see
-above), ``add_bos_token`` (default: Gemma only) and ``seed`` (sampling). ``max_batch_size`` and
-``trust_remote_code``, which lm-eval may pass, are accepted and ignored.
+``readout=tuned``), ``device``, ``dtype``, ``batch_size`` (generation rows per batch), ``max_length`` (context in
+tokens; default as lm-eval's ``hf``: the config's ``n_positions``, ``max_position_embeddings`` or ``n_ctx``, else
+the tokenizer's ``model_max_length``, else 2048), ``rolling_window`` and ``rolling_prefix`` (EMAD windows, above;
+default lm-eval's), ``add_bos_token`` (default: the tokenizer's own; True or False forces it, as for ``hf``) and
+``seed`` (sampling). ``max_batch_size`` and ``trust_remote_code``, which lm-eval may pass, are accepted and ignored.
 """
 
 from __future__ import annotations
@@ -33,21 +52,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import lm_eval.models  # noqa: F401  (the built-in models first: an empty registry is filled on first lookup)
-from lm_eval import utils as lm_utils
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
+from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, resolve_max_length
 from tqdm import tqdm
 
-from emad.decode import ContextLengthError, Sampling, generate, score_adaptive
+from emad.decode import Sampling, generate, score_adaptive
 from emad.engine.stack import LayerStack
 from emad.evaluation.operating_point import PointConfig, build_method, model_loader, point_from_options
+from emad.lm_eval.tokens import RequestEncoder, RollingWindows
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_LENGTH = 2048  # for models whose config states no context length
-DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's default
-DEFAULT_ROLLING_WINDOW = 256  # as the perplexity task of params.yaml (window 256, prefix 64)
-GENERATION_OPTIONS = ("until", "max_gen_toks", "max_new_tokens", "do_sample", "temperature", "top_p")
+DEFAULT_MAX_LENGTH = 2048  # lm-eval's HFLM default, for models whose config and tokenizer state no context length
+DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's HFLM default
+GENERATION_OPTIONS = ("until", "max_gen_toks", "do_sample", "temperature", "top_p")  # after normalize_gen_kwargs
 OWN_ARGS = ("model", "pretrained", "profile", "estimators", "readouts", "device", "dtype", "batch_size", "max_length",
             "rolling_window", "rolling_prefix", "add_bos_token", "seed")  # model_args besides the operating point's
 
@@ -123,6 +142,7 @@ class EmadLM(LM):
                                  f"valid: {', '.join(valid)}")
         point = _point(point_options)
         _check_profile(point, profile)
+        _check_token_args(max_length, rolling_window, rolling_prefix, add_bos_token)
         self.batch_size = _batch_size(batch_size)
         self.seed = int(seed)
         self.loaded = _load(spec, device or "auto", dtype)
@@ -135,51 +155,41 @@ class EmadLM(LM):
         except (ValueError, FileNotFoundError) as err:
             raise ModelArgsError(f"emad model_args: {err}") from None
         self._device = self.loaded.device
-        self._max_length = _max_length(max_length, self.stack)
-        self.rolling_window, self.rolling_prefix = _rolling(rolling_window, rolling_prefix, self._max_length)
-        model_type = self.loaded.fingerprint.model_type
-        self.add_bos_token = model_type.startswith("gemma") if add_bos_token is None else bool(add_bos_token)
+        self.encoder = _encoder(self.tokenizer, self.stack, self.loaded.model.config, max_length, rolling_window,
+                                rolling_prefix, add_bos_token)
         self.costs: dict[str, CostTally] = defaultdict(CostTally)
-        log.info("emad: %s, method %s, %d layers, max_length %d", spec, json.dumps(self.method.describe()),
-                 self.stack.n_layers, self._max_length)
+        log.info("emad: %s, method %s, %d layers, max_length %d, rolling windows: %s", spec,
+                 json.dumps(self.method.describe()), self.stack.n_layers, self.max_length,
+                 self.encoder.rolling.describe())
 
     # --- tokens ----------------------------------------------------------------------------------------------
 
     @property
     def max_length(self) -> int:
-        """Tokens of context (prompt + continuation) a request may use."""
-        return self._max_length
+        """Tokens of context the model reads for a request."""
+        return self.encoder.max_length
+
+    @property
+    def add_bos_token(self) -> bool | None:
+        """None: the tokenizer's own special tokens; True or False: forced (lm-eval's ``add_bos_token``)."""
+        return self.encoder.add_bos_token
 
     @property
     def prefix_token_id(self) -> int:
         """The token that conditions an empty context (BOS, else EOS)."""
-        for token in (self.tokenizer.bos_token_id, self.tokenizer.eos_token_id):
-            if token is not None:
-                return token
-        raise ValueError("the tokenizer has neither a BOS nor an EOS token to condition an empty context on")
+        return self.encoder.prefix_token_id
 
-    def tok_encode(self, text: str, special: bool | None = None) -> list[int]:
-        """Token ids of ``text``; special tokens (BOS) only where ``add_bos_token`` (or ``special``) asks."""
-        special = self.add_bos_token if special is None else special
-        return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
+    def tok_encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
+        """Token ids of ``text`` as lm-eval's ``hf`` model encodes it (see :mod:`emad.lm_eval.tokens`)."""
+        return self.encoder.encode(text, add_special_tokens)
 
     def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
-        """Prompt and continuation ids as lm-eval's HF model splits them: trailing spaces of the context move to
-        the continuation, the continuation is what encoding the whole adds to the context's ids."""
-        if not context:
-            return [self.prefix_token_id], self.tok_encode(continuation, special=False)
-        spaces = len(context) - len(context.rstrip())
-        if spaces:
-            context, continuation = context[:-spaces], context[-spaces:] + continuation
-        whole, prompt = self.tok_encode(context + continuation), self.tok_encode(context)
-        return prompt, whole[len(prompt):]
+        """Prompt and continuation ids as lm-eval's ``hf`` model splits them."""
+        return self.encoder.encode_pair(context, continuation)
 
-    def _fit(self, prompt: list[int], continuation: list[int]) -> list[int]:
-        """The prompt, cut on the left so that prompt + continuation fit ``max_length`` tokens."""
-        if len(continuation) >= self.max_length:
-            raise ContextLengthError(f"a continuation of {len(continuation)} tokens leaves no room for its context "
-                                     f"within max_length {self.max_length}")
-        return prompt[-(self.max_length - len(continuation)):]
+    def rolling_windows(self, text: str) -> Iterator[tuple[list[int], list[int]]]:
+        """(prompt, continuation) pairs of ``loglikelihood_rolling``: every token of ``text`` scored once."""
+        return self.encoder.rolling_windows(text)
 
     # --- lm-eval requests ------------------------------------------------------------------------------------
 
@@ -217,7 +227,7 @@ class EmadLM(LM):
         bar = tqdm(total=len(requests), desc="emad generate_until", disable=disable_tqdm)
         for indices in groups.values():
             until, max_new, sampling = self.generation_settings(requests[indices[0]].args[1])
-            prompts = {i: self._generation_prompt(requests[i].args[0], max_new) for i in indices}
+            prompts = {i: self.encoder.generation_prompt(requests[i].args[0], max_new) for i in indices}
             order = sorted(indices, key=lambda i: -len(prompts[i]))  # similar lengths share a batch: less padding
             for start in range(0, len(order), self.batch_size):
                 batch = order[start:start + self.batch_size]
@@ -234,38 +244,22 @@ class EmadLM(LM):
 
     # --- helpers -----------------------------------------------------------------------------------------------
 
-    def rolling_windows(self, text: str) -> Iterator[tuple[list[int], list[int]]]:
-        """(prompt, continuation) pairs of at most ``rolling_window`` tokens that score every token of ``text``
-        once; prompts are the prefix token (first window) or the ``rolling_prefix`` tokens before the window."""
-        windows = lm_utils.get_rolling_token_windows(
-            token_list=self.tok_encode(text, special=False), prefix_token=self.prefix_token_id,
-            max_seq_len=self.rolling_window - 1, context_len=self.rolling_prefix)  # pairs span max_seq_len + 1
-        return map(lm_utils.make_disjoint_window, windows)
-
     def generation_settings(self, gen_kwargs: dict) -> tuple[list[str], int, Sampling]:
-        """Stop strings, token budget and sampling of lm-eval generation options (unsupported ones are ignored
-        with a warning)."""
-        kwargs = dict(gen_kwargs or {})
+        """Stop strings (the EOS string added), token budget and sampling of lm-eval generation options,
+        normalized as lm-eval's ``hf`` model does (unsupported options are ignored with a warning)."""
+        kwargs = dict(normalize_gen_kwargs(dict(gen_kwargs or {}), DEFAULT_MAX_GEN_TOKS))
         ignored = sorted(set(kwargs) - set(GENERATION_OPTIONS))
         if ignored:
             log.warning("emad: ignoring unsupported generation option(s) %s", ", ".join(ignored))
-        until = kwargs.get("until") or []
-        until = [until] if isinstance(until, str) else list(until)
-        max_new = int(kwargs.get("max_gen_toks", kwargs.get("max_new_tokens", DEFAULT_MAX_GEN_TOKS)))
-        do_sample = bool(kwargs.get("do_sample", False))
-        temperature = 1.0 if kwargs.get("temperature") is None else float(kwargs["temperature"])
+        eos = self.tokenizer.eos_token_id
+        eos_text = None if eos is None else self.tokenizer.decode(eos, skip_special_tokens=False)
+        until = handle_stop_sequences(kwargs["until"], eos=eos_text)
+        do_sample, temperature = bool(kwargs["do_sample"]), float(kwargs.get("temperature") or 0.0)
         if do_sample and temperature <= 0:
             raise ValueError(f"do_sample needs a temperature > 0, got {temperature}")
         sampling = Sampling(do_sample=do_sample, temperature=temperature if do_sample else 1.0,
                             top_p=float(kwargs.get("top_p", 1.0) or 1.0), seed=self.seed)
-        return until, max_new, sampling
-
-    def _generation_prompt(self, context: str, max_new: int) -> list[int]:
-        if max_new >= self.max_length:
-            raise ContextLengthError(f"max_gen_toks {max_new} leaves no room for a prompt within max_length "
-                                     f"{self.max_length}")
-        prompt = self.tok_encode(context) if context else [self.prefix_token_id]
-        return prompt[-(self.max_length - max_new):]
+        return until, int(kwargs["max_gen_toks"]), sampling
 
     def score_tokens(self, prompt: list[int], continuation: list[int], kind: str = "loglikelihood",
                      greedy: bool = True) -> tuple[float, bool]:
@@ -273,7 +267,7 @@ class EmadLM(LM):
         ``max_length``; costs are tallied under ``kind``; ``greedy=False`` skips the greedy check (False)."""
         if not continuation:
             return 0.0, True
-        prompt = self._fit(prompt, continuation)
+        prompt = self.encoder.fit(prompt, continuation)
         scored = score_adaptive(self.stack, prompt, continuation, self.method)
         self.costs[kind].add(scored.depths, scored.flops, scored.full_flops)
         return sum(scored.logprobs), (all(scored.greedy) if greedy else False)
@@ -312,25 +306,44 @@ def _load(spec: str, device: str, dtype: str):
         raise ModelArgsError(f"emad model_args: {err}") from None
 
 
-def _max_length(value: int | None, stack: LayerStack) -> int:
-    limit = stack.max_positions or DEFAULT_MAX_LENGTH
+def _encoder(tokenizer, stack: LayerStack, config, max_length: int | None, rolling_window: int | None,
+             rolling_prefix: int | None, add_bos_token: bool | None) -> RequestEncoder:
+    """The request encoder of the model_args, as lm-eval's ``hf`` model would encode (errors name the argument)."""
+    length = _max_length(max_length, stack, resolve_max_length(config, tokenizer, default=DEFAULT_MAX_LENGTH))
+    try:
+        rolling = RollingWindows.from_args(rolling_window, rolling_prefix, length)
+    except ValueError as err:
+        raise ModelArgsError(f"emad model_args: {err}") from None
+    if add_bos_token is not None:
+        try:
+            tokenizer.add_bos_token = add_bos_token  # as HFLM passes it to the tokenizer it loads
+        except ValueError as err:  # e.g. add_bos_token=True with no BOS token
+            raise ModelArgsError(f"emad model_args: add_bos_token={add_bos_token}: {err}") from None
+    prefix = next((t for t in (tokenizer.bos_token_id, tokenizer.eos_token_id) if t is not None), None)
+    if prefix is None:
+        raise ModelArgsError("emad model_args: the tokenizer has neither a BOS nor an EOS token to condition an "
+                             "empty context on")
+    room = length + 1  # context + continuation: the last continuation token is never read (see tokens.py)
+    return RequestEncoder(tokenizer, add_bos_token, prefix, length, room, rolling)
+
+
+def _check_token_args(max_length: Any, rolling_window: Any, rolling_prefix: Any, add_bos_token: Any) -> None:
+    """What can be checked of the tokenization model_args before the model is loaded."""
+    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2):
+        raise ModelArgsError(f"emad model_args: max_length must be an integer >= 2, got {max_length!r}")
+    if add_bos_token is not None and not isinstance(add_bos_token, bool):
+        raise ModelArgsError(f"emad model_args: add_bos_token must be True or False, got {add_bos_token!r}")
+    try:
+        RollingWindows.from_args(rolling_window, rolling_prefix, max_length)
+    except ValueError as err:
+        raise ModelArgsError(f"emad model_args: {err}") from None
+
+
+def _max_length(value: int | None, stack: LayerStack, resolved: int) -> int:
+    """``max_length``: the given one (at most the model's context), else lm-eval's resolution of the config."""
+    limit = stack.max_positions or resolved
     if value is None:
-        return limit
+        return min(resolved, limit)
     if isinstance(value, bool) or not isinstance(value, int) or not 2 <= value <= limit:
         raise ModelArgsError(f"emad model_args: max_length must be an integer in 2..{limit}, got {value!r}")
     return value
-
-
-def _rolling(window: int | None, prefix: int | None, max_length: int) -> tuple[int, int]:
-    """Rolling window and prefix; defaults: 256 tokens (at most ``max_length``) and a quarter of the window."""
-    window = min(DEFAULT_ROLLING_WINDOW, max_length) if window is None else window
-    prefix = max(window // 4, 1) if prefix is None and isinstance(window, int) else prefix
-    for name, value in (("rolling_window", window), ("rolling_prefix", prefix)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ModelArgsError(f"emad model_args: {name} must be an integer, got {value!r}")
-    if not 2 <= window <= max_length:
-        raise ModelArgsError(f"emad model_args: rolling_window must be in 2..{max_length} (max_length), got {window}")
-    if not 1 <= prefix < window:
-        raise ModelArgsError(f"emad model_args: rolling_prefix must be in 1..{window - 1} (below rolling_window), "
-                             f"got {prefix}")
-    return window, prefix

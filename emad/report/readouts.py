@@ -26,7 +26,7 @@ def layer_table(fit: Mapping[str, Any]) -> str:
 
 
 def _closest(v: ModelVerdict) -> str:
-    """C1's deciding point: the passing point with the largest reduction, else the one closest to passing."""
+    """C1's deciding point (:class:`~emad.report.verdict.C1Result`) with its reduction and its least certain check."""
     p = v.c1.deciding
     if p is None:
         return "–"
@@ -43,8 +43,7 @@ def frontier_shift(family_verdicts: Mapping[str, Mapping[str, ModelVerdict]]) ->
             tuned = family_verdicts[family + TUNED].get(model)
             if tuned is None:
                 continue
-            rows.append([family, model, "yes" if logit.c1.passed else "no", _closest(logit),
-                         "yes" if tuned.c1.passed else "no", _closest(tuned)])
+            rows.append([family, model, logit.c1.outcome, _closest(logit), tuned.c1.outcome, _closest(tuned)])
     if not rows:
         return "No family ran under both readouts."
     return markdown_table(["family", "model", "C1 (logit)", "deciding point (logit)", "C1 (tuned)",

@@ -13,43 +13,86 @@ from typing import Any
 
 from emad.report.pareto import FULL, baselines, point_label, speedup
 from emad.report.readouts import readouts_markdown
-from emad.report.tables import ablation_markdown, domain_shift_markdown, fmt, markdown_table, risk_markdown
-from emad.report.verdict import ModelVerdict
+from emad.report.tables import (
+    ablation_markdown,
+    domain_shift_markdown,
+    fmt,
+    fmt_quality,
+    markdown_table,
+    risk_markdown,
+)
+from emad.report.verdict import ModelVerdict, PointAssessment
 
 REPRODUCE = ("`dvc repro` rebuilds every stage from params.yaml (only what changed reruns); `make mlflow` opens "
              "the MLflow UI on the logged runs; `dvc metrics show` and `dvc plots show` read reports/metrics.json "
              "and reports/pareto/.")
 
 
-def _yes(ok: bool) -> str:
-    return "pass" if ok else "fail"
+UNCERTAINTY_RULE = (
+    "Each check compares a point with full depth on the same units (perplexity windows, prompts, problems, items): "
+    "the change's 95% interval is a paired bootstrap (BCa) over those units, or exact (Clopper–Pearson on the "
+    "units where the two runs disagree) for accuracies. A check is *met* when the whole interval lies within the "
+    "tolerance, *violated* when it lies wholly beyond, *unresolved* when it straddles the tolerance or is n/a "
+    "(fewer than 2 units, or units without variation). C1 passes when some point with the required reduction has "
+    "every check met; it is falsified only when no such point is met or unresolved; otherwise it is unresolved at "
+    "this sample size. C2 likewise: it passes when a point with every check met reaches the speed gain, is "
+    "falsified when no met-or-unresolved point reaches it, and is unresolved otherwise. The literal reading counts "
+    "the points with a violated check.")
 
 
 def _point_rows(v: ModelVerdict) -> list[list[str]]:
     rows = []
     for p in sorted(v.points, key=lambda p: (-p.reduction, p.label)):
         worst = p.worst
-        rows.append([p.label, p.family, fmt(p.reduction, ".1%"), fmt(p.speedup, ".2f"),
-                     "yes" if p.within_tolerance else "no", worst.describe() if worst else "–"])
+        counts = ", ".join(f"{sum(c.state == s for c in p.checks)} {s}" for s in ("met", "unresolved", "violated"))
+        rows.append([p.label, p.family, fmt(p.reduction, ".1%"), fmt(p.speedup, ".2f"), p.state, counts,
+                     worst.describe() if worst else "–"])
     return rows
 
 
+def _change_text(c) -> str:
+    if c.value is None:
+        return "missing"
+    return f"{c.change:+.2%}" if c.relative else f"{100 * (c.value - c.full):+.2f} pt"
+
+
+def _check_rows(p: PointAssessment) -> list[list[str]]:
+    return [[c.domain, c.metric, fmt(c.full, ".4g"), fmt(c.value, ".4g"), _change_text(c),
+             c.interval_text().removeprefix("95% CI "),
+             f"+{c.tolerance:.0%}" if c.relative else f"−{100 * c.tolerance:g} pt", c.state] for c in p.checks]
+
+
+def deciding_checks_markdown(v: ModelVerdict) -> str:
+    """Every check of the points that decide C1 and C2: change, its 95% interval and n, tolerance, state."""
+    deciding: dict[str, tuple[list[str], PointAssessment]] = {}
+    for name, p in (("C1", v.c1.deciding), ("C2", v.c2.deciding)):
+        if p is not None and p.checks:
+            deciding.setdefault(p.label, ([], p))[0].append(name)
+    header = ["domain", "metric", "full", "point", "change", "95% CI, n", "tolerance", "state"]
+    return "\n\n".join(f"Checks of {p.label} (deciding {' and '.join(names)}; {p.state}):\n\n"
+                       + markdown_table(header, _check_rows(p)) for names, p in deciding.values())
+
+
 def verdict_markdown(verdicts: Mapping[str, ModelVerdict]) -> str:
-    """Per model: C1, the literal reading, C2 (deciding points named), and the table of complete points."""
+    """Per model: C1, the literal reading, C2 (deciding points named), the table of complete points with their
+    states, and every check of the deciding points (how states are read: :data:`UNCERTAINTY_RULE`)."""
     out = []
     for model, v in verdicts.items():
         t = v.thresholds
         lines = [f"### {model} — method: {'/'.join(v.methods)}", "",
-                 f"- **C1 {_yes(v.c1.passed)}.** {v.c1.sentence()}",
+                 f"- **C1 {v.c1.outcome}.** {v.c1.sentence()}",
                  f"- {v.c1.literal_sentence(t.min_flops_reduction)}",
-                 f"- **C2 {_yes(v.c2.passed)}.** {v.c2.sentence()}",
+                 f"- **C2 {v.c2.outcome}.** {v.c2.sentence()}",
                  f"- Domains: {', '.join(v.domains)}. Tolerances: perplexity +{t.ppl_rel_tol:.0%} relative, other "
                  f"metrics −{100 * t.acc_abs_tol:g} point absolute; FLOPs token-weighted over domains."]
         if v.incomplete:
             lines.append(f"- Not on every domain (left out): {', '.join(v.incomplete)}.")
         if v.points:
-            lines += ["", markdown_table(["point", "family", "FLOPs reduction", "speed-up", "within tolerance",
+            lines += ["", markdown_table(["point", "family", "FLOPs reduction", "speed-up", "state", "checks",
                                           "worst check"], _point_rows(v))]
+        checks = deciding_checks_markdown(v)
+        if checks:
+            lines += ["", checks]
         out.append("\n".join(lines))
     return "\n\n".join(out) if out else "_No verdict._"
 
@@ -59,8 +102,8 @@ def baselines_markdown(family_verdicts: Mapping[str, Mapping[str, ModelVerdict]]
     rows = []
     for family, per_model in family_verdicts.items():
         for model, v in per_model.items():
-            rows.append([family, model, _yes(v.c1.passed), v.c1.deciding.label if v.c1.deciding else "–",
-                         _yes(v.c2.passed), v.c2.deciding.label if v.c2.deciding else "–",
+            rows.append([family, model, v.c1.outcome, v.c1.deciding.label if v.c1.deciding else "–",
+                         v.c2.outcome, v.c2.deciding.label if v.c2.deciding else "–",
                          fmt(v.c2.deciding.speedup if v.c2.deciding else None, ".2f")])
     if not rows:
         return "_No families to compare._"
@@ -73,7 +116,7 @@ def _result_order(run: dict) -> tuple:
 
 
 def results_markdown(runs: Sequence[dict[str, Any]]) -> str:
-    """One table per model × domain: every run's quality metrics and costs."""
+    """One table per model × domain: every run's quality metrics (value, 95% interval, n) and costs."""
     base = baselines(runs)
     out = []
     for model, domain in sorted({(r["model"], r["domain"]) for r in runs}):
@@ -82,7 +125,8 @@ def results_markdown(runs: Sequence[dict[str, Any]]) -> str:
         rows = []
         for r in mine:
             c = r.get("cost", {})
-            rows.append([point_label(r), r.get("family", "")] + [fmt(r.get("quality", {}).get(m)) for m in metrics]
+            rows.append([point_label(r), r.get("family", "")]
+                        + [fmt_quality(r.get("quality", {}).get(m), r.get("intervals", {}).get(m)) for m in metrics]
                         + [fmt(c.get("flops_ratio")), fmt(c.get("bytes_ratio")),
                            fmt(speedup(r, base.get((model, domain))), ".2f"), fmt(c.get("mean_depth"), ".1f")])
         header = ["point", "family"] + metrics + ["FLOPs ratio", "bytes ratio", "speed-up", "mean depth"]
@@ -129,7 +173,8 @@ def report_markdown(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, Model
         relative_to: folder of the report; figure links are made relative to it.
         readout_fits: ``{"model/source": metrics.json of fit_readouts}`` for the "Readouts" section.
     """
-    parts = ["# EMAD report", "## Verdict (DESIGN.md §4)", verdict_markdown(verdicts)]
+    parts = ["# EMAD report", "## Verdict (DESIGN.md §4)", f"Uncertainty. {UNCERTAINTY_RULE}",
+             verdict_markdown(verdicts)]
     if family_verdicts:
         parts += ["## Every family against the same criteria", baselines_markdown(family_verdicts)]
     parts += ["## Results per model and domain",
@@ -153,9 +198,11 @@ def _clean(d: dict[str, Any]) -> dict[str, Any]:
 
 def _run_metrics(run: dict[str, Any], base: dict | None) -> dict[str, Any]:
     c = run.get("cost", {})
+    bounds = {f"{m}.{part}": iv.get(part) for m, iv in sorted(run.get("intervals", {}).items())
+              for part in ("lo", "hi", "n")}
     return _clean({"flops_ratio": c.get("flops_ratio"), "bytes_ratio": c.get("bytes_ratio"),
                    "speedup": speedup(run, base), "mean_depth": c.get("mean_depth"),
-                   **dict(sorted(run.get("quality", {}).items()))})
+                   **dict(sorted(run.get("quality", {}).items())), **bounds})
 
 
 def _best(v: ModelVerdict) -> dict[str, Any]:
@@ -167,9 +214,11 @@ def _best(v: ModelVerdict) -> dict[str, Any]:
 def metrics_summary(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, ModelVerdict]) -> dict[str, Any]:
     """reports/metrics.json: ``{model: {verdict, best, runs: {point: {domain: metrics}}}}``, no nulls.
 
-    ``verdict``: ``c1``, ``c2`` (True = passes, not falsified) and ``c1_literal`` (the literal reading);
-    ``best``: the deciding points with the FLOPs reduction (C1) and speed-up (C2); ``runs``: FLOPs and bytes
-    ratios, speed-up, mean depth and quality metrics per operating point and domain.
+    ``verdict``: ``c1``, ``c2`` (True = passes), their outcomes ``c1_outcome``, ``c2_outcome`` (``pass``,
+    ``fail`` = falsified, ``unresolved`` at this sample size) and ``c1_literal`` (the literal reading); ``best``:
+    the deciding points with the FLOPs reduction (C1) and speed-up (C2); ``runs``: FLOPs and bytes ratios,
+    speed-up, mean depth and quality metrics per operating point and domain, each metric with its 95% interval
+    and sample size (``<metric>.lo``, ``.hi``, ``.n``; left out when undefined).
     """
     base = baselines(runs)
     out: dict[str, Any] = {}
@@ -180,7 +229,8 @@ def metrics_summary(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, Model
         entry: dict[str, Any] = {}
         if model in verdicts:
             v = verdicts[model]
-            entry["verdict"] = {"c1": v.c1.passed, "c2": v.c2.passed, "c1_literal": v.c1.literal}
+            entry["verdict"] = {"c1": v.c1.passed, "c2": v.c2.passed, "c1_outcome": v.c1.outcome,
+                                "c2_outcome": v.c2.outcome, "c1_literal": v.c1.literal}
             entry["best"] = _best(v)
         entry["runs"] = dict(sorted(per_point.items()))
         out[model] = entry

@@ -3,14 +3,15 @@
 Domain-shift table — for the runs that use a profile (``calibration`` set): one row per calibration source, one
 column per evaluation domain, per model and point. A cell holds the savings ``1 − flops_ratio``, the quality
 metrics, their change against the full-depth run of that domain (``vs_full``: relative for lower-better metrics
-such as perplexity, absolute for the others, as in the verdict) and, when the model × point has an in-domain run
+such as perplexity, absolute for the others, as in the verdict; ``vs_full_ci``: its paired 95% interval
+``[lo, hi]``, None when undefined) and, when the model × point has an in-domain run
 on that domain (calibration source == domain), the change against it (``vs_in_domain``: savings as a plain
 difference, this cell minus the in-domain cell; metrics relative / absolute as in ``vs_full``).
 
 Ablation tables — the runs of the default operating point and every run whose ``factors`` differ from the
 default's in exactly one key (same model, domain and calibration source). One table per varied factor; its rows
-are the default plus each variant, each with the factor value, quality metrics, ``flops_ratio``, ``speedup`` and
-``backfill_share``.
+are the default plus each variant, each with the factor value, quality metrics (and their ``intervals``),
+``flops_ratio``, ``speedup`` and ``backfill_share``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from emad.report.checks import change_of
 from emad.report.pareto import baselines, higher_is_better, speedup
 
 _MISSING = object()
@@ -32,6 +34,14 @@ def quality_change(metric: str, value: float | None, ref: float | None) -> float
     return value / ref - 1.0 if ref else None
 
 
+def _vs_full_ci(metric: str, run: dict, base: dict | None) -> list[float] | None:
+    """The paired 95% interval of the change vs full depth, signed as :func:`quality_change` (None: undefined)."""
+    iv = change_of(metric, run, base) if base is not None and metric in base.get("quality", {}) else None
+    if iv is None or not iv.defined:
+        return None
+    return [iv.lo, iv.hi] if not higher_is_better(metric) else [-iv.hi, -iv.lo]  # a drop as value − full
+
+
 def _savings(run: dict[str, Any]) -> float | None:
     ratio = run.get("cost", {}).get("flops_ratio")
     return None if ratio is None else 1.0 - ratio
@@ -43,7 +53,8 @@ def _shift_cell(run: dict, base: dict | None, in_domain: dict | None) -> dict[st
     cell = {"model": run["model"], "point": run["point"], "calibration": run["calibration"],
             "domain": run["domain"], "run_id": run["run_id"], "in_domain": run["calibration"] == run["domain"],
             "savings": _savings(run), "quality": dict(sorted(q.items())),
-            "vs_full": {m: quality_change(m, v, bq.get(m)) for m, v in sorted(q.items())}, "vs_in_domain": None}
+            "vs_full": {m: quality_change(m, v, bq.get(m)) for m, v in sorted(q.items())},
+            "vs_full_ci": {m: _vs_full_ci(m, run, base) for m in sorted(q)}, "vs_in_domain": None}
     if in_domain is not None and in_domain is not run:
         iq = in_domain.get("quality", {})
         s, s0 = cell["savings"], _savings(in_domain)
@@ -75,6 +86,7 @@ def _ablation_row(run: dict, factor: str, base: dict | None, is_default: bool) -
     return {"model": run["model"], "domain": run["domain"], "calibration": run.get("calibration"),
             "factor": factor, "value": run.get("factors", {}).get(factor), "point": run["point"],
             "run_id": run["run_id"], "is_default": is_default, "quality": dict(sorted(run.get("quality", {}).items())),
+            "intervals": run.get("intervals", {}),
             "flops_ratio": cost.get("flops_ratio"), "speedup": speedup(run, base),
             "backfill_share": cost.get("backfill_share")}
 
@@ -133,6 +145,16 @@ def fmt(x: Any, spec: str = ".3f") -> str:
     return format(x, spec)
 
 
+def fmt_quality(value: float | None, interval: dict[str, Any] | None, spec: str = ".3f") -> str:
+    """A quality metric with its 95% interval and sample size: ``0.512 [0.410, 0.613] n=50`` (``[n/a]`` when the
+    interval is undefined or was not recorded)."""
+    if value is None:
+        return "–"
+    lo, hi, n = ((interval or {}).get(k) for k in ("lo", "hi", "n"))
+    ci = "n/a" if lo is None or hi is None else f"{format(lo, spec)}, {format(hi, spec)}"
+    return f"{fmt(value, spec)} [{ci}]" + (f" n={n}" if n is not None else "")
+
+
 def fmt_change(metric: str, change: float | None) -> str:
     """A quality change: ``+1.23%`` for relative (lower-better) metrics, ``-0.8 pt`` for absolute ones."""
     if change is None:
@@ -149,7 +171,9 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def _cell_text(cell: dict[str, Any]) -> str:
     parts = [f"savings {fmt(cell['savings'], '.1%')}"]
-    parts += [f"{m} {fmt_change(m, c)}" for m, c in cell["vs_full"].items()]
+    cis = cell.get("vs_full_ci", {})
+    parts += [f"{m} {fmt_change(m, c)}" + (" [" + ", ".join(fmt_change(m, b) for b in cis[m]) + "]"
+                                           if cis.get(m) else " [n/a]") for m, c in cell["vs_full"].items()]
     vs = cell["vs_in_domain"]
     if vs:
         parts.append("vs in-domain: savings " + fmt(vs.get("savings"), "+.1%")
@@ -186,7 +210,8 @@ def ablation_markdown(tables: dict[str, list[dict[str, Any]]]) -> str:
         body = []
         for r in rows:
             value = f"**{r['value']}** (default)" if r["is_default"] else str(r["value"])
-            line = [r["model"], r["domain"], value, r["point"]] + [fmt(r["quality"].get(m)) for m in metrics]
+            line = [r["model"], r["domain"], value, r["point"]] + [
+                fmt_quality(r["quality"].get(m), r.get("intervals", {}).get(m)) for m in metrics]
             line += [fmt(r["flops_ratio"]), fmt(r["speedup"], ".2f")]
             line += [fmt(r["backfill_share"])] if extra else []
             body.append(line)

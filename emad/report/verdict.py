@@ -9,23 +9,29 @@
   ``Σ_d (tokens_d / tps_full_d) / Σ_d (tokens_d / tps_d)`` — one wall-clock ratio on the same workload.
 - Tolerances, per domain and quality metric present in the full run: a lower-better metric (perplexity) may rise
   by ``ppl_rel_tol`` relative; a higher-better one (accuracies in [0, 1]) may drop by ``acc_abs_tol`` absolute.
-  A metric the full run has and the point lacks is a violation (it cannot be shown to hold).
-- C1: some point reduces FLOPs by ≥ ``min_flops_reduction`` within every tolerance. Otherwise falsified.
-- C2: among points within every tolerance (matched accuracy), the best speed-up is ≥ ``1 + min_speed_gain``.
-  Otherwise falsified.
-- Literal reading: "some operating point with ≥ 15% reduction degrades more than the tolerance" — true or false,
-  with those points (it can be true while C1 passes).
+  Each check (:mod:`emad.report.checks`) is ``met`` (the change's paired 95% interval lies within the tolerance),
+  ``violated`` (wholly beyond it) or ``unresolved`` (it straddles the tolerance, or is undefined). A point is
+  violated when one of its checks is, met when all are, unresolved otherwise.
+- C1: passes when some point reducing FLOPs by ≥ ``min_flops_reduction`` is met. It is falsified only when no
+  such point is met or unresolved (every one has a violated check, or none reaches the reduction); otherwise C1
+  is unresolved at this sample size: no point is shown within the tolerances, none of the candidates is shown
+  beyond them.
+- C2: passes when a met point (matched accuracy) has a speed-up ≥ ``1 + min_speed_gain``. Falsified only when no
+  met or unresolved point reaches that speed-up; otherwise unresolved (only unresolved points reach it).
+- Literal reading: "some operating point with ≥ 15% reduction degrades more than the tolerance" — true when some
+  such point is violated, with those points (it can be true while C1 passes); unresolved ones are named apart.
 
 Comparisons allow a slack of 1e-9 so that values exactly at a threshold pass.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from emad.evaluation.intervals import MET, UNRESOLVED, VIOLATED
+from emad.report.checks import Check, build_check
 from emad.report.pareto import FULL, baselines, higher_is_better, point_label
 
 EPS = 1e-9
@@ -40,43 +46,9 @@ class Thresholds:
     acc_abs_tol: float = 0.01
     min_speed_gain: float = 0.10
 
-
-@dataclass
-class Check:
-    """One quality metric of one point on one domain against the full-depth run.
-
-    ``change`` is the relative rise (lower-better metric) or the absolute drop (higher-better metric); ``inf``
-    when the point lacks the metric.
-    """
-
-    domain: str
-    metric: str
-    full: float
-    value: float | None
-    change: float
-    tolerance: float
-    relative: bool
-
-    @property
-    def ok(self) -> bool:
-        return self.change <= self.tolerance + EPS
-
-    @property
-    def severity(self) -> float:
-        """``change / tolerance``: above 1 is a violation."""
-        return self.change / self.tolerance if self.tolerance > 0 else (math.inf if self.change > EPS else 0.0)
-
-    def describe(self) -> str:
-        if self.value is None:
-            return f"{self.metric} on {self.domain} is missing"
-        if self.relative:
-            return (f"{self.metric} on {self.domain} {self.change:+.2%} "
-                    f"({self.full:.4g} → {self.value:.4g}; tolerance +{self.tolerance:.0%})")
-        return (f"{self.metric} on {self.domain} {100 * (self.value - self.full):+.2f} points "
-                f"({self.full:.4f} → {self.value:.4f}; tolerance −{100 * self.tolerance:g} point)")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "change": _num(self.change), "ok": self.ok}
+    def tolerance(self, metric: str) -> float:
+        """``ppl_rel_tol`` for a lower-better metric (relative rise), ``acc_abs_tol`` otherwise (absolute drop)."""
+        return self.acc_abs_tol if higher_is_better(metric) else self.ppl_rel_tol
 
 
 @dataclass
@@ -99,37 +71,58 @@ class PointAssessment:
         return 1.0 - self.flops_ratio
 
     @property
+    def state(self) -> str:
+        """``violated`` if a check is, ``met`` if every check is, else ``unresolved``."""
+        states = {c.state for c in self.checks}
+        return VIOLATED if VIOLATED in states else UNRESOLVED if UNRESOLVED in states else MET
+
+    @property
     def within_tolerance(self) -> bool:
-        return all(c.ok for c in self.checks)
+        """Every tolerance is met at this sample size."""
+        return self.state == MET
 
     @property
     def worst(self) -> Check | None:
-        """The check closest to (or furthest past) its tolerance."""
-        return max(self.checks, key=lambda c: c.severity, default=None)
+        """The check furthest from being met: a violated one before an unresolved one, then by severity."""
+        return max(self.checks, key=lambda c: c.rank, default=None)
 
     def to_dict(self) -> dict[str, Any]:
         worst = self.worst
         return {"label": self.label, "point": self.point, "calibration": self.calibration, "family": self.family,
                 "domains": self.domains, "run_ids": self.run_ids, "mlflow_run_ids": self.mlflow_run_ids,
                 "flops_ratio": self.flops_ratio, "flops_reduction": self.reduction, "speedup": self.speedup,
-                "within_tolerance": self.within_tolerance, "worst": worst.describe() if worst else None,
+                "state": self.state, "within_tolerance": self.within_tolerance,
+                "worst": worst.describe() if worst else None,
                 "checks": [c.to_dict() for c in self.checks]}
+
+
+PASS, FAIL = "pass", "fail"  # a criterion's outcome: PASS, FAIL (falsified) or UNRESOLVED
 
 
 @dataclass
 class C1Result:
-    """C1 and its literal reading. ``deciding``: the passing point with the largest reduction, else the point
-    with ≥ the required reduction closest to passing, else the point with the largest reduction."""
+    """C1 and its literal reading. ``outcome``: ``pass``, ``fail`` (falsified) or ``unresolved``.
 
-    passed: bool
+    ``deciding``: the met point with the largest reduction (pass); else the unresolved point with the largest
+    reduction (unresolved); else the point with ≥ the required reduction closest to its tolerances, else the
+    point with the largest reduction (fail). ``unresolved_points``: points with ≥ the reduction whose state is
+    unresolved; ``literal_points``: those that are violated.
+    """
+
+    outcome: str
     deciding: PointAssessment | None
     literal: bool
     literal_points: list[str]
     text: str
+    unresolved_points: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return self.outcome == PASS
 
     @property
     def falsified(self) -> bool:
-        return not self.passed
+        return self.outcome == FAIL
 
     def sentence(self) -> str:
         return self.text
@@ -137,33 +130,45 @@ class C1Result:
     def literal_sentence(self, min_reduction: float) -> str:
         head = (f"Literal reading: some operating point with ≥ {min_reduction:.0%} reduction degrades more "
                 "than the tolerance")
-        return f"{head} — true: {', '.join(self.literal_points)}." if self.literal else f"{head} — false."
+        text = f"{head} — true: {', '.join(self.literal_points)}" if self.literal else f"{head} — false"
+        if self.unresolved_points:
+            text += f" (unresolved at this sample size: {', '.join(self.unresolved_points)})"
+        return text + "."
 
     def to_dict(self) -> dict[str, Any]:
-        return {"passed": self.passed, "falsified": self.falsified, "deciding": _label(self.deciding),
-                "literal": self.literal, "literal_points": self.literal_points, "text": self.text}
+        return {"outcome": self.outcome, "passed": self.passed, "falsified": self.falsified,
+                "deciding": _label(self.deciding), "literal": self.literal, "literal_points": self.literal_points,
+                "unresolved_points": self.unresolved_points, "text": self.text}
 
 
 @dataclass
 class C2Result:
-    """C2. ``deciding``: the point within every tolerance with the best speed-up (None when there is none)."""
+    """C2. ``outcome``: ``pass``, ``fail`` (falsified) or ``unresolved``. ``deciding``: the met point with the best
+    speed-up when it reaches the gain (pass), else the unresolved point with the best speed-up that does
+    (unresolved), else the best timed met-or-unresolved point (fail; None when there is none). ``matched``: the
+    met points; ``unresolved``: the unresolved ones."""
 
-    passed: bool
+    outcome: str
     deciding: PointAssessment | None
     matched: list[str]
     text: str
+    unresolved: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return self.outcome == PASS
 
     @property
     def falsified(self) -> bool:
-        return not self.passed
+        return self.outcome == FAIL
 
     def sentence(self) -> str:
         return self.text
 
     def to_dict(self) -> dict[str, Any]:
-        return {"passed": self.passed, "falsified": self.falsified, "deciding": _label(self.deciding),
-                "speedup": self.deciding.speedup if self.deciding else None, "matched": self.matched,
-                "text": self.text}
+        return {"outcome": self.outcome, "passed": self.passed, "falsified": self.falsified,
+                "deciding": _label(self.deciding), "speedup": self.deciding.speedup if self.deciding else None,
+                "matched": self.matched, "unresolved": self.unresolved, "text": self.text}
 
 
 @dataclass
@@ -191,24 +196,8 @@ class ModelVerdict:
                 "incomplete": self.incomplete, "points": [p.to_dict() for p in self.points]}
 
 
-def _num(x: float) -> float | None:
-    return x if math.isfinite(x) else None
-
-
 def _label(p: PointAssessment | None) -> str | None:
     return p.label if p else None
-
-
-def _check(domain: str, metric: str, full: float, value: float | None, thr: Thresholds) -> Check:
-    relative = not higher_is_better(metric)
-    tol = thr.ppl_rel_tol if relative else thr.acc_abs_tol
-    if value is None:
-        change = math.inf
-    elif relative:
-        change = value / full - 1.0 if full else (0.0 if value == full else math.inf)
-    else:
-        change = full - value
-    return Check(domain, metric, full, value, change, tol, relative)
 
 
 def _token_weights(runs: Sequence[dict]) -> list[float]:
@@ -233,8 +222,8 @@ def assess_point(runs: Sequence[dict], base: dict[tuple[str, str], dict], thr: T
     bases = [base[(r["model"], r["domain"])] for r in runs]
     weights = _token_weights(runs)
     flops = sum(w * r["cost"]["flops_ratio"] for w, r in zip(weights, runs)) / sum(weights)
-    checks = [_check(r["domain"], m, float(full), r.get("quality", {}).get(m), thr)
-              for r, b in zip(runs, bases) for m, full in sorted(b.get("quality", {}).items())]
+    checks = [build_check(r["domain"], m, r, b, thr.tolerance(m))
+              for r, b in zip(runs, bases) for m in sorted(b.get("quality", {}))]
     first = runs[0]
     return PointAssessment(point_label(first), first["point"], first.get("calibration"),
                            "/".join(sorted({r["family"] for r in runs})), [r["domain"] for r in runs],
@@ -242,50 +231,81 @@ def assess_point(runs: Sequence[dict], base: dict[tuple[str, str], dict], thr: T
                            flops, _aggregate_speedup(runs, bases, weights), checks)
 
 
+def _by_reduction(points: list[PointAssessment]) -> list[PointAssessment]:
+    return sorted(points, key=lambda p: (-p.reduction, p.label))
+
+
 def _c1(points: list[PointAssessment], thr: Thresholds, methods: str, domains: list[str]) -> C1Result:
     need = thr.min_flops_reduction
     big = [p for p in points if p.reduction >= need - EPS]
-    passing = sorted((p for p in big if p.within_tolerance), key=lambda p: (-p.reduction, p.label))
-    literal = sorted(p.label for p in big if not p.within_tolerance)
-    if passing:
-        p, w = passing[0], passing[0].worst
+    met = _by_reduction([p for p in big if p.state == MET])
+    unresolved = _by_reduction([p for p in big if p.state == UNRESOLVED])
+    literal = sorted(p.label for p in big if p.state == VIOLATED)
+    open_labels = sorted(p.label for p in unresolved)
+    if met:
+        p, w = met[0], met[0].worst
         text = (f"C1 passes (not falsified): {p.label} cuts FLOPs by {p.reduction:.1%} (token-weighted over "
-                f"{len(p.domains)} domains) within every tolerance" + (f"; tightest check: {w.describe()}." if w else "."))
-        return C1Result(True, p, bool(literal), literal, text)
+                f"{len(p.domains)} domains) with every tolerance met at this sample size"
+                + (f"; tightest check: {w.describe()}." if w else "."))
+        return C1Result(PASS, p, bool(literal), literal, text, open_labels)
+    if unresolved:
+        p = unresolved[0]
+        text = (f"C1 unresolved at this sample size (neither shown nor falsified): no operating point with "
+                f"≥ {need:.0%} FLOP reduction is shown within every tolerance, but {len(unresolved)} "
+                f"({', '.join(open_labels)}) {'is' if len(unresolved) == 1 else 'are'} not shown beyond them "
+                f"either; largest reduction: {p.label} ({p.reduction:.1%}), its least certain check: "
+                f"{p.worst.describe()}.")
+        return C1Result(UNRESOLVED, p, bool(literal), literal, text, open_labels)
     if big:
         p = min(big, key=lambda p: (p.worst.severity, -p.reduction, p.label))
-        text = (f"C1 fails (falsified): no operating point with ≥ {need:.0%} FLOP reduction stays within the "
-                f"tolerances; closest: {p.label} ({p.reduction:.1%} reduction), worst violation: "
+        text = (f"C1 fails (falsified): every operating point with ≥ {need:.0%} FLOP reduction violates a "
+                f"tolerance; closest: {p.label} ({p.reduction:.1%} reduction), worst violation: "
                 f"{p.worst.describe()}.")
-        return C1Result(False, p, True, literal, text)
+        return C1Result(FAIL, p, True, literal, text)
     if points:
-        p = min(points, key=lambda p: (-p.reduction, p.label))
+        p = _by_reduction(points)[0]
         text = (f"C1 fails (falsified): no operating point reaches a {need:.0%} FLOP reduction; the largest is "
                 f"{p.label} with {p.reduction:.1%}.")
-        return C1Result(False, p, False, [], text)
+        return C1Result(FAIL, p, False, [], text)
     text = (f"C1 fails (falsified): no operating point of family {methods} was evaluated on every domain "
             f"({', '.join(domains)}).")
-    return C1Result(False, None, False, [], text)
+    return C1Result(FAIL, None, False, [], text)
+
+
+def _by_speed(points: list[PointAssessment]) -> list[PointAssessment]:
+    return sorted((p for p in points if p.speedup is not None), key=lambda p: (-p.speedup, p.label))
 
 
 def _c2(points: list[PointAssessment], thr: Thresholds) -> C2Result:
     need = 1.0 + thr.min_speed_gain
-    matched = [p for p in points if p.within_tolerance]
-    labels = sorted(p.label for p in matched)
-    timed = sorted((p for p in matched if p.speedup is not None), key=lambda p: (-p.speedup, p.label))
-    if not matched:
-        return C2Result(False, None, [], "C2 fails (falsified): no operating point stays within the quality "
-                                         "tolerances.")
+    met = [p for p in points if p.state == MET]
+    unresolved = [p for p in points if p.state == UNRESOLVED]
+    labels, open_labels = sorted(p.label for p in met), sorted(p.label for p in unresolved)
+    fast_met, fast_open = _by_speed(met), _by_speed(unresolved)
+    if fast_met and fast_met[0].speedup >= need - EPS:
+        p = fast_met[0]
+        return C2Result(PASS, p, labels, f"C2 passes (not falsified): at matched accuracy (every tolerance met) "
+                        f"the best point, {p.label}, runs {p.speedup:.2f}× the full-depth tokens/s (gain "
+                        f"{p.speedup - 1:+.1%} ≥ {thr.min_speed_gain:.0%}).", open_labels)
+    if fast_open and fast_open[0].speedup >= need - EPS:
+        p = fast_open[0]
+        best_met = (f"; the best point with every tolerance met runs {fast_met[0].speedup:.2f}× "
+                    f"({fast_met[0].label})" if fast_met else "; no timed point has every tolerance met")
+        return C2Result(UNRESOLVED, p, labels, f"C2 unresolved at this sample size: {p.label} runs "
+                        f"{p.speedup:.2f}× the full-depth tokens/s, but whether it keeps accuracy is unresolved "
+                        f"({p.worst.describe()}){best_met}.", open_labels)
+    if not met and not unresolved:
+        return C2Result(FAIL, None, [], "C2 fails (falsified): no operating point stays within the quality "
+                                        "tolerances (every one violates a tolerance).")
+    timed = _by_speed(met + unresolved)
     if not timed:
-        return C2Result(False, None, labels, "C2 fails (falsified): no tokens/s measurement for the points "
-                                             f"within the tolerances ({', '.join(labels)}).")
+        return C2Result(FAIL, None, labels, "C2 fails (falsified): no tokens/s measurement for the points "
+                        f"within (or possibly within) the tolerances ({', '.join(labels + open_labels)}).",
+                        open_labels)
     p = timed[0]
-    ok = p.speedup >= need - EPS
-    verb = "passes (not falsified)" if ok else "fails (falsified)"
-    cmp = "≥" if ok else "<"
-    text = (f"C2 {verb}: at matched accuracy the best point, {p.label}, runs {p.speedup:.2f}× the full-depth "
-            f"tokens/s (gain {p.speedup - 1:+.1%} {cmp} {thr.min_speed_gain:.0%}).")
-    return C2Result(ok, p, labels, text)
+    return C2Result(FAIL, p, labels, f"C2 fails (falsified): no point within (or possibly within) the tolerances "
+                    f"reaches the gain; the best, {p.label} ({p.state}), runs {p.speedup:.2f}× the full-depth "
+                    f"tokens/s (gain {p.speedup - 1:+.1%} < {thr.min_speed_gain:.0%}).", open_labels)
 
 
 def _model_domains(runs: Sequence[dict], base: dict, model: str) -> list[str]:

@@ -21,6 +21,9 @@ def fidelity(stack: LayerStack, tokenizer, prompts: Sequence[Sequence[int]], met
              max_new_tokens: int = 32, reference=None, sink: list | None = None) -> dict:
     """Exact-match rate, mean tokens until first divergence, token agreement and ROUGE-L F1 vs full depth.
 
+    ``samples`` holds them per prompt: exact match 0/1, tokens to divergence, ``[agreeing, compared]`` tokens
+    (token agreement = Σagreeing / Σcompared) and ROUGE-L F1.
+
     Args:
         reference: a full-depth :class:`~emad.decode.Generation` of the same prompts (computed when None).
         sink: when given, every :class:`~emad.decode.Generation` / :class:`~emad.decode.Scored` of the method is
@@ -34,15 +37,16 @@ def fidelity(stack: LayerStack, tokenizer, prompts: Sequence[Sequence[int]], met
     from rouge_score import rouge_scorer
 
     scorer = rouge_scorer.RougeScorer(["rougeL"])
-    agree = total = 0
-    exact, diverge, rouge = [], [], []
+    exact, diverge, agreement, rouge = [], [], [], []
     for a, b, ta, tb in zip(ours.token_ids, reference.token_ids, ours.texts, reference.texts):
-        exact.append(a == b)
+        exact.append(int(a == b))
         diverge.append(first_divergence(a, b))
-        agree += sum(x == y for x, y in zip(a, b))
-        total += max(len(a), len(b))
+        agreement.append([sum(x == y for x, y in zip(a, b)), max(len(a), len(b))])
         rouge.append(scorer.score(tb, ta)["rougeL"].fmeasure)
     n = len(prompts)
+    agree, total = sum(p[0] for p in agreement), sum(p[1] for p in agreement)
     return {"exact_match": sum(exact) / n, "tokens_to_divergence": sum(diverge) / n,
             "token_agreement": agree / max(total, 1), "rouge_l": sum(rouge) / n,
-            "flops_ratio": ours.cost_ratio(), "bytes_ratio": ours.cost_ratio(kind="bytes")}
+            "flops_ratio": ours.cost_ratio(), "bytes_ratio": ours.cost_ratio(kind="bytes"),
+            "samples": {"exact_match": exact, "tokens_to_divergence": diverge, "token_agreement": agreement,
+                        "rouge_l": rouge}}

@@ -62,7 +62,8 @@ def gsm8k(stack: LayerStack, tokenizer, problems: Sequence[tuple[str, str]], met
             appended to it (traces, timing).
 
     Returns:
-        ``{"accuracy", "invalid" (share with no extractable answer), "n", "flops_ratio"}``.
+        ``{"accuracy", "invalid" (share with no extractable answer), "n", "flops_ratio", "samples"}``;
+        ``samples["accuracy"]``: 1 or 0 per problem.
     """
     golds = [reference(a) for _, a in problems]
     prompts = [tokenizer(prompt(q, shots))["input_ids"] for q, _ in problems]
@@ -70,6 +71,6 @@ def gsm8k(stack: LayerStack, tokenizer, problems: Sequence[tuple[str, str]], met
     if sink is not None:
         sink.append(out)
     answers = [extract(text) for text in out.texts]
-    correct = sum(a is not None and a == g for a, g in zip(answers, golds))
-    return {"accuracy": correct / len(problems), "invalid": sum(a is None for a in answers) / len(problems),
-            "n": len(problems), "flops_ratio": out.cost_ratio()}
+    correct = [int(a is not None and a == g) for a, g in zip(answers, golds)]
+    return {"accuracy": sum(correct) / len(problems), "invalid": sum(a is None for a in answers) / len(problems),
+            "n": len(problems), "flops_ratio": out.cost_ratio(), "samples": {"accuracy": correct}}

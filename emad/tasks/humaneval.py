@@ -91,11 +91,14 @@ def check(problem: dict, completion: str, timeout: float = 5.0, memory_mb: int =
 
 def humaneval(stack: LayerStack, tokenizer, problems: Sequence[dict], method: Method, max_new_tokens: int = 256,
               timeout: float = 5.0, sink: list | None = None) -> dict:
-    """pass@1 of greedy completions (stopped at the usual HumanEval stop sequences)."""
+    """pass@1 of greedy completions (stopped at the usual HumanEval stop sequences); ``samples["pass_at_1"]``:
+    1 or 0 per problem."""
     prompts = [tokenizer(p["prompt"])["input_ids"] for p in problems]
     out = generate(stack, tokenizer, prompts, method, max_new_tokens, stop_strings=STOP)
     if sink is not None:
         sink.append(out)
     outcomes = [check(p, text, timeout) for p, text in zip(problems, out.texts)]
-    return {"pass_at_1": sum(o.passed for o in outcomes) / len(problems), "n": len(problems),
-            "timed_out": sum(o.result == "timed out" for o in outcomes), "flops_ratio": out.cost_ratio()}
+    passed = [int(o.passed) for o in outcomes]
+    return {"pass_at_1": sum(passed) / len(problems), "n": len(problems),
+            "timed_out": sum(o.result == "timed out" for o in outcomes), "flops_ratio": out.cost_ratio(),
+            "samples": {"pass_at_1": passed}}

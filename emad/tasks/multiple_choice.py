@@ -1,7 +1,8 @@
 """Multiple-choice accuracy by log-likelihood (lm-eval style ``acc`` and ``acc_norm``), under adaptive depth.
 
 Each choice is scored as the continuation of the question with :func:`~emad.decode.score_adaptive` (generation
-semantics); ``acc`` picks the highest total log-likelihood, ``acc_norm`` the highest per character.
+semantics; the question is prefilled once for all its choices, :func:`~emad.decode.score_continuations`);
+``acc`` picks the highest total log-likelihood, ``acc_norm`` the highest per character.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from emad.decode import Method, score_adaptive
+from emad.decode import Method, score_continuations
 from emad.engine.stack import LayerStack
 
 
@@ -44,24 +45,35 @@ def arc_items(split: str = "test", config: str = "ARC-Easy", data_files: str | N
 
 
 def multiple_choice(stack: LayerStack, tokenizer, items: Sequence[Item], method: Method, sink: list | None = None) -> dict:
-    """``acc`` and ``acc_norm`` over the items, with the FLOPs ratio of the scoring passes."""
-    correct = correct_norm = 0
+    """``acc`` and ``acc_norm`` over the items, with the FLOPs ratio of the scoring passes; ``samples``: 1 or 0
+    per item for each."""
+    correct, correct_norm = [], []
     flops = full = 0.0
     for item in items:
-        context = tokenizer(item.context)["input_ids"]
+        pairs = [encode_pair(tokenizer, item.context, choice) for choice in item.choices]
+        context = pairs[0][0]
         scores, norms = [], []
-        for choice in item.choices:
-            ids = tokenizer(item.context + choice)["input_ids"]
-            if ids[: len(context)] != context or len(ids) == len(context):
-                ids = context + tokenizer(choice, add_special_tokens=False)["input_ids"]
-            scored = score_adaptive(stack, context, ids[len(context):], method)
+        for choice, scored in zip(item.choices, score_continuations(
+                stack, context, [whole[len(context):] for _, whole in pairs], method)):
             if sink is not None:
                 sink.append(scored)
             scores.append(-scored.nll)
             norms.append(-scored.nll / max(len(choice), 1))
             flops += scored.flops
             full += scored.full_flops
-        correct += scores.index(max(scores)) == item.answer
-        correct_norm += norms.index(max(norms)) == item.answer
+        correct.append(int(scores.index(max(scores)) == item.answer))
+        correct_norm.append(int(norms.index(max(norms)) == item.answer))
     n = len(items)
-    return {"acc": correct / n, "acc_norm": correct_norm / n, "n": n, "flops_ratio": flops / full if full else 1.0}
+    return {"acc": sum(correct) / n, "acc_norm": sum(correct_norm) / n, "n": n,
+            "flops_ratio": flops / full if full else 1.0, "samples": {"acc": correct, "acc_norm": correct_norm}}
+
+
+def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """(context ids, whole ids) as lm-eval splits a pair: encode ``context + continuation`` and take the context's
+    own ids as its prefix; when they are not a prefix of the whole (a merge across the boundary), the whole is the
+    context's ids followed by the continuation's own."""
+    context_ids = tokenizer(context)["input_ids"]
+    whole = tokenizer(context + continuation)["input_ids"]
+    if whole[: len(context_ids)] != context_ids or len(whole) == len(context_ids):
+        whole = context_ids + tokenizer(continuation, add_special_tokens=False)["input_ids"]
+    return context_ids, whole

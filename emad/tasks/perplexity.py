@@ -33,9 +33,11 @@ def perplexity(stack: LayerStack, documents: Sequence[Sequence[int]], method: Me
             appended to it (traces, timing).
 
     Returns:
-        ``{"perplexity", "nll", "tokens", "flops_ratio", "mean_depth"}`` (natural-log NLL summed over tokens).
+        ``{"perplexity", "nll", "tokens", "flops_ratio", "mean_depth", "samples"}`` (natural-log NLL summed over
+        tokens); ``samples["perplexity"]``: one ``[nll, tokens]`` per window, so perplexity = exp(Σnll / Σtokens).
     """
     nll, tokens, flops, full, depth_sum = 0.0, 0, 0.0, 0.0, 0
+    per_window: list[list[float]] = []
     for ids in documents:
         for prompt, continuation in windows_with_prefix(ids, window, prefix):
             scored = score_adaptive(stack, prompt, continuation, method)
@@ -43,10 +45,11 @@ def perplexity(stack: LayerStack, documents: Sequence[Sequence[int]], method: Me
                 sink.append(scored)
             nll += scored.nll
             tokens += len(continuation)
+            per_window.append([float(scored.nll), len(continuation)])
             flops += scored.flops
             full += scored.full_flops
             depth_sum += sum(scored.depths)
     if tokens == 0:
         raise ValueError(f"no document is longer than the prefix ({prefix} tokens): nothing to score")
     return {"perplexity": math.exp(nll / tokens), "nll": nll, "tokens": tokens,
-            "flops_ratio": flops / full, "mean_depth": depth_sum / tokens}
+            "flops_ratio": flops / full, "mean_depth": depth_sum / tokens, "samples": {"perplexity": per_window}}

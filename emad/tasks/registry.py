@@ -3,7 +3,8 @@
 A task is a small class registered in :data:`TASKS`: ``Settings`` (a params section, ``decode.tasks.<name>``),
 ``load(settings, corpus_dir, tokenizer)`` → its data (done before any decoding, so bad input fails first), and
 ``run(stack, tokenizer, method, data, settings, sink)`` → its metrics. Text tasks read the domain's sampled eval
-split; ``gsm8k`` and ``humaneval`` read their embedded packages.
+split; ``cloze`` and ``choice`` read the item files sample_corpus cut out of it (``corpus.tasks``); ``gsm8k`` and
+``humaneval`` read their embedded packages.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from emad.config import Section, validate_section
-from emad.corpus import read_split
+from emad.corpus import CorpusError, read_items, read_split
 from emad.registry import Registry
+from emad.tasks.cloze import ClozeItem, cloze
 from emad.tasks.fidelity import fidelity
 from emad.tasks.gsm8k import gsm8k, test_rows
 from emad.tasks.humaneval import humaneval, problems
-from emad.tasks.multiple_choice import arc_items, multiple_choice
+from emad.tasks.multiple_choice import Item, arc_items, multiple_choice
 from emad.tasks.perplexity import perplexity
 
 
@@ -28,6 +30,7 @@ class Task:
 
     name: ClassVar[str]
     Settings: ClassVar[type[Section]] = Section
+    corpus_items: ClassVar[str | None] = None  # the corpus.tasks item file it reads, when it reads one
 
     @classmethod
     def settings(cls, raw: dict | None) -> Section:
@@ -168,3 +171,45 @@ class MultipleChoice(Task):
 
     def run(self, stack, tokenizer, method, data, settings, sink):
         return multiple_choice(stack, tokenizer, data, method, sink=sink)
+
+
+def _items(corpus_dir: Path | None, task: str, make) -> list:
+    """The items of ``<corpus_dir>/<task>.jsonl``, each record made into an item by ``make``."""
+    if corpus_dir is None:
+        raise ValueError("this task reads a sampled corpus folder (data/corpus/<domain>); none was given")
+    items = []
+    for number, record in enumerate(read_items(corpus_dir, task), start=1):
+        try:
+            items.append(make(record))
+        except (KeyError, TypeError, ValueError) as err:
+            raise CorpusError(f"{Path(corpus_dir) / f'{task}.jsonl'} line {number} is not a {task} item "
+                              f"({type(err).__name__}: {err})") from None
+    return items
+
+
+@TASKS.register("cloze")
+class Cloze(Task):
+    """Last-word accuracy (LAMBADA-style) on passages of the eval split: by log-likelihood and by generation."""
+
+    corpus_items = "cloze"  # built by sample_corpus from corpus.tasks.cloze
+
+    def load(self, settings, corpus_dir, tokenizer):
+        return _items(corpus_dir, "cloze", lambda r: ClozeItem(r["context"], r["target"]))
+
+    def run(self, stack, tokenizer, method, data, settings, sink):
+        return cloze(stack, tokenizer, data, method, sink=sink)
+
+
+@TASKS.register("choice")
+class Choice(Task):
+    """Multiple-choice continuation of passages of the eval split, distractors from the same split: ``acc`` and
+    ``acc_norm`` by log-likelihood (lm-eval semantics), per-item ``samples``, and ``chance``."""
+
+    corpus_items = "choice"  # built by sample_corpus from corpus.tasks.choice
+
+    def load(self, settings, corpus_dir, tokenizer):
+        return _items(corpus_dir, "choice", lambda r: Item(r["context"], tuple(r["choices"]), r["answer"]))
+
+    def run(self, stack, tokenizer, method, data, settings, sink):
+        chance = sum(1 / len(item.choices) for item in data) / len(data)  # 1 / choices
+        return {**multiple_choice(stack, tokenizer, data, method, sink=sink), "chance": chance}
