@@ -47,12 +47,12 @@ def _params(model_dir: Path) -> dict:
                        "emad-m0-tuned": {"method": "emad", "margin": 0.0, "readout": "tuned"}},
             "default_point": "emad-m0",
             "ablations": {"backfill": {"policy": "backfill"}},
-            "ablation_domains": ["stdlib-prose"],
+            "ablation_domains": ["stdlib-prose"], "ablation_calibration": "stdlib-prose",
             "related": {"ead-k2": {"method": "ead", "small_layers": 2, "tau": 3.0, "window": 2, "d_min": 2}},
             "related_domains": ["stdlib-prose"],
             "heatmap_texts": 1, "device": "cpu", "dtype": "float32",
         },
-        "risk": {"domain": "stdlib-prose", "prompts": 4, "fresh_prompts": 2, "prompt_tokens": 8, "new_tokens": 4,
+        "risk": {"domain": "stdlib-prose", "calibration": "stdlib-prose", "prompts": 4, "fresh_prompts": 2, "prompt_tokens": 8, "new_tokens": 4,
                  "delta": 0.3, "epsilon": 0.3, "loss": "agreement", "device": "cpu", "dtype": "float32",
                  "searches": {"margin": {"point": {"method": "emad"}, "knob": "margin", "values": [10.0, 0.0]}}},
         "aggregate": {"methods": ["emad"]},
@@ -69,7 +69,8 @@ def _env() -> dict:
 
 def _sh(repo: Path, *cmd: str, timeout: int = 600) -> str:
     done = subprocess.run(cmd, cwd=repo, env=_env(), capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    errors = "\n".join(line for line in done.stderr.splitlines() if "/s]" not in line)  # no progress bars
+    assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}\n{errors[-6000:]}"
     return done.stdout
 
 

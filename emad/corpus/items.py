@@ -32,7 +32,7 @@ from emad.config import Section
 from emad.corpus.boundaries import BOUNDARY, TAIL_CHARS_PER_TOKEN, tail_within_budget, truncate_to_budget
 from emad.corpus.sources import CorpusError
 
-Counter = Callable[[str], int]
+CountTokens = Callable[[str], int]
 Docs = Sequence[tuple[str, str]]  # (document id, text) of the eval split, in file order
 
 SPACE_BETWEEN_WORDS = re.compile(r"(?<=\S) (?=\S)")
@@ -105,7 +105,7 @@ def _fold(text: str) -> str:
     return " ".join(text.split()).casefold()
 
 
-def cloze_items(docs: Docs, count_tokens: Counter, build: ClozeBuild, seed: int, source: str) -> list[dict]:
+def cloze_items(docs: Docs, count_tokens: CountTokens, build: ClozeBuild, seed: int, source: str) -> list[dict]:
     """``build.items`` records ``{"id": "<doc id>@<char of the target>", "context", "target"}`` (see module doc).
 
     Raises:
@@ -141,9 +141,9 @@ def cloze_items(docs: Docs, count_tokens: Counter, build: ClozeBuild, seed: int,
         "or context_tokens, or raise corpus.eval_tokens")
 
 
-def choice_items(docs: Docs, count_tokens: Counter, build: ChoiceBuild, seed: int, source: str) -> list[dict]:
-    """``build.items`` records ``{"id", "context", "choices", "answer"}`` (see module doc); ``choices[answer]`` is
-    the true continuation.
+def choice_items(docs: Docs, count_tokens: CountTokens, build: ChoiceBuild, seed: int, source: str) -> list[dict]:
+    """``build.items`` records ``{"id": "<doc id>@<char of the space before the true continuation>", "context",
+    "choices", "answer"}`` (see module doc); ``choices[answer]`` is the true continuation.
 
     Raises:
         CorpusError: the split yields fewer items; states the minimum passage length and the params to change.
@@ -199,11 +199,11 @@ def choice_items(docs: Docs, count_tokens: Counter, build: ChoiceBuild, seed: in
         "continuation_tokens, or raise corpus.eval_tokens")
 
 
-BUILDERS: dict[str, Callable[[Docs, Counter, Section, int, str], list[dict]]] = {
+BUILDERS: dict[str, Callable[[Docs, CountTokens, Section, int, str], list[dict]]] = {
     "cloze": cloze_items, "choice": choice_items}
 
 
-def build_items(builds: ItemBuilds, docs: Docs, count_tokens: Counter, seed: int, source: str) -> dict[str, list[dict]]:
+def build_items(builds: ItemBuilds, docs: Docs, count_tokens: CountTokens, seed: int, source: str) -> dict[str, list[dict]]:
     """Task name → its item records, for every task set in ``builds``, built from the eval split ``docs``."""
     return {name: BUILDERS[name](docs, count_tokens, getattr(builds, name), seed, source)
             for name in BUILDERS if builds.builds(source, name)}

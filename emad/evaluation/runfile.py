@@ -52,6 +52,10 @@ QUALITY: dict[str, tuple[str, str, bool]] = {
     "humaneval.pass_at_1": ("humaneval", "pass_at_1", True),
     "multiple_choice.acc": ("multiple_choice", "acc", True),
     "multiple_choice.acc_norm": ("multiple_choice", "acc_norm", True),
+    "cloze.acc": ("cloze", "acc", True),
+    "cloze.generation_acc": ("cloze", "generation_acc", True),
+    "choice.acc": ("choice", "acc", True),
+    "choice.acc_norm": ("choice", "acc_norm", True),
 }
 
 
