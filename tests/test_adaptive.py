@@ -12,9 +12,9 @@ from emad.calibration.profile import ProfileError, smooth
 from emad.decode import Method, generate, score_adaptive
 from emad.engine.stack import LayerStack
 from emad.exits.criteria import Confidence, Emad, Fixed, Full, ProbeView
-from emad.exits.estimators import Estimate, Estimator
+from emad.exits.estimators import Estimate
 from emad.exits.strata import Strata
-from tests.tiny import TinyTokenizer, random_prompts, tiny_model
+from tests.tiny import ScriptedEstimator, TinyTokenizer, random_prompts, tiny_model
 
 NEW = 24
 
@@ -138,20 +138,6 @@ def test_scoring_equals_generation_logprobs_and_depths(llama, profile, policy):
     assert scored.cost_ratio == pytest.approx(gen.cost_ratio(), rel=1e-6)
 
 
-class Scripted(Estimator):
-    """Ĥ per layer from a table, whatever the hidden state."""
-
-    name = "scripted"
-
-    def __init__(self, table: dict[int, float]):
-        self.table = table
-
-    def estimate(self, stack, h, layer, rows=None):
-        ent = torch.full((h.shape[0],), self.table[layer])
-        return Estimate(ent, torch.full_like(ent, 0.5), None)
-
-    def probe_cost(self, cost):
-        return 0.0, 0.0
 
 
 @pytest.mark.parametrize("table, threshold, min_exit, expected", [
@@ -161,14 +147,14 @@ class Scripted(Estimator):
     ({1: 3.0, 2: 3.0, 3: 3.0, 4: 3.0}, 1.0, 1, 4),
 ])
 def test_confidence_picks_the_first_probe_under_threshold(llama, table, threshold, min_exit, expected):
-    method = Method(Confidence(threshold, probe_every=1, min_exit_layer=min_exit), "backfill", Scripted(table))
+    method = Method(Confidence(threshold, probe_every=1, min_exit_layer=min_exit), "backfill", ScriptedEstimator(table))
     out = _gen(llama, method, random_prompts(1, [5], seed=18), new=4)
     assert out.depths[0][1:] == [expected] * 3
 
 
 def test_monotone_caps_depth_at_the_previous_token(llama):
     # first step exits at 2; later Ĥ would only pass at 4, but monotone keeps depth 2
-    class Falling(Scripted):
+    class Falling(ScriptedEstimator):
         def __init__(self):
             self.calls = 0
 

@@ -14,9 +14,8 @@ from emad.engine.stack import LayerStack
 from emad.evaluation.evaluate import Evaluation
 from emad.evaluation.operating_point import PointConfig, point_from_options
 from emad.exits.criteria import Confidence, Fixed, Full
-from emad.exits.estimators import Estimate, Estimator
 from emad.exits.policies import POLICIES, Monotone
-from tests.tiny import TinyTokenizer, random_prompts, tiny_model
+from tests.tiny import ScriptedEstimator, TinyTokenizer, random_prompts, tiny_model
 
 NEW = 16
 PROMPTS = random_prompts(4, [10, 3, 7, 12], seed=16)
@@ -39,20 +38,6 @@ def _gen(stack, method, prompts=PROMPTS, new=NEW):
     return generate(stack, TinyTokenizer(), prompts, method, new, eos_token_ids=[])
 
 
-class ByLayer(Estimator):
-    """Ĥ per layer from a table, whatever the hidden state: every row's criterion agrees."""
-
-    name = "by-layer"
-
-    def __init__(self, table: dict[int, float]):
-        self.table = table
-
-    def estimate(self, stack, h, layer, rows=None):
-        ent = torch.full((h.shape[0],), self.table[layer])
-        return Estimate(ent, torch.full_like(ent, 0.5), None)
-
-    def probe_cost(self, cost):
-        return 0.0, 0.0
 
 
 AGREEING = {  # criteria under which every row stops at the same probe, each under a policy it exercises
@@ -60,9 +45,9 @@ AGREEING = {  # criteria under which every row stops at the same probe, each und
     "fixed-2": Method(Fixed(2), "copy"),
     "all-exit-at-the-first-probe": Method(Confidence(1e9, probe_every=2), "backfill"),
     "none-exits-early": Method(Confidence(0.0, probe_every=1), "copy"),
-    "all-exit-at-3": Method(Confidence(1.0, probe_every=1), "monotone", ByLayer({1: 3.0, 2: 2.0, 3: 0.5, 4: 0.1})),
+    "all-exit-at-3": Method(Confidence(1.0, probe_every=1), "monotone", ScriptedEstimator({1: 3.0, 2: 2.0, 3: 0.5, 4: 0.1})),
     "all-exit-at-3-backfill": Method(Confidence(1.0, probe_every=1), "backfill",
-                                     ByLayer({1: 3.0, 2: 2.0, 3: 0.5, 4: 0.1})),
+                                     ScriptedEstimator({1: 3.0, 2: 2.0, 3: 0.5, 4: 0.1})),
 }
 
 
