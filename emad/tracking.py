@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -100,9 +101,13 @@ class Run:
         self._mlflow.log_metrics(clean, step=step)
 
     def log_series(self, name: str, values: dict[int, float]) -> None:
-        """One metric over steps (e.g. τ per layer with step = layer)."""
-        for step, value in values.items():
-            self._mlflow.log_metric(metric_name(name), float(value), step=int(step))
+        """One metric over steps (e.g. τ per layer with step = layer), sent in one batch."""
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(metric_name(name), float(value), now, int(step)) for step, value in values.items()]
+        for i in range(0, len(metrics), 1000):  # MLflow's batch limit
+            self._mlflow.MlflowClient().log_batch(self.run_id, metrics=metrics[i:i + 1000])
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         self._mlflow.log_artifact(str(path), artifact_path)
@@ -126,13 +131,21 @@ class Run:
         return found
 
 
+_OPENED: set[tuple[str, str]] = set()  # (store, experiment) made ready in this process
+
+
 def _open(stage: str):
-    """Import mlflow, point it at the store, make sure the experiment exists (creation serialised by a lock)."""
+    """Import mlflow, point it at the store, make sure the experiment exists (creation serialised by a lock).
+
+    Once per store and experiment in a process: a stage logging several runs pays for it once.
+    """
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     import mlflow
     from filelock import FileLock
 
     uri = tracking_uri()
+    if (uri, EXPERIMENT) in _OPENED and mlflow.get_tracking_uri() == uri:
+        return mlflow
     mlflow.set_tracking_uri(uri)
     db = Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
     with FileLock(str(db.with_name(db.name + ".lock"))) if db else contextlib.nullcontext():
@@ -140,6 +153,7 @@ def _open(stage: str):
             # artifacts beside the store, absolute: never under whatever the working directory happens to be
             mlflow.create_experiment(EXPERIMENT, artifact_location=(db.parent / "mlruns").resolve().as_uri())
         mlflow.set_experiment(EXPERIMENT)
+    _OPENED.add((uri, EXPERIMENT))
     return mlflow
 
 

@@ -2,10 +2,10 @@
 of its eval domains, in one process (the model is loaded once).
 
 The domains are those of the point's kind in params (``decode.domains`` for baselines and points,
-``decode.ablation_domains`` and ``decode.related_domains``), or the ``--domain`` given. Per domain it writes the
-run file ``<out>/<run-id>.json`` (read by ``aggregate``), a depth histogram PNG and a token-depth heat map HTML in
-``<artifacts>/<domain>/``, and logs one MLflow run with the same content. Every domain's tasks are loaded before
-any decoding, so bad input fails first.
+``decode.ablation_domains`` with ``decode.ablation_tasks``, and ``decode.related_domains``), or the ``--domain``
+given. Per domain it writes the run file ``<out>/<run-id>.json`` (read by ``aggregate``), a depth histogram PNG
+and a token-depth heat map HTML in ``<artifacts>/<domain>/``, and logs one MLflow run with the same content.
+Every domain's tasks are loaded before any decoding, so bad input fails first.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                           load=model_loader(cfg.device, cfg.dtype), readouts_path=args.readouts)
     method.bind(stack, loaded.tokenizer)  # one method for every domain, as for every task of a domain
     facts = _profile_facts(profile_file(profile_path, point.strata) if profile_path else None, method)
-    prepared = {d: prepare(cfg.domains[d], cfg.tasks, args.corpora / d if args.corpora else None, loaded.tokenizer)
+    prepared = {d: prepare(cfg.tasks_of(args.kind, d), cfg.tasks, args.corpora / d if args.corpora else None, loaded.tokenizer)
                 for d in domains}
     for domain in domains:
         rid = runfile.run_id(args.model, args.point, domain, calibration)

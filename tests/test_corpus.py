@@ -298,7 +298,7 @@ def test_bad_budget_and_duplicate_ids_are_errors(tmp_path):
 
 def test_params_yaml_corpus_section_is_valid():
     cfg = load_section("corpus", CorpusConfig, ROOT / "params.yaml")
-    assert cfg.sources[:3] == ["stdlib-prose", "stdlib-code", "shakespeare"] and cfg.seed == 0
+    assert cfg.sources[:2] == ["stdlib-prose", "stdlib-code"] and cfg.seed == 0
     assert all(name in SOURCES for name in cfg.sources)
 
 

@@ -169,6 +169,7 @@ def test_unknown_domain_or_point_is_named(workspace, monkeypatch):
     ({"ablations": {"x": {"policy": "teleport"}}}, "decode.ablations.x.policy: .*unknown policy 'teleport'"),
     ({"ablation_domains": ["elsewhere"]}, "ablation_domains"),
     ({"related_domains": ["elsewhere"]}, "related_domains"),
+    ({"ablation_tasks": ["cloze"]}, r"ablation_tasks \['cloze'\] are not tasks of ablation domain 'toy'"),
     ({"related": {"s": {"method": "emad", "margin": 1.0}}}, "related.s: method 'emad' needs a profile"),
     ({"baselines": {"s": {"method": "ead", "tau": 1.0, "small_layers": 2}}}, "belongs under related"),
     ({"related": {"full": {"method": "ead", "tau": 1.0, "small_layers": 2}}}, "'full' is in baselines and"),
@@ -178,6 +179,13 @@ def test_unknown_domain_or_point_is_named(workspace, monkeypatch):
 def test_bad_decode_params_name_the_culprit(change, culprit):
     with pytest.raises(ConfigError, match=culprit):
         validate_section("decode", {**DECODE, **change}, DecodeConfig)
+
+
+def test_ablation_tasks_narrow_the_ablations_only():
+    cfg = validate_section("decode", {**DECODE, "ablation_tasks": ["fidelity"]}, DecodeConfig)
+    assert cfg.tasks_of("ablation", "toy") == ["fidelity"]
+    assert cfg.tasks_of("point", "toy") == cfg.tasks_of("related", "toy") == ["perplexity", "fidelity"]
+    assert validate_section("decode", DECODE, DecodeConfig).tasks_of("ablation", "toy") == ["perplexity", "fidelity"]
 
 
 def test_heatmap_escapes_tokens_and_shades_by_depth():

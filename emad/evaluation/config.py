@@ -31,6 +31,8 @@ class DecodeConfig(Section):
         default_point: the EMAD point the ablations start from (a name in ``points``).
         ablations: name → the options changed from ``default_point`` (one factor each).
         ablation_domains: domains the ablations run on (each also in ``domains``).
+        ablation_tasks: the tasks the ablations run, each among every ablation domain's tasks (null = all of
+            them).
         ablation_calibration: the calibration source whose profiles the ablations read (one of
             ``calibrate.sources``).
         related: methods from related work without a profile (softmax response, contrastive, EAD, speculative
@@ -47,6 +49,7 @@ class DecodeConfig(Section):
     default_point: str | None = None
     ablations: dict[str, dict[str, Any]] = Field(default_factory=dict)
     ablation_domains: list[str] = Field(default_factory=list)
+    ablation_tasks: list[str] | None = None
     ablation_calibration: str = "stdlib-prose"
     related: dict[str, PointConfig] = Field(default_factory=dict)
     related_domains: list[str] = Field(default_factory=list)
@@ -105,6 +108,11 @@ class DecodeConfig(Section):
             stray = [d for d in self.ablation_domains if d not in self.domains]
             if stray:
                 raise ValueError(f"ablation_domains {stray} are not in domains ({', '.join(self.domains)})")
+            for domain in self.ablation_domains:
+                stray = [t for t in self.ablation_tasks or [] if t not in self.domains[domain]]
+                if stray:
+                    raise ValueError(f"ablation_tasks {stray} are not tasks of ablation domain {domain!r} "
+                                     f"({', '.join(self.domains[domain])})")
         return self
 
     def ablation(self, name: str) -> PointConfig:
@@ -132,6 +140,13 @@ class DecodeConfig(Section):
                 kind, "decode.domains")
             raise ValueError(f"--domain {', '.join(map(repr, stray))}: not in {table} ({', '.join(own) or 'none'})")
         return list(chosen) if chosen else list(own)
+
+    def tasks_of(self, kind: str, domain: str) -> list[str]:
+        """The tasks a point of ``kind`` runs on ``domain`` (ablations: ``ablation_tasks`` when set)."""
+        tasks = self.domains[domain]
+        if kind == "ablation" and self.ablation_tasks:
+            return [t for t in tasks if t in self.ablation_tasks]
+        return list(tasks)
 
     def task_settings(self, name: str):
         return TASKS.get(name).settings(self.tasks.get(name))
