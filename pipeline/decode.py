@@ -2,8 +2,8 @@
 of its eval domains, in one process (the model is loaded once).
 
 The domains are those of the point's kind in params (``decode.domains`` for baselines and points,
-``decode.ablation_domains`` with ``decode.ablation_tasks``, and ``decode.related_domains``), or the ``--domain``
-given. Per domain it writes the run file ``<out>/<run-id>.json`` (read by ``aggregate``), a depth histogram PNG
+``decode.ablation_domains`` and ``decode.related_domains``, narrowed to ``ablation_tasks`` / ``related_tasks``), or
+the ``--domain`` given. Per domain it writes the run file ``<out>/<run-id>.json`` (read by ``aggregate``), a depth histogram PNG
 and a token-depth heat map HTML in ``<artifacts>/<domain>/``, and logs one MLflow run with the same content.
 Every domain's tasks are loaded before any decoding, so bad input fails first.
 """

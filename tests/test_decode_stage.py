@@ -170,6 +170,7 @@ def test_unknown_domain_or_point_is_named(workspace, monkeypatch):
     ({"ablation_domains": ["elsewhere"]}, "ablation_domains"),
     ({"related_domains": ["elsewhere"]}, "related_domains"),
     ({"ablation_tasks": ["cloze"]}, r"ablation_tasks \['cloze'\] are not tasks of ablation domain 'toy'"),
+    ({"related_tasks": ["gsm8k"]}, r"related_tasks \['gsm8k'\] are not tasks of related domain 'toy'"),
     ({"related": {"s": {"method": "emad", "margin": 1.0}}}, "related.s: method 'emad' needs a profile"),
     ({"baselines": {"s": {"method": "ead", "tau": 1.0, "small_layers": 2}}}, "belongs under related"),
     ({"related": {"full": {"method": "ead", "tau": 1.0, "small_layers": 2}}}, "'full' is in baselines and"),
@@ -181,10 +182,11 @@ def test_bad_decode_params_name_the_culprit(change, culprit):
         validate_section("decode", {**DECODE, **change}, DecodeConfig)
 
 
-def test_ablation_tasks_narrow_the_ablations_only():
-    cfg = validate_section("decode", {**DECODE, "ablation_tasks": ["fidelity"]}, DecodeConfig)
-    assert cfg.tasks_of("ablation", "toy") == ["fidelity"]
-    assert cfg.tasks_of("point", "toy") == cfg.tasks_of("related", "toy") == ["perplexity", "fidelity"]
+def test_ablation_and_related_tasks_narrow_their_kind_only():
+    cfg = validate_section("decode", {**DECODE, "ablation_tasks": ["fidelity"], "related_tasks": ["perplexity"]},
+                           DecodeConfig)
+    assert cfg.tasks_of("ablation", "toy") == ["fidelity"] and cfg.tasks_of("related", "toy") == ["perplexity"]
+    assert cfg.tasks_of("point", "toy") == cfg.tasks_of("baseline", "toy") == ["perplexity", "fidelity"]
     assert validate_section("decode", DECODE, DecodeConfig).tasks_of("ablation", "toy") == ["perplexity", "fidelity"]
 
 

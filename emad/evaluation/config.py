@@ -38,6 +38,7 @@ class DecodeConfig(Section):
         related: methods from related work without a profile (softmax response, contrastive, EAD, speculative
             decoding ...): one run per model × related domain.
         related_domains: domains the related methods run on (each also in ``domains``).
+        related_tasks: the tasks the related methods run, each among every related domain's tasks (null = all).
         heatmap_texts: generated texts shown in a run's token-depth heat map.
         device, dtype: where and how the model runs.
     """
@@ -53,6 +54,7 @@ class DecodeConfig(Section):
     ablation_calibration: str = "stdlib-prose"
     related: dict[str, PointConfig] = Field(default_factory=dict)
     related_domains: list[str] = Field(default_factory=list)
+    related_tasks: list[str] | None = None
     heatmap_texts: int = Field(3, ge=0)
     device: str = "auto"
     dtype: str = "auto"
@@ -108,10 +110,11 @@ class DecodeConfig(Section):
             stray = [d for d in self.ablation_domains if d not in self.domains]
             if stray:
                 raise ValueError(f"ablation_domains {stray} are not in domains ({', '.join(self.domains)})")
-            for domain in self.ablation_domains:
-                stray = [t for t in self.ablation_tasks or [] if t not in self.domains[domain]]
+        for kind in ("ablation", "related"):
+            for domain in getattr(self, f"{kind}_domains"):
+                stray = [t for t in getattr(self, f"{kind}_tasks") or [] if t not in self.domains[domain]]
                 if stray:
-                    raise ValueError(f"ablation_tasks {stray} are not tasks of ablation domain {domain!r} "
+                    raise ValueError(f"{kind}_tasks {stray} are not tasks of {kind} domain {domain!r} "
                                      f"({', '.join(self.domains[domain])})")
         return self
 
@@ -142,11 +145,9 @@ class DecodeConfig(Section):
         return list(chosen) if chosen else list(own)
 
     def tasks_of(self, kind: str, domain: str) -> list[str]:
-        """The tasks a point of ``kind`` runs on ``domain`` (ablations: ``ablation_tasks`` when set)."""
-        tasks = self.domains[domain]
-        if kind == "ablation" and self.ablation_tasks:
-            return [t for t in tasks if t in self.ablation_tasks]
-        return list(tasks)
+        """The tasks a point of ``kind`` runs on ``domain`` (``ablation_tasks`` / ``related_tasks`` when set)."""
+        narrow = {"ablation": self.ablation_tasks, "related": self.related_tasks}.get(kind)
+        return [t for t in self.domains[domain] if not narrow or t in narrow]
 
     def task_settings(self, name: str):
         return TASKS.get(name).settings(self.tasks.get(name))
