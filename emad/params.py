@@ -74,6 +74,11 @@ def _check_across(cfg: dict[str, Any]) -> None:
             raise ConfigError(f"calibrate.sources[{i}]: {source!r} is not sampled; add it to corpus.sources "
                               f"({', '.join(sorted(sampled))})")
     calibrated = cfg.get("calibrate", CalibrateConfig()).sources
+    profiled = cfg.get("calibrate", CalibrateConfig()).readouts
+    for i, readout in enumerate(cfg["estimators"].readouts if "estimators" in cfg else []):
+        if readout not in profiled:
+            raise ConfigError(f"estimators.readouts[{i}]: {readout!r} has no profile; valid: calibrate.readouts "
+                              f"({', '.join(profiled)})")
     if "decode" in cfg and cfg["decode"].ablations:
         _check_calibrated("decode.ablation_calibration", cfg["decode"].ablation_calibration, calibrated)
     if "risk" in cfg and cfg["risk"].searches:

@@ -45,7 +45,7 @@ def _risk_results(folder: Path | None) -> list[dict]:
     """The ``emad-risk`` result files of the risk stage (none when the folder is absent)."""
     if folder is None or not folder.is_dir():
         return []
-    return [read_json(path, "risk result", ValueError) for path in sorted(folder.glob("*.json"))]
+    return [read_json(path, "risk result", ValueError) for path in sorted(folder.rglob("*.json"))]
 
 
 def _readout_fits(folder: Path | None) -> dict[str, dict]:

@@ -1,11 +1,12 @@
-"""Stages ``decode_baseline``, ``decode``, ``decode_ablation`` and ``decode_related``: one operating point on each
-of its eval domains, in one process (the model is loaded once).
+"""Stages ``decode_baseline``, ``decode``, ``decode_ablation`` and ``decode_related``: every operating point of one
+kind (or the ``--point`` given) on each of its eval domains, in one process (the model is loaded once).
 
-The domains are those of the point's kind in params (``decode.domains`` for baselines and points,
+The domains are those of the kind in params (``decode.domains`` for baselines and points,
 ``decode.ablation_domains`` and ``decode.related_domains``, narrowed to ``ablation_tasks`` / ``related_tasks``), or
-the ``--domain`` given. Per domain it writes the run file ``<out>/<run-id>.json`` (read by ``aggregate``), a depth histogram PNG
-and a token-depth heat map HTML in ``<artifacts>/<domain>/``, and logs one MLflow run with the same content.
-Every domain's tasks are loaded before any decoding, so bad input fails first.
+the ``--domain`` given. Per (point, domain) it writes the run file ``<out>/<run-id>.json`` (read by ``aggregate``),
+a depth histogram PNG and a token-depth heat map HTML in ``<artifacts>/<point>/<domain>/``, and logs one MLflow
+run with the same content. Every point's method is built and every domain's tasks are loaded before any decoding,
+so bad input fails first.
 """
 
 from __future__ import annotations
@@ -44,20 +45,21 @@ def _profile_facts(path: Path | None, method) -> dict:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kind", choices=["baseline", "point", "ablation", "related"], required=True,
-                        help="which table of the decode section names the point")
-    parser.add_argument("--point", required=True, help="operating point (or ablation) name")
+                        help="which table of the decode section names the points")
+    parser.add_argument("--point", action="append", help="an operating point (or ablation) of that table; repeat "
+                        "for several; default: every one")
     parser.add_argument("--model", required=True, help="model name (as in params.yaml models)")
     parser.add_argument("--model-dir", required=True, help="prepared model folder")
     parser.add_argument("--domain", action="append", help="an eval domain (a key of decode.domains); repeat for "
-                        "several; default: every domain of the point's kind in params")
+                        "several; default: every domain of the kind in params")
     parser.add_argument("--corpora", type=Path, help="folder of sampled corpora, one <domain>/ each (text tasks)")
-    parser.add_argument("--calibration", help="calibration source of the profile")
+    parser.add_argument("--calibration", help="calibration source of the profiles")
     parser.add_argument("--profile", help="profile.json (points and ablations); {readout} in the path is replaced "
-                        "by the point's readout")
+                        "by each point's readout")
     parser.add_argument("--readouts", type=Path, help="readouts.safetensors (stage fit_readouts) for readout: tuned")
-    parser.add_argument("--out", type=Path, required=True, help="folder for the run files (one per domain)")
+    parser.add_argument("--out", type=Path, required=True, help="folder for the run files (one per point x domain)")
     parser.add_argument("--artifacts", type=Path, required=True,
-                        help="folder for the histograms and heat maps (a <domain>/ each)")
+                        help="folder for the histograms and heat maps (a <point>/<domain>/ each)")
     parser.add_argument("--params", default="params.yaml")
     return parser.parse_args(argv)
 
@@ -65,63 +67,72 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = load_section("decode", DecodeConfig, args.params)
-    point = cfg.point(args.kind, args.point)
+    names = args.point or cfg.names_of(args.kind)
+    points = {name: cfg.point(args.kind, name) for name in names}
     domains = cfg.domains_of(args.kind, args.domain)
-    if point.needs_profile and (args.profile is None or args.calibration is None):
-        raise ValueError(f"point {args.point!r} ({point.method}) needs --profile and --calibration")
+    needy = [name for name, point in points.items() if point.needs_profile]
+    if needy and (args.profile is None or args.calibration is None):
+        raise ValueError(f"{', '.join(needy)} ({points[needy[0]].method}) need --profile and --calibration")
     loaded = load_model(args.model_dir, device=cfg.device, dtype=cfg.dtype)
     stack = LayerStack(loaded.model)
-    profile_path = readout_path(args.profile, point.readout) if point.needs_profile else None
-    calibration = args.calibration if profile_path else None
-
-    method = build_method(point, stack.n_layers, loaded.fingerprint.as_dict(), profile_path,
-                          load=model_loader(cfg.device, cfg.dtype), readouts_path=args.readouts)
-    method.bind(stack, loaded.tokenizer)  # one method for every domain, as for every task of a domain
-    facts = _profile_facts(profile_file(profile_path, point.strata) if profile_path else None, method)
-    prepared = {d: prepare(cfg.tasks_of(args.kind, d), cfg.tasks, args.corpora / d if args.corpora else None, loaded.tokenizer)
-                for d in domains}
-    for domain in domains:
-        rid = runfile.run_id(args.model, args.point, domain, calibration)
-        params = {"decode": {"point": point.model_dump(),
-                             "tasks": {p.name: p.settings.model_dump() for p in prepared[domain]},
-                             "device": cfg.device, "dtype": cfg.dtype},
-                  "run_id": rid, "model": args.model, "domain": domain, "calibration": calibration,
-                  "kind": args.kind}
-        tags = {"model_fingerprint": loaded.fingerprint.digest, "run_id": rid, "family": point.family,
-                "profile_fingerprint": facts["profile_fingerprint"] or "", "readout": point.readout}
-        print(f"decode: {rid}: {', '.join(p.name for p in prepared[domain])}", file=sys.stderr)
-        with tracking.stage_run(f"decode_{args.kind}" if args.kind != "point" else "decode", params, tags,
-                                run_name=rid) as run:
-            result = evaluate(stack, loaded.tokenizer, method, tqdm(prepared[domain], desc=rid, unit="task"))
-            hist, cost = result.depth_histogram(), result.cost()
-            record = {
-                "run_id": rid, "model": args.model, "model_fingerprint": loaded.fingerprint.digest,
-                "n_layers": stack.n_layers, "point": args.point, "kind": args.kind, "family": point.family,
-                "readout": point.readout, "options": point.options(), "method": method.describe(),
-                "calibration": calibration, "domain": domain, **facts, "tasks": result.tasks,
-                "quality": runfile.quality_of(result.tasks), "intervals": runfile.intervals_of(result.tasks),
-                "cost": cost,
-                "depth_histogram": {str(d): n for d, n in hist.items()}, "mlflow_run_id": run.run_id,
-            }
-            artifacts = args.artifacts / domain
-            hist_png = save_figure(depth_histogram_figure(hist, stack.n_layers, rid), artifacts / "depth.png")
-            heat = atomic_write_text(artifacts / "heatmap.html",
-                                     heatmap_html(result.heatmap_texts(loaded.tokenizer, cfg.heatmap_texts),
-                                                  stack.n_layers, rid))
-            run.log_metrics({f"quality.{k}": v for k, v in record["quality"].items()})
-            run.log_metrics(runfile.interval_metrics(record["intervals"], prefix="quality."))
-            run.log_metrics({f"cost.{k}": v for k, v in cost.items() if v is not None})
-            for task, metrics in result.tasks.items():
-                run.log_metrics({f"{task}.{k}": v for k, v in metrics.items() if isinstance(v, (int, float))})
-            run.log_artifact(hist_png)
-            run.log_artifact(heat)
-            out = args.out / f"{rid}.json"
-            runfile.save(out, record)
-            run.log_artifact(out)
-        quality = ", ".join(f"{k} {v:.4g}" for k, v in record["quality"].items())
-        speed = f"{cost['tokens_per_s']:.1f} tok/s" if cost["tokens_per_s"] else "no generation"
-        print(f"decode: {rid}: {quality}; FLOPs ratio {cost['flops_ratio']:.3f}; {speed} -> {out}")
+    built = {}  # name -> (method, calibration, profile facts): every method checked before any decoding
+    for name, point in points.items():
+        profile_path = readout_path(args.profile, point.readout) if point.needs_profile else None
+        method = build_method(point, stack.n_layers, loaded.fingerprint.as_dict(), profile_path,
+                              load=model_loader(cfg.device, cfg.dtype), readouts_path=args.readouts)
+        method.bind(stack, loaded.tokenizer)  # one method for every domain, as for every task of a domain
+        facts = _profile_facts(profile_file(profile_path, point.strata) if profile_path else None, method)
+        built[name] = method, (args.calibration if profile_path else None), facts
+    prepared = {d: prepare(cfg.tasks_of(args.kind, d), cfg.tasks, args.corpora / d if args.corpora else None,
+                           loaded.tokenizer) for d in domains}
+    for name, (method, calibration, facts) in built.items():
+        for domain in domains:
+            _run(args, cfg, loaded, stack, name, points[name], method, calibration, facts, domain, prepared[domain])
     return 0
+
+
+def _run(args, cfg: DecodeConfig, loaded, stack: LayerStack, name: str, point, method, calibration: str | None,
+         facts: dict, domain: str, prepared: list) -> None:
+    """One (point, domain): evaluate its tasks, write the run file and artifacts, log one MLflow run."""
+    rid = runfile.run_id(args.model, name, domain, calibration)
+    params = {"decode": {"point": point.model_dump(),
+                         "tasks": {p.name: p.settings.model_dump() for p in prepared},
+                         "device": cfg.device, "dtype": cfg.dtype},
+              "run_id": rid, "model": args.model, "domain": domain, "calibration": calibration, "kind": args.kind}
+    tags = {"model_fingerprint": loaded.fingerprint.digest, "run_id": rid, "family": point.family,
+            "profile_fingerprint": facts["profile_fingerprint"] or "", "readout": point.readout}
+    print(f"decode: {rid}: {', '.join(p.name for p in prepared)}", file=sys.stderr)
+    with tracking.stage_run(f"decode_{args.kind}" if args.kind != "point" else "decode", params, tags,
+                            run_name=rid) as run:
+        result = evaluate(stack, loaded.tokenizer, method, tqdm(prepared, desc=rid, unit="task"))
+        hist, cost = result.depth_histogram(), result.cost()
+        record = {
+            "run_id": rid, "model": args.model, "model_fingerprint": loaded.fingerprint.digest,
+            "n_layers": stack.n_layers, "point": name, "kind": args.kind, "family": point.family,
+            "readout": point.readout, "options": point.options(), "method": method.describe(),
+            "calibration": calibration, "domain": domain, **facts, "tasks": result.tasks,
+            "quality": runfile.quality_of(result.tasks), "intervals": runfile.intervals_of(result.tasks),
+            "cost": cost,
+            "depth_histogram": {str(d): n for d, n in hist.items()}, "mlflow_run_id": run.run_id,
+        }
+        artifacts = args.artifacts / name / domain
+        hist_png = save_figure(depth_histogram_figure(hist, stack.n_layers, rid), artifacts / "depth.png")
+        heat = atomic_write_text(artifacts / "heatmap.html",
+                                 heatmap_html(result.heatmap_texts(loaded.tokenizer, cfg.heatmap_texts),
+                                              stack.n_layers, rid))
+        run.log_metrics({f"quality.{k}": v for k, v in record["quality"].items()})
+        run.log_metrics(runfile.interval_metrics(record["intervals"], prefix="quality."))
+        run.log_metrics({f"cost.{k}": v for k, v in cost.items() if v is not None})
+        for task, metrics in result.tasks.items():
+            run.log_metrics({f"{task}.{k}": v for k, v in metrics.items() if isinstance(v, (int, float))})
+        run.log_artifact(hist_png)
+        run.log_artifact(heat)
+        out = args.out / f"{rid}.json"
+        runfile.save(out, record)
+        run.log_artifact(out)
+    quality = ", ".join(f"{k} {v:.4g}" for k, v in record["quality"].items())
+    speed = f"{cost['tokens_per_s']:.1f} tok/s" if cost["tokens_per_s"] else "no generation"
+    print(f"decode: {rid}: {quality}; FLOPs ratio {cost['flops_ratio']:.3f}; {speed} -> {out}")
 
 
 if __name__ == "__main__":

@@ -85,6 +85,8 @@ PARAMS_CASES = [  # (path with '/' between keys, value, what the message must na
     ("smooth/statistic", "median", r"smooth\.statistic.*'median'"),
     ("smooth/min_count", 0, r"smooth\.min_count"),
     ("estimators/topk/k", 0, r"estimators\.topk\.k"),
+    ("estimators/readouts", ["logit", "lens"], r"estimators\.readouts\[1\]: 'lens' has no profile; valid: "
+                                               r"calibrate\.readouts \(logit, tuned\)"),
     ("corpus/sources", ["stdlib-prose", "wikitxt"], r"corpus\.sources\[1\].*wikitxt.*valid: "),
     ("corpus/calib_tokens", -5, r"corpus\.calib_tokens"),
     ("decode/domains/shakespeare", ["perplexity"], r"decode\.domains\.shakespeare: the domain is not sampled"),

@@ -67,7 +67,7 @@ def _decode(root: Path, kind: str, point: str, monkeypatch, **extra) -> int:
     args = ["--kind", kind, "--point", point, "--model", "tiny", "--model-dir", str(root / "model"),
             "--domain", extra.pop("domain", "toy"), "--corpora", str(root / "corpora"),
             "--out", str(root / extra.pop("runs", "runs") / f"{kind}-{point}"),
-            "--artifacts", str(root / "art" / point),
+            "--artifacts", str(root / "art"),
             "--params", str(root / "params.yaml")]
     if kind not in ("baseline", "related"):
         args += ["--calibration", "toy", "--profile", str(extra.pop("profile", root / "profile.json"))]
@@ -216,11 +216,11 @@ def _risk(root: Path, search: str, monkeypatch, risk: dict | None = None) -> Pat
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
     params = root / "risk-params.yaml"
     params.write_text(yaml.safe_dump({"risk": risk or RISK}))
-    out = root / "risk" / f"{search}.json"
+    out = root / "risk" / search
     assert stage.main(["--search", search, "--model", "tiny", "--model-dir", str(root / "model"),
                        "--corpus", str(root / "corpora" / "toy"), "--calibration", "toy", "--profile",
                        str(root / "profile.json"), "--out", str(out), "--params", str(params)]) == 0
-    return out
+    return out / f"tiny--{search}--cal-toy.json"
 
 
 def test_risk_stage_certifies_from_the_conservative_end_and_checks_on_fresh_prompts(workspace, monkeypatch):

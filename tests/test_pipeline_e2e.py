@@ -36,7 +36,8 @@ def _params(model_dir: Path) -> dict:
         "calibrate": {"sources": ["stdlib-prose"], "window": 32, "batch_size": 4, "probe_layers": 1,
                       "readouts": ["logit", "tuned"], "max_tokens": 256, "device": "cpu", "dtype": "float32"},
         "smooth": {"statistic": "mean", "min_count": 5},
-        "estimators": {"topk": {"k": 64}, "lowrank": {"rank": 8}, "tokens": 256, "window": 32},
+        "estimators": {"topk": {"k": 64}, "lowrank": {"rank": 8}, "tokens": 256, "window": 32,
+                       "readouts": ["logit", "tuned"]},
         "decode": {
             "domains": {"stdlib-prose": ["perplexity", "fidelity"]},
             "tasks": {"perplexity": {"tokens": 128, "window": 64, "prefix": 16},
@@ -110,14 +111,17 @@ def test_repro_writes_every_output(repo):
         "tiny--full--stdlib-prose.json", "tiny--fixed-2-tuned--stdlib-prose.json",
         "tiny--emad-m0--cal-stdlib-prose--stdlib-prose.json", "tiny--emad-m0-tuned--cal-stdlib-prose--stdlib-prose.json",
         "tiny--backfill--cal-stdlib-prose--stdlib-prose.json", "tiny--ead-k2--stdlib-prose.json"])
-    for stem in (p[: -len("--stdlib-prose.json")] for p in runs):  # one folder per stage, one per domain in it
-        assert (repo / "reports" / "runs" / stem / f"{stem}--stdlib-prose.json").is_file()
-        assert (repo / "reports" / "artifacts" / stem / "stdlib-prose" / "heatmap.html").is_file()
+    folders = {"full": "baselines", "fixed-2-tuned": "baselines", "emad-m0": "points--cal-stdlib-prose",
+               "emad-m0-tuned": "points--cal-stdlib-prose", "backfill": "ablations--cal-stdlib-prose",
+               "ead-k2": "related"}  # one folder per stage: every point of its kind, one run file per domain
+    for point, folder in folders.items():
+        (run,) = (repo / "reports" / "runs" / f"tiny--{folder}").glob(f"tiny--{point}--*stdlib-prose.json")
+        assert (repo / "reports" / "artifacts" / f"tiny--{folder}" / point / "stdlib-prose" / "heatmap.html").is_file()
     for path in ("data/profiles/tiny/stdlib-prose/logit/profile.json", "data/profiles/tiny/stdlib-prose/tuned/profile.json",
                  "data/profiles/tiny/stdlib-prose/tuned/estimators.json", "reports/profiles/tiny-stdlib-prose-tuned.png",
                  "data/readouts/tiny/stdlib-prose/readouts.safetensors", "data/readouts/tiny/stdlib-prose/metrics.json",
                  "reports/readouts/tiny-stdlib-prose.png", "reports/report.md", "reports/metrics.json",
-                 "reports/risk/tiny--margin--cal-stdlib-prose.json"):
+                 "reports/risk/tiny--cal-stdlib-prose/tiny--margin--cal-stdlib-prose.json"):
         assert (repo / path).is_file(), path
     assert list((repo / "reports" / "figures").glob("*.png"))
     assert list((repo / "reports" / "pareto" / "flops").glob("*.json"))
@@ -138,7 +142,7 @@ def test_mlflow_holds_one_run_per_stage_execution(repo):
     parent = runs[runs["tags.dvc_stage"] == "aggregate"].iloc[0]["run_id"]
     nested = runs[runs["tags.mlflow.parentRunId"] == parent]
     assert len(nested) == 6
-    tuned = json.loads((repo / "reports/runs/tiny--emad-m0-tuned--cal-stdlib-prose"
+    tuned = json.loads((repo / "reports/runs/tiny--points--cal-stdlib-prose"
                         / "tiny--emad-m0-tuned--cal-stdlib-prose--stdlib-prose.json").read_text())
     assert tuned["readout"] == "tuned" and tuned["method"]["readout"] == "tuned"
 
@@ -165,7 +169,10 @@ def test_queued_two_job_sweep_keeps_every_mlflow_run(repo):
     assert "Failed" not in status, _sh(repo, "dvc", "queue", "logs", status.split()[0]) if status else status
     runs = _mlflow_runs(repo).iloc[: len(_mlflow_runs(repo)) - before]
     per_stage = runs["tags.dvc_stage"].value_counts().to_dict()
-    # each experiment reruns the emad-m0 decode, the ablation built on it, and the aggregate
-    assert per_stage == {"decode": 2, "decode_ablation": 2, "aggregate": 2}, per_stage
-    margins = sorted(float(m) for m in runs[runs["tags.dvc_stage"] == "decode"]["params.decode.point.margin"])
+    # each experiment reruns the EMAD points (emad-m0 and emad-m0-tuned), the ablations built on emad-m0, and the
+    # aggregate
+    assert per_stage == {"decode": 4, "decode_ablation": 2, "aggregate": 2}, per_stage
+    decode = runs[runs["tags.dvc_stage"] == "decode"]
+    margins = sorted(float(m) for m in decode[decode["tags.run_id"].str.contains("--emad-m0--")]
+                     ["params.decode.point.margin"])
     assert margins == [0.5, 1.0]

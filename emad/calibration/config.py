@@ -141,6 +141,8 @@ class EstimatorsConfig(Section):
         tokens: calibration tokens used (first windows of the calibration split).
         window: tokens per window.
         holdout: share of those tokens kept out of the fit to measure the error.
+        readouts: the profiles' readouts (of ``calibrate.readouts``) fitted, for the profiles of
+            ``decode.ablation_calibration`` (the estimator ablations read those).
     """
 
     topk: TopKConfig | None = Field(default_factory=TopKConfig)
@@ -148,6 +150,7 @@ class EstimatorsConfig(Section):
     tokens: int = Field(4096, ge=16)
     window: int = Field(256, ge=2)
     holdout: float = Field(0.2, gt=0, lt=1)
+    readouts: list[str] = Field(default_factory=lambda: ["logit"], min_length=1)
 
     def fitted(self) -> dict[str, dict]:
         """Estimator name → constructor options, for those not switched off."""

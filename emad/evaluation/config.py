@@ -125,6 +125,11 @@ class DecodeConfig(Section):
         base = self.points[self.default_point].model_dump()
         return validate_section(f"decode.ablations.{name}", {**base, **self.ablations[name]}, PointConfig)
 
+    def names_of(self, kind: str) -> list[str]:
+        """Every point name of ``kind`` (``baseline``, ``point``, ``ablation`` or ``related``)."""
+        return list({"baseline": self.baselines, "point": self.points, "ablation": self.ablations,
+                     "related": self.related}[kind])
+
     def point(self, kind: str, name: str) -> PointConfig:
         """The operating point ``name`` of ``kind`` (``baseline``, ``point``, ``ablation`` or ``related``)."""
         if kind == "ablation":
