@@ -19,8 +19,10 @@ from emad.decode.step import (
     prefill,
     step,
 )
+from emad.decode.sweep import Sweep, score_sweep
 
 __all__ = [
     "ContextLengthError", "Generation", "Method", "Sampling", "Scored", "StepOutput", "TokenTrace", "choose",
-    "generate", "left_pad", "positions_of", "prefill", "score", "score_adaptive", "score_continuations", "step",
+    "generate", "left_pad", "positions_of", "prefill", "score", "score_adaptive", "score_continuations", "score_sweep",
+    "step", "Sweep",
 ]

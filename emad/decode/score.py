@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from emad.decode.monotone import monotone_exits, scored_from_exits
 from emad.decode.results import Scored
 from emad.decode.step import (
     ContextLengthError,
@@ -25,7 +26,7 @@ from emad.decode.strategy import Strategy
 from emad.engine.cache import KVCache
 from emad.engine.cost import CostModel
 from emad.engine.stack import LayerStack
-from emad.exits.criteria import Criterion, ProbeView
+from emad.exits.criteria import Criterion
 
 
 @dataclass
@@ -154,77 +155,46 @@ def _score_adaptive(stack: LayerStack, shared: _Prompt, continuation: Sequence[i
     return Scored(logprobs, depths, flops, full, greedy=greedy)
 
 
-def _score_monotone(stack: LayerStack, shared: _Prompt, continuation: Sequence[int], method: Method) -> Scored:
-    """Monotone scoring, one pass per layer over the prefix of positions still running.
+class _Incremental:
+    """States of a continuation's running prefix, computed by running the stack on it probe after probe (each
+    layer once for the positions still running); estimates from the method's own estimator."""
 
-    At probe ℓ, if the first running position whose criterion passes is i*, then i* exits at ℓ and so must every
-    later running position (their depth may not exceed i*'s: they are capped, as in generation); the prefix
-    shrinks to ``[0, i*)``. The first position's cap is the prompt's depth, which is the deepest probe.
-    Costs are charged as generation charges them: a probe for each position evaluated at that probe, and a
-    readout for each exit the estimator did not already read out.
-    """
-    criterion, estimator = method.criterion, method.estimator
+    def __init__(self, stack: LayerStack, cache: KVCache, continuation: Sequence[int], n_prompt: int,
+                 estimator) -> None:
+        m = len(continuation) - 1
+        x = torch.tensor([list(continuation[:-1])], dtype=torch.long, device=stack.device)  # [1, m] inputs
+        self.positions = torch.arange(n_prompt, n_prompt + m, device=stack.device)  # [m]
+        self.stack, self.cache, self.estimator = stack, cache, estimator
+        self.slots = cache.allocate(torch.ones_like(x, dtype=torch.bool))
+        self.h = stack.embed(x, self.positions[None])  # [1, m, d]
+        self.done = 0
+        estimator.begin(m)
+
+    def states(self, probe: int, running: int) -> torch.Tensor:
+        slots = slice(self.slots.start, self.slots.start + running)
+        self.h = self.stack.run(self.h[:, :running], self.done, probe, self.cache, self.positions[None, :running],
+                                slots)
+        self.done = probe
+        return self.h[0]
+
+    def estimate(self, k: int, probe: int, running: int):
+        return self.estimator.estimate(self.stack, self.h[0], probe, torch.arange(running, device=self.stack.device))
+
+    def readout(self, probe: int, lo: int, hi: int) -> torch.Tensor:
+        return self.stack.readout(self.h[0, lo:hi], probe)
+
+
+def _score_monotone(stack: LayerStack, shared: _Prompt, continuation: Sequence[int], method: Method) -> Scored:
+    """Monotone scoring, one pass per layer over the prefix of positions still running
+    (:func:`emad.decode.monotone.monotone_exits`). The first position's cap is the prompt's depth, which is the
+    deepest probe."""
     cost = CostModel.from_stack(stack)
-    device, n_prompt, m = stack.device, shared.length, len(continuation) - 1
-    cache, first_logits, depth0 = shared.fresh_cache(), shared.logits, shared.depth
-    probes = criterion.probes(stack.n_layers)
-    assert depth0 == probes[-1], "monotone scoring assumes the prompt runs to the deepest probe"
-    logprobs = [float(torch.log_softmax(first_logits.float(), -1)[continuation[0]])]
-    greedy = [int(first_logits.argmax()) == continuation[0]]
-    flops, full = cost.readout_at(depth0)[0], float(cost.readout_flops)
-    if m == 0:  # a one-token continuation is read out of the prompt alone
-        return Scored(logprobs, [depth0], flops, full, greedy=greedy)
-    x = torch.tensor([list(continuation[:-1])], dtype=torch.long, device=device)  # [1, m] inputs
-    positions = torch.arange(n_prompt, n_prompt + m, device=device)[None]  # [1, m]
-    slots = cache.allocate(torch.ones_like(x, dtype=torch.bool))
-    h = stack.embed(x, positions)  # [1, m, d]
-    probe_flops, _ = estimator.probe_cost(cost)
-    exit_logits = torch.empty(m, stack.vocab_size, dtype=stack.dtype, device=device)
-    depth = torch.zeros(m, dtype=torch.long)
-    charged = torch.zeros(m, dtype=torch.float64)
-    first_conf = torch.ones(m, device=device)
-    estimator.begin(m)
-    criterion.begin(m)
-    running, done = m, 0
-    for k, probe in enumerate(probes):
-        if running == 0:
-            break
-        h = stack.run(h[:, :running], done, probe, cache, positions[:, :running],
-                      slice(slots.start, slots.start + running))
-        done = probe
-        first, passer = running, None  # first: the first position that passes here; passer: its exit logits
-        if k < len(probes) - 1 and criterion.needs_estimate and criterion.wants_estimate(k, probe):
-            est = estimator.estimate(stack, h[0], probe, torch.arange(running, device=device))
-            if k == 0:
-                first_conf[:running] = est.max_prob.float()
-            view = ProbeView(probe, est.entropy, positions[0, :running], first_conf[:running], est.logits,
-                             torch.arange(running, device=device))
-            criterion.observe(view)
-            if probe >= criterion.min_exit_layer:
-                hits = criterion.exits(view).nonzero()
-                first = int(hits[0]) if len(hits) else running
-            upto = min(first + 1, running)  # the positions this probe was paid for (later ones are capped)
-            charged[:upto] += (est.cost[0][:upto] if est.cost is not None else probe_flops) + cost.translation(probe)[0]
-            if first < running:
-                logits = criterion.exit_logits(view)
-                passer = logits[first] if logits is not None else None
-        elif k == len(probes) - 1:
-            first = 0
-        if first < running:
-            capped = first
-            if passer is not None:  # the passer reads its token from the probe; later positions are capped
-                exit_logits[first] = passer.to(exit_logits.dtype)
-                capped = first + 1
-            if capped < running:
-                exit_logits[capped:running] = stack.readout(h[0, capped:running], probe).to(exit_logits.dtype)
-                charged[capped:running] += cost.readout_at(probe)[0]
-            depth[first:running] = probe
-        running = first
-    targets = torch.tensor(continuation[1:], device=device)[:, None]
-    logprobs += torch.log_softmax(exit_logits.float(), -1).gather(-1, targets)[:, 0].tolist()
-    greedy += (exit_logits.argmax(-1) == targets[:, 0]).tolist()
-    for i in range(m):
-        keys = n_prompt + i + 1  # every earlier position ran at least as deep (monotone)
-        flops += float(sum(cost.layer_flops(j, keys) for j in range(int(depth[i])))) + float(charged[i])
-        full += float(cost.full_depth(torch.tensor([keys]))[0][0])
-    return Scored(logprobs, [depth0, *depth.tolist()], flops, full, greedy=greedy)
+    cache = shared.fresh_cache()
+    assert shared.depth == method.criterion.probes(stack.n_layers)[-1], \
+        "monotone scoring assumes the prompt runs to the deepest probe"
+    exits = None
+    if len(continuation) > 1:
+        source = _Incremental(stack, cache, continuation, shared.length, method.estimator)
+        exits = monotone_exits(method, source, len(continuation) - 1, stack.n_layers, stack.vocab_size, cost,
+                               stack.dtype, stack.device)
+    return scored_from_exits(continuation, shared.logits, shared.depth, exits, cost, shared.length)

@@ -42,11 +42,13 @@ class Estimator:
         gives_logits: True when every estimate carries the readout logits (criteria that read them need it).
         needs_fit: True when the estimator is loaded from a fitted estimators file; else it is built from the
             operating point's options (its constructor arguments).
+        stateful: True when a token's estimate depends on its earlier probes (then :meth:`begin` resets it).
     """
 
     name: ClassVar[str]
     gives_logits: ClassVar[bool] = False
     needs_fit: ClassVar[bool] = True
+    stateful: ClassVar[bool] = False
 
     @classmethod
     def from_sample(cls, stack, sample: dict, **options) -> Estimator:
@@ -237,6 +239,7 @@ class Prune(Estimator):
 
     gives_logits = True
     needs_fit = False
+    stateful = True
     SCHEDULES = ("fixed", "decay", "adaptive")
 
     def __init__(self, prune_k: int = 512, prune_schedule: str = "fixed", prune_k_min: int | None = None):

@@ -1,0 +1,150 @@
+"""Teacher-forced exits under the monotone policy, one pass per probe over the positions still running.
+
+Under the monotone policy a continuation's depths never rise, so at each probe the positions still running form a
+prefix ``[0, running)``. At probe ℓ, if the first running position whose criterion passes is i*, then i* exits at ℓ
+and so must every later running position (their depth may not exceed i*'s: they are capped, as in generation); the
+prefix shrinks to ``[0, i*)``. A position that runs layer ℓ attends there only to earlier positions that also ran
+ℓ, so its hidden state is the full-depth pass's: the states may come from running the stack on the prefix
+(:func:`emad.decode.score_adaptive`) or from one shared full-depth pass (:mod:`emad.decode.sweep`). A
+:class:`StateSource` hides which.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from emad.decode.results import Scored
+from emad.engine.cost import CostModel
+from emad.exits.criteria import ProbeView
+from emad.exits.estimators import Estimate
+
+
+class StateSource(Protocol):
+    """Hidden states, estimates and readouts of a continuation's first ``running`` positions at a probe.
+
+    Attributes:
+        positions: ``[m]`` position ids of the continuation's positions (criteria stratify by them).
+    """
+
+    positions: torch.Tensor
+
+    def states(self, probe: int, running: int) -> torch.Tensor:
+        """``[running, d]`` hidden states after layer ``probe`` (1-based); probes are asked in ascending order."""
+
+    def estimate(self, k: int, probe: int, running: int) -> Estimate:
+        """The method's estimate at its ``k``-th probe for positions ``[0, running)``."""
+
+    def readout(self, probe: int, lo: int, hi: int) -> torch.Tensor:
+        """``[hi - lo, V]`` logits of positions ``[lo, hi)`` read out at ``probe``."""
+
+
+@dataclass
+class Exits:
+    """Where each of ``m`` positions exited and what it cost beyond its layers.
+
+    Attributes:
+        logits: ``[m, V]`` the exit readout of each position.
+        depth: ``[m]`` its exit layer.
+        charged: ``[m]`` FLOPs of its probes and exit readout (float64).
+    """
+
+    logits: torch.Tensor
+    depth: torch.Tensor
+    charged: torch.Tensor
+
+
+def estimated_probes(criterion, n_layers: int) -> list[int]:
+    """The probes a criterion estimates under teacher forcing (every one it wants, the last excluded)."""
+    probes = criterion.probes(n_layers)
+    if not criterion.needs_estimate:
+        return []
+    return [p for k, p in enumerate(probes[:-1]) if criterion.wants_estimate(k, p)]
+
+
+def monotone_exits(method, source: StateSource, m: int, n_layers: int, vocab_size: int, cost: CostModel,
+                   dtype: torch.dtype, device: torch.device) -> Exits:
+    """Exits of ``m`` continuation positions under ``method`` (monotone policy), from ``source``.
+
+    Costs are charged as generation charges them: a probe for each position evaluated at that probe (later
+    positions are capped by the first that passes, so the probe is paid up to it), and a readout for each exit
+    the estimator did not already read out.
+    """
+    criterion, estimator = method.criterion, method.estimator
+    probes = criterion.probes(n_layers)
+    estimated = set(estimated_probes(criterion, n_layers))
+    probe_flops, _ = estimator.probe_cost(cost)
+    exit_logits = torch.empty(m, vocab_size, dtype=dtype, device=device)
+    depth = torch.zeros(m, dtype=torch.long)
+    charged = torch.zeros(m, dtype=torch.float64)
+    first_conf = torch.ones(m, device=device)
+    criterion.begin(m)
+    running = m
+    for k, probe in enumerate(probes):
+        if running == 0:
+            break
+        h = source.states(probe, running)  # [running, d]
+        first, passer = running, None  # first: the first position that passes here; passer: its exit logits
+        if probe in estimated:
+            est = source.estimate(k, probe, running)
+            if k == 0:
+                first_conf[:running] = est.max_prob.float()
+            rows = torch.arange(running, device=device)
+            view = ProbeView(probe, est.entropy, source.positions[:running], first_conf[:running],
+                             est.logits, rows)
+            criterion.observe(view)
+            if probe >= criterion.min_exit_layer:
+                hits = criterion.exits(view).nonzero()
+                first = int(hits[0]) if len(hits) else running
+            upto = min(first + 1, running)  # the positions this probe was paid for (later ones are capped)
+            charged[:upto] += (est.cost[0][:upto] if est.cost is not None else probe_flops) + cost.translation(probe)[0]
+            if first < running:
+                logits = criterion.exit_logits(view)
+                passer = logits[first] if logits is not None else None
+        elif k == len(probes) - 1:
+            first = 0
+        if first < running:
+            capped = first
+            if passer is not None:  # the passer reads its token from the probe; later positions are capped
+                exit_logits[first] = passer.to(dtype)
+                capped = first + 1
+            if capped < running:
+                exit_logits[capped:running] = source.readout(probe, capped, running).to(dtype)
+                charged[capped:running] += cost.readout_at(probe)[0]
+            depth[first:running] = probe
+        del h
+        running = first
+    return Exits(exit_logits, depth, charged)
+
+
+def scored_from_exits(continuation: Sequence[int], first_logits: torch.Tensor, depth0: int, exits: Exits | None,
+                      cost: CostModel, n_prompt: int) -> Scored:
+    """The :class:`Scored` of a continuation: its first token read from the prompt's readout ``first_logits``
+    (charged one readout at ``depth0``), the others from ``exits``; each position's layers charged with the keys it
+    attends (every earlier position ran at least as deep), and the full-depth cost of the same tokens."""
+    logprobs = [float(torch.log_softmax(first_logits.float(), -1)[continuation[0]])]
+    greedy = [int(first_logits.argmax()) == continuation[0]]
+    flops, full = cost.readout_at(depth0)[0], float(cost.readout_flops)
+    if exits is None:  # a one-token continuation is read out of the prompt alone
+        return Scored(logprobs, [depth0], flops, full, greedy=greedy)
+    m = len(continuation) - 1
+    targets = torch.tensor(continuation[1:], device=exits.logits.device)[:, None]
+    logprobs += torch.log_softmax(exits.logits.float(), -1).gather(-1, targets)[:, 0].tolist()
+    greedy += (exits.logits.argmax(-1) == targets[:, 0]).tolist()
+    keys = torch.arange(n_prompt + 1, n_prompt + m + 1)  # [m] keys each attends (earlier positions ran as deep)
+    depth = exits.depth.tolist()
+    # every term is a whole number of FLOPs below 2^53, so these sums are exact in any order
+    flops += float(layer_flops(cost, exits.depth, keys).sum() + exits.charged.sum())
+    full += float(cost.full_depth(keys)[0].sum())
+    return Scored(logprobs, [depth0, *depth], flops, full, greedy=greedy)
+
+
+def layer_flops(cost: CostModel, depth: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``[m]`` FLOPs of layers 1..depth[i] for tokens attending to ``keys[i]`` keys (float64):
+    ``Σ_{j<D} (2·params_j + 4·keys·d)``."""
+    params = torch.tensor([0, *cost.layer_params], dtype=torch.float64).cumsum(0)  # [L + 1]
+    depth = depth.long().cpu()
+    return 2.0 * params[depth] + 4.0 * keys.double() * cost.d_model * depth.double()

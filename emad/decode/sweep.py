@@ -1,0 +1,222 @@
+"""Score one prompt's continuations under many methods in one pass (a sweep), exactly as each would score alone.
+
+Under the monotone policy with teacher forcing, a position that runs layer ℓ attends there only to earlier
+positions that also ran ℓ, so every hidden state it computes is the full-depth pass's. Hence one full-depth pass,
+with the hidden states kept at every probe layer, serves every per-token criterion and knob value: each method
+takes its own running prefix and exit layers from the shared states (:func:`emad.decode.monotone.monotone_exits`).
+Each distinct (readout, estimator) is evaluated once per probe over all positions and sliced per method; the exit
+readouts are shared the same way. Costs are charged exactly as the single-method path charges them.
+
+What the equivalence does not cover is refused by name (:func:`sweep_refusal`): other policies (the skipped
+layers' K/V differ), strategies (EAD, speculative decoding) and criteria that read every exit's token from
+themselves (``contrastive_output``). Those score alone with :func:`emad.decode.score_continuations`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+
+import torch
+
+from emad.decode.monotone import estimated_probes, monotone_exits, scored_from_exits
+from emad.decode.results import Scored
+from emad.decode.score import _check_length
+from emad.decode.step import Method, as_method, elapsed, left_pad, positions_of
+from emad.decode.strategy import Strategy
+from emad.engine.cost import CostModel
+from emad.engine.stack import LayerStack
+from emad.exits.criteria import Criterion
+from emad.exits.estimators import Estimate
+
+
+def sweep_refusal(method) -> str | None:
+    """Why ``method`` cannot be scored exactly from a shared full-depth pass, or None when it can."""
+    if isinstance(method, Strategy):
+        return f"strategy {type(method).__name__} decodes with its own models and caches"
+    method = as_method(method)
+    if method.policy != "monotone":
+        return f"policy {method.policy!r} lets depth rise, so skipped layers' K/V differ from the full-depth pass"
+    if method.criterion.reads_every_exit:
+        return f"criterion {method.criterion.name!r} reads every exit's token from itself (contrastive_output)"
+    return None
+
+
+def _readout_key(method: Method) -> tuple[str, str]:
+    readout = method.readout
+    return ("logit", "") if readout is None or not readout.layers else (readout.name, readout.digest)
+
+
+def _estimator_key(estimator) -> tuple:
+    """Estimators with equal keys give equal estimates on equal states (fitted ones: the same object)."""
+    return (estimator.name, json.dumps(estimator.describe(), sort_keys=True, default=str),
+            id(estimator) if estimator.needs_fit else None)
+
+
+class Sweep:
+    """Many methods, checked and grouped once, scored together on any number of prompts.
+
+    Args:
+        stack: the model (its own readout is ignored; each method reads out through its ``readout``).
+        methods: per-token criteria or :class:`Method` s under the monotone policy.
+        names: a name per method for error messages (default ``method 0``, ``method 1``, ...).
+
+    Raises:
+        ValueError: naming the method and the reason when one cannot be served exactly (:func:`sweep_refusal`).
+    """
+
+    def __init__(self, stack: LayerStack, methods: Sequence[Method | Criterion], names: Sequence[str] | None = None):
+        names = list(names) if names is not None else [f"method {i}" for i in range(len(methods))]
+        if len(names) != len(methods):
+            raise ValueError(f"{len(names)} names for {len(methods)} methods")
+        if not methods:
+            raise ValueError("a sweep needs at least one method")
+        for name, method in zip(names, methods):
+            reason = sweep_refusal(method)
+            if reason:
+                raise ValueError(f"{name}: cannot be scored in a sweep ({reason}); score it alone with "
+                                 f"score_continuations")
+        self.stack, self.names = stack, names
+        self.methods = [as_method(m) for m in methods]
+        self._views: dict[tuple, tuple[LayerStack, CostModel]] = {}
+        self.keys = []
+        for method in self.methods:
+            method.validate(stack.n_layers)
+            key = _readout_key(method)
+            if key not in self._views:
+                view = stack.with_readout(method.readout)
+                self._views[key] = view, CostModel.from_stack(view)
+            self.keys.append(key)
+        n = stack.n_layers
+        self.depth0 = [m.criterion.prefill_depth(n) for m in self.methods]
+        for name, method, depth0 in zip(names, self.methods, self.depth0):
+            if depth0 != method.criterion.probes(n)[-1]:
+                raise ValueError(f"{name}: its prompt runs {depth0} layers, not its deepest probe")
+        self.layers = sorted({p for m in self.methods for p in m.criterion.probes(n)})  # states kept here
+
+    @torch.inference_mode()
+    def score(self, prompt: Sequence[int], continuations: Sequence[Sequence[int]]) -> list[list[Scored]]:
+        """Score each continuation after ``prompt`` under every method.
+
+        Returns:
+            ``[method][continuation]`` :class:`Scored`, each equal to
+            :func:`~emad.decode.score_continuations` of that method alone. The pass's time is split evenly over
+            the results' ``seconds``.
+        """
+        started = time.perf_counter()
+        if not prompt or not continuations or not all(continuations):
+            raise ValueError("a sweep needs a non-empty prompt and continuations")
+        for continuation in continuations:
+            _check_length(self.stack, len(prompt) + len(continuation) - 1)
+        stack = self.stack
+        ids, real = left_pad([prompt], 0, stack.device)
+        cache = stack.new_cache(1, len(prompt) + max(len(c) for c in continuations))
+        last = self._run(cache, ids, positions_of(real), cache.allocate(real))
+        last = {layer: h[0, -1] for layer, h in last.items()}  # [d] the prompt's last position
+        first = {}  # (readout, depth0) -> [V] the readout that predicts each continuation's first token
+        for key, depth0 in zip(self.keys, self.depth0):
+            if (key, depth0) not in first:
+                first[key, depth0] = self._views[key][0].readout(last[depth0], depth0)
+        out: list[list[Scored]] = [[] for _ in self.methods]
+        n_prompt = len(prompt)
+        for continuation in continuations:
+            cache.crop(n_prompt)
+            shared = None
+            if len(continuation) > 1:
+                x = torch.tensor([list(continuation[:-1])], dtype=torch.long, device=stack.device)  # [1, m]
+                positions = torch.arange(n_prompt, n_prompt + x.shape[1], device=stack.device)  # [m]
+                states = self._run(cache, x, positions[None], cache.allocate(torch.ones_like(x, dtype=torch.bool)))
+                shared = _Shared({layer: h[0] for layer, h in states.items()}, positions, self._views)
+            for j, (method, key, depth0) in enumerate(zip(self.methods, self.keys, self.depth0)):
+                view, cost = self._views[key]
+                exits = None
+                if shared is not None:
+                    exits = monotone_exits(method, shared.bind(method, key), len(continuation) - 1, stack.n_layers,
+                                           stack.vocab_size, cost, stack.dtype, stack.device)
+                out[j].append(scored_from_exits(continuation, first[key, depth0], depth0, exits, cost, n_prompt))
+        seconds = elapsed(stack.device, started) / (len(self.methods) * len(continuations))
+        for row in out:
+            for scored in row:
+                scored.seconds = seconds
+        return out
+
+    def _run(self, cache, x: torch.Tensor, positions: torch.Tensor, slots) -> dict[int, torch.Tensor]:
+        """Run ``x`` ``[1, q]`` through the layers up to the deepest kept one; the states ``[1, q, d]`` after each
+        kept layer."""
+        h = self.stack.embed(x, positions)
+        done, kept = 0, {}
+        for layer in self.layers:
+            h = self.stack.run(h, done, layer, cache, positions, slots)
+            kept[layer], done = h, layer
+        return kept
+
+
+class _Shared:
+    """The shared full-depth states of one continuation, with estimates and readouts over all its positions
+    memoised per (readout, estimator) and handed to each method sliced to its running prefix."""
+
+    def __init__(self, states: dict[int, torch.Tensor], positions: torch.Tensor, views: dict):
+        self.states_at, self.positions, self.views = states, positions, views
+        self._estimates: dict[tuple, Estimate] = {}
+        self._readouts: dict[tuple, torch.Tensor] = {}
+
+    def bind(self, method: Method, key: tuple) -> _MethodSource:
+        return _MethodSource(self, method, key)
+
+    def estimates(self, method: Method, key: tuple, probe: int) -> Estimate:
+        """The method's estimate at ``probe`` over all positions (a stateful estimator runs its whole sequence of
+        estimated probes once, from a fresh state)."""
+        estimator = method.estimator
+        n = len(self.positions)
+        sequence = tuple(estimated_probes(method.criterion, self.views[key][0].n_layers))
+        base = (key, _estimator_key(estimator))
+        if not estimator.stateful:
+            memo = base + (probe,)
+            if memo not in self._estimates:
+                self._estimates[memo] = estimator.estimate(self.views[key][0], self.states_at[probe], probe,
+                                                           torch.arange(n, device=self.positions.device))
+            return self._estimates[memo]
+        memo = base + (sequence, probe)
+        if memo not in self._estimates:
+            estimator.begin(n)
+            for layer in sequence:
+                self._estimates[base + (sequence, layer)] = estimator.estimate(
+                    self.views[key][0], self.states_at[layer], layer, torch.arange(n, device=self.positions.device))
+        return self._estimates[memo]
+
+    def readout(self, key: tuple, probe: int) -> torch.Tensor:
+        if (key, probe) not in self._readouts:
+            self._readouts[key, probe] = self.views[key][0].readout(self.states_at[probe], probe)  # [m, V]
+        return self._readouts[key, probe]
+
+
+class _MethodSource:
+    """One method's view of the shared states: its running prefix of states, estimates and readouts."""
+
+    def __init__(self, shared: _Shared, method: Method, key: tuple):
+        self.shared, self.method, self.key = shared, method, key
+        self.positions = shared.positions
+
+    def states(self, probe: int, running: int) -> torch.Tensor:
+        return self.shared.states_at[probe][:running]
+
+    def estimate(self, k: int, probe: int, running: int) -> Estimate:
+        est = self.shared.estimates(self.method, self.key, probe)
+        cost = None if est.cost is None else (est.cost[0][:running], est.cost[1][:running])
+        logits = None if est.logits is None else est.logits[:running]
+        return Estimate(est.entropy[:running], est.max_prob[:running], logits, cost)
+
+    def readout(self, probe: int, lo: int, hi: int) -> torch.Tensor:
+        return self.shared.readout(self.key, probe)[lo:hi]
+
+
+def score_sweep(stack: LayerStack, prompt: Sequence[int], continuations: Sequence[Sequence[int]],
+                methods: Sequence[Method | Criterion]) -> list[list[Scored]]:
+    """Score ``continuations`` after ``prompt`` under every method in one pass (:class:`Sweep`).
+
+    Returns:
+        ``[method][continuation]`` :class:`Scored`, each equal to :func:`~emad.decode.score_continuations` of that
+        method alone (depths identical, log-probabilities to float rounding, FLOPs equal).
+    """
+    return Sweep(stack, methods).score(prompt, continuations)

@@ -1,0 +1,178 @@
+"""Sweep scoring (the monotone equivalence): many methods scored from one full-depth pass equal each method scored
+alone — depths identical, log-probabilities to float rounding, FLOPs equal — whatever else shares the pass."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from emad.calibration.calibrate import calibrate, windows
+from emad.calibration.profile import smooth_variants
+from emad.decode import Method, score_continuations
+from emad.decode.sweep import Sweep, score_sweep, sweep_refusal
+from emad.engine.stack import LayerStack
+from emad.exits.criteria import Confidence, Contrastive, Emad, Fixed, Full, SoftmaxResponse
+from emad.exits.estimators import LowRank, Prune, TopK
+from emad.exits.readouts import TunedLens
+from emad.exits.strata import Strata
+from emad.methods import STRATEGIES
+from tests.tiny import VOCAB, random_prompts, tiny_model
+
+D = 64
+FINGERPRINT = {"spec": "tiny", "model_type": "llama", "n_layers": 4, "hidden_size": D, "vocab_size": VOCAB,
+               "tokenizer_sha256": "0"}
+
+
+@pytest.fixture(scope="module")
+def stack():
+    return LayerStack(tiny_model("llama"))
+
+
+def _lens(scale: float = 0.3, seed: int = 5) -> TunedLens:
+    lens = TunedLens.identity([1, 2, 3], D, FINGERPRINT, None, seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in lens.translators.values():
+            for p in t.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * scale / p.shape[-1] ** 0.5)
+    return lens
+
+
+@pytest.fixture(scope="module")
+def profiles(stack):
+    """A profile per strata variant and readout (the tuned one calibrated through the lens)."""
+    out = {}
+    for readout, lens in (("logit", None), ("tuned", _lens())):
+        view = stack.with_readout(lens)
+        stats = calibrate(view, windows(random_prompts(12, [24], seed=11), 24), [1, 2, 3, 4],
+                          Strata(position_edges=(8,), confidence_edges=(0.3,)), batch_size=4)
+        for variant, profile in smooth_variants(stats, min_count=5).items():
+            out[readout, variant] = profile
+    return out
+
+
+def _estimators():
+    shortlist = list(range(0, VOCAB, 2))
+    return {
+        "exact": lambda: None,
+        "topk": lambda: TopK(len(shortlist), shortlist, {1: (1.1, 0.1), 2: (0.9, 0.2)}),
+        "lowrank": lambda: LowRank(8, {3: (1.2, -0.1)}),
+        "prune": lambda: Prune(12),
+        "prune-decay": lambda: Prune(40, "decay", 6),
+        "prune-adaptive": lambda: Prune(prune_schedule="adaptive"),
+    }
+
+
+def _family_methods(profiles, readout: str, lens) -> dict[str, Method]:
+    """Every per-token criterion along its knob, each with every estimator it pairs with."""
+    methods: dict[str, Method] = {"full": Method(Full(), readout=lens)}
+    for depth in (1, 2, 3):
+        methods[f"fixed-{depth}"] = Method(Fixed(depth), readout=lens)
+    for est_name, make in _estimators().items():
+        extra = {} if make() is None else {"estimator": make()}
+        for h0 in (0.0, 2.0, 3.0, 3.8, 4.2, math.inf):
+            if est_name.startswith("prune"):
+                continue  # prune serves criteria that read the readout
+            methods[f"confidence-{h0}-{est_name}"] = Method(Confidence(h0, probe_every=1),
+                                                            readout=lens, **_fresh(extra, make))
+        for variant in ("none", "position", "both"):
+            for margin in (0.0, 0.25, 0.5, 1.0, math.inf):
+                if est_name.startswith("prune"):
+                    continue
+                crit = Emad(profiles[readout, variant], margin, min_exit_layer=2 if margin == 0.25 else 1)
+                methods[f"emad-{variant}-{margin}-{est_name}"] = Method(crit, readout=lens, **_fresh(extra, make))
+        if est_name in ("exact", "prune", "prune-decay", "prune-adaptive"):
+            for gap in (0.0, 0.05, 0.2, 0.5, 2.0):
+                methods[f"softmax-{gap}-{est_name}"] = Method(SoftmaxResponse(gap, probe_every=1), readout=lens,
+                                                              **_fresh(extra, make))
+            for conf in (0.1, 0.3, 0.6):
+                methods[f"contrastive-{conf}-{est_name}"] = Method(
+                    Contrastive(conf, alpha=0.2, probe_every=1), readout=lens, **_fresh(extra, make))
+    return methods
+
+
+def _fresh(extra: dict, make) -> dict:
+    return {} if not extra else {"estimator": make()}
+
+
+def _cases():
+    prompt = random_prompts(1, [9], seed=3)[0]
+    continuations = random_prompts(3, [14, 1, 7], seed=4)
+    return prompt, continuations
+
+
+def _assert_same(got, want, name: str) -> None:
+    assert got.depths == want.depths, name
+    assert got.greedy == want.greedy, name
+    assert got.flops == want.flops, name
+    assert got.full_flops == want.full_flops, name
+    assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=0), name
+
+
+@pytest.mark.parametrize("readout", ["logit", "tuned"])
+def test_every_method_of_a_sweep_equals_its_own_scoring(stack, profiles, readout):
+    lens = None if readout == "logit" else _lens()
+    methods = _family_methods(profiles, readout, lens)
+    prompt, continuations = _cases()
+    together = score_sweep(stack, prompt, continuations, list(methods.values()))
+    depths_seen = set()
+    for (name, method), got in zip(methods.items(), together):
+        alone = score_continuations(stack, prompt, continuations, method)
+        for g, a in zip(got, alone):
+            _assert_same(g, a, name)
+            depths_seen.update(a.depths)
+    assert depths_seen == {1, 2, 3, 4}  # the knobs span exits at every probe
+
+
+def test_sweep_equals_token_by_token_generation_semantics(stack, profiles):
+    """The reference of parallel scoring: one decode step per token (the generator's own code path)."""
+    methods = {"emad": Method(Emad(profiles["logit", "both"], 0.25)), "conf": Method(Confidence(3.0, probe_every=1)),
+               "softmax-prune": Method(SoftmaxResponse(0.05, probe_every=1), estimator=Prune(40, "decay", 6)),
+               "contrastive-tuned": Method(Contrastive(0.3, alpha=0.2, probe_every=1), readout=_lens())}
+    prompt, continuations = _cases()
+    together = score_sweep(stack, prompt, continuations, list(methods.values()))
+    for (name, method), got in zip(methods.items(), together):
+        for g, c in zip(got, continuations):
+            _assert_same(g, score_continuations(stack, prompt, [c], method, parallel=False)[0], name)
+
+
+def test_order_and_company_do_not_change_a_result(stack, profiles):
+    lens = _lens()
+    methods = list(_family_methods(profiles, "tuned", lens).values())[::7]
+    methods += list(_family_methods(profiles, "logit", None).values())[::5]
+    prompt, continuations = _cases()
+    forward = score_sweep(stack, prompt, continuations, methods)
+    order = list(range(len(methods)))
+    random.Random(0).shuffle(order)
+    shuffled = score_sweep(stack, prompt, continuations, [methods[i] for i in order])
+    for pos, i in enumerate(order):
+        for g, a in zip(shuffled[pos], forward[i]):
+            _assert_same(g, a, f"method {i}")
+    for i in (0, len(methods) // 2, len(methods) - 1):  # alone in the pass
+        for g, a in zip(score_sweep(stack, prompt, continuations, [methods[i]])[0], forward[i]):
+            _assert_same(g, a, f"method {i} alone")
+
+
+@pytest.mark.parametrize("make, word", [
+    (lambda: Method(Confidence(2.0, probe_every=1), "copy"), "copy"),
+    (lambda: Method(Confidence(2.0, probe_every=1), "backfill"), "backfill"),
+    (lambda: Method(Contrastive(0.5, contrastive_output=True, probe_every=1)), "contrastive_output"),
+    (lambda: STRATEGIES.get("ead").from_options(tau=2.0, small_layers=2), "strategy"),
+    (lambda: STRATEGIES.get("speculative").from_options(exit_layer=2, max_draft=3), "strategy"),
+])
+def test_methods_outside_the_equivalence_are_refused_by_name(stack, make, word):
+    assert word in sweep_refusal(make())
+    with pytest.raises(ValueError, match=rf"odd-one: cannot be scored in a sweep \(.*{word}"):
+        Sweep(stack, [Method(Full()), make()], names=["full", "odd-one"])
+
+
+def test_a_sweep_reuses_its_grouping_across_prompts(stack):
+    sweep = Sweep(stack, [Method(Confidence(h, probe_every=1)) for h in (1.0, 3.0)])
+    for seed in (1, 2):
+        prompt = random_prompts(1, [6], seed=seed)[0]
+        cont = random_prompts(1, [5], seed=seed + 10)
+        for got, method in zip(sweep.score(prompt, cont), sweep.methods):
+            _assert_same(got[0], score_continuations(stack, prompt, cont, method)[0], f"seed {seed}")
