@@ -42,7 +42,8 @@ def validate_section(name: str, raw: Any, model: type[S]) -> S:
         lines = []
         for e in err.errors():
             where = _path(name, tuple(p for p in e["loc"] if not str(p).startswith("function-")))
-            given = "" if e["type"] == "missing" else f" (got {e.get('input')!r})"
+            whole = not e["loc"] and isinstance(e.get("input"), dict)  # a section-wide rule: its message says it
+            given = "" if e["type"] == "missing" or whole else f" (got {e.get('input')!r})"
             lines.append(f"{where}: {e['msg']}{given}")
         raise ConfigError("invalid params: " + "; ".join(lines)) from None
 

@@ -7,6 +7,11 @@ the ``--domain`` given. Per (point, domain) it writes the run file ``<out>/<run-
 a depth histogram PNG and a token-depth heat map HTML in ``<artifacts>/<point>/<domain>/``, and logs one MLflow
 run with the same content. Every point's method is built and every domain's tasks are loaded before any decoding,
 so bad input fails first.
+
+Per domain, the teacher-forced tasks (perplexity, agreement, cloze, choice ...) of every point are scored first,
+together (:func:`emad.evaluation.evaluate.score_all`: one sweep pass serves every point it can serve exactly);
+then each point runs its free-running tasks (the first ``decode.swept_prompts`` prompts for a swept point) and
+times its speed-up against full depth in this process (:mod:`emad.evaluation.speed`).
 """
 
 from __future__ import annotations
@@ -23,12 +28,14 @@ from emad.engine.models import load_model
 from emad.engine.stack import LayerStack
 from emad.evaluation import runfile
 from emad.evaluation.config import DecodeConfig
-from emad.evaluation.evaluate import evaluate, prepare
+from emad.evaluation.evaluate import evaluate, prepare, score_all
 from emad.evaluation.operating_point import build_method, model_loader, profile_file, readout_path
+from emad.evaluation.speed import measure_speedup
 from emad.io import atomic_write_text
 from emad.params import load_section
 from emad.report.heatmap import heatmap_html
 from emad.report.plots import depth_histogram_figure, save_figure
+from emad.tasks.registry import Shared
 
 
 def _profile_facts(path: Path | None, method) -> dict:
@@ -67,7 +74,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = load_section("decode", DecodeConfig, args.params)
-    names = args.point or cfg.names_of(args.kind)
+    names = cfg.select(args.kind, args.point)
     points = {name: cfg.point(args.kind, name) for name in names}
     domains = cfg.domains_of(args.kind, args.domain)
     needy = [name for name, point in points.items() if point.needs_profile]
@@ -85,16 +92,32 @@ def main(argv: list[str] | None = None) -> int:
         built[name] = method, (args.calibration if profile_path else None), facts
     prepared = {d: prepare(cfg.tasks_of(args.kind, d), cfg.tasks, args.corpora / d if args.corpora else None,
                            loaded.tokenizer) for d in domains}
-    for name, (method, calibration, facts) in built.items():
-        for domain in domains:
-            _run(args, cfg, loaded, stack, name, points[name], method, calibration, facts, domain, prepared[domain])
+    for domain in domains:
+        shared = Shared()
+        print(f"decode: {domain}: teacher-forced tasks of {len(built)} points", file=sys.stderr)
+        scores = score_all(stack, loaded.tokenizer, {name: b[0] for name, b in built.items()}, prepared[domain],
+                           shared, cfg.unserved_tokens)
+        for name, (method, calibration, facts) in tqdm(built.items(), desc=domain, unit="point"):
+            _run(args, cfg, loaded, stack, name, points[name], method, calibration, facts, domain, prepared[domain],
+                 shared, scores.pop(name))
     return 0
 
 
+def _speed(stack, tokenizer, method, prepared: list, limit: int | None, repeats: int) -> dict:
+    """The point's speed-up against full depth, timed here on the prompts of its first generating task."""
+    for p in prepared:
+        found = p.task.speed_prompts(p.data, p.settings)
+        if found:
+            return measure_speedup(stack, tokenizer, method, found[0][:limit], found[1], repeats)
+    return measure_speedup(stack, tokenizer, method, [], 0, 0)
+
+
 def _run(args, cfg: DecodeConfig, loaded, stack: LayerStack, name: str, point, method, calibration: str | None,
-         facts: dict, domain: str, prepared: list) -> None:
+         facts: dict, domain: str, prepared: list, shared: Shared, scores: dict) -> None:
     """One (point, domain): evaluate its tasks, write the run file and artifacts, log one MLflow run."""
     rid = runfile.run_id(args.model, name, domain, calibration)
+    curve = cfg.curve_of(args.kind, name)
+    limit = cfg.swept_prompts if cfg.is_swept(name) else None
     params = {"decode": {"point": point.model_dump(),
                          "tasks": {p.name: p.settings.model_dump() for p in prepared},
                          "device": cfg.device, "dtype": cfg.dtype},
@@ -104,12 +127,13 @@ def _run(args, cfg: DecodeConfig, loaded, stack: LayerStack, name: str, point, m
     print(f"decode: {rid}: {', '.join(p.name for p in prepared)}", file=sys.stderr)
     with tracking.stage_run(f"decode_{args.kind}" if args.kind != "point" else "decode", params, tags,
                             run_name=rid) as run:
-        result = evaluate(stack, loaded.tokenizer, method, tqdm(prepared, desc=rid, unit="task"))
-        hist, cost = result.depth_histogram(), result.cost()
+        result = evaluate(stack, loaded.tokenizer, method, prepared, shared, scores, limit)
+        hist = result.depth_histogram()
+        cost = {**result.cost(), **_speed(stack, loaded.tokenizer, method, prepared, limit, cfg.speed_repeats)}
         record = {
             "run_id": rid, "model": args.model, "model_fingerprint": loaded.fingerprint.digest,
             "n_layers": stack.n_layers, "point": name, "kind": args.kind, "family": point.family,
-            "readout": point.readout, "options": point.options(), "method": method.describe(),
+            "readout": point.readout, **curve.model_dump(), "free_prompts": limit, "options": point.options(), "method": method.describe(),
             "calibration": calibration, "domain": domain, **facts, "tasks": result.tasks,
             "quality": runfile.quality_of(result.tasks), "intervals": runfile.intervals_of(result.tasks),
             "cost": cost,
@@ -131,7 +155,7 @@ def _run(args, cfg: DecodeConfig, loaded, stack: LayerStack, name: str, point, m
         runfile.save(out, record)
         run.log_artifact(out)
     quality = ", ".join(f"{k} {v:.4g}" for k, v in record["quality"].items())
-    speed = f"{cost['tokens_per_s']:.1f} tok/s" if cost["tokens_per_s"] else "no generation"
+    speed = f"speed-up {cost['speedup']:.2f}" if cost["speedup"] else "no speed measured"
     print(f"decode: {rid}: {quality}; FLOPs ratio {cost['flops_ratio']:.3f}; {speed} -> {out}")
 
 

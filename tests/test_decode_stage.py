@@ -68,7 +68,7 @@ def _decode(root: Path, kind: str, point: str, monkeypatch, **extra) -> int:
             "--domain", extra.pop("domain", "toy"), "--corpora", str(root / "corpora"),
             "--out", str(root / extra.pop("runs", "runs") / f"{kind}-{point}"),
             "--artifacts", str(root / "art"),
-            "--params", str(root / "params.yaml")]
+            "--params", str(extra.pop("params", root / "params.yaml"))]
     if kind not in ("baseline", "related"):
         args += ["--calibration", "toy", "--profile", str(extra.pop("profile", root / "profile.json"))]
     return stage.main(args)
@@ -156,7 +156,7 @@ def test_missing_profile_fails_before_work_and_writes_nothing(workspace, monkeyp
 def test_unknown_domain_or_point_is_named(workspace, monkeypatch):
     with pytest.raises(ValueError, match="'nope'.*decode.domains"):
         _decode(workspace, "baseline", "full", monkeypatch, domain="nope")
-    with pytest.raises(ValueError, match="unknown baseline 'fixed-9'.*full"):
+    with pytest.raises(ValueError, match="--point 'fixed-9': not a baseline point or sweep.*full"):
         _decode(workspace, "baseline", "fixed-9", monkeypatch)
 
 
@@ -176,10 +176,65 @@ def test_unknown_domain_or_point_is_named(workspace, monkeypatch):
     ({"related": {"full": {"method": "ead", "tau": 1.0, "small_layers": 2}}}, "'full' is in baselines and"),
     ({"related": {"s": {"method": "ead", "tau": "warm"}}}, "decode.related.s.tau"),
     ({"baselines": {"f": {"method": "fixed", "dept": 3}}}, "decode.baselines.f.dept"),
+    # sweeps: a list for the knob stands for one point per value
+    ({"points": {"s": {"method": "emad", "margin": []}}}, r"decode\.points\.s\.margin: an empty list"),
+    ({"points": {"s": {"method": "emad", "margin": [1, "high"]}}}, r"decode\.points\.s\.margin: 'high' is not a number"),
+    ({"points": {"s": {"method": "emad", "margin": [1, 2, 1.0]}}}, r"decode\.points\.s\.margin: the value 1.0 is listed twice"),
+    ({"baselines": {"s": {"method": "confidence", "threshold": 1, "min_exit_layer": [1, 2]}}},
+     r"decode\.baselines\.s\.min_exit_layer: a list sweeps the method's knob only \(method 'confidence': threshold\)"),
+    ({"baselines": {"f": {"method": "full", "depth": [1, 2]}}}, r"decode\.baselines\.f\.depth: .*'full': no knob"),
+    ({"baselines": {"fixed": {"method": "fixed", "depth": [2, 3]}, "fixed_2": {"method": "fixed", "depth": 1}}},
+     r"decode\.baselines\.fixed\.depth: the value 2 makes point 'fixed_2', a name already taken"),
+    ({"related": {"s_1": {"method": "softmax", "threshold": 0.5}},
+      "points": {"s": {"method": "emad", "margin": [1, 2]}}}, r"point 's_1' \(from a sweep\) is also in"),
+    ({"curves": {}}, "decode.curves is filled from the points' value lists"),
 ])
 def test_bad_decode_params_name_the_culprit(change, culprit):
     with pytest.raises(ConfigError, match=culprit):
         validate_section("decode", {**DECODE, **change}, DecodeConfig)
+
+
+def test_a_sweep_expands_to_one_point_per_value_that_knows_its_curve():
+    cfg = validate_section("decode", {**DECODE, "points": {"emad": {"method": "emad", "margin": [0, 0.5, 2]}},
+                                      "default_point": "emad_0.5",
+                                      "related": {"ead": {"method": "ead", "small_layers": 2, "tau": [1, 3]}}},
+                           DecodeConfig)
+    assert cfg.names_of("point") == ["emad_0", "emad_0.5", "emad_2"]
+    assert cfg.point("point", "emad_0.5").margin == 0.5 and cfg.point("related", "ead_3").tau == 3.0
+    assert cfg.curve_of("point", "emad_2").model_dump() == {"curve": "emad", "knob": "margin", "value": 2.0}
+    assert cfg.curve_of("baseline", "fixed-2").model_dump() == {"curve": "fixed-2", "knob": "depth", "value": 2.0}
+    assert cfg.curve_of("baseline", "full").model_dump() == {"curve": "full", "knob": None, "value": None}
+    assert cfg.select("point", ["emad"]) == cfg.names_of("point") and cfg.select("point", ["emad_2"]) == ["emad_2"]
+    assert cfg.is_swept("emad_0") and not cfg.is_swept("full")
+
+
+def test_a_swept_stage_writes_one_run_per_value_each_timed_against_full_depth_here(workspace, monkeypatch):
+    import mlflow
+
+    params = workspace / "params-sweep.yaml"
+    sweep = {**DECODE, "domains": {"toy": ["perplexity", "agreement", "fidelity"]},
+             "tasks": {**DECODE["tasks"], "agreement": {"prompts": 2, "prompt_tokens": 12, "new_tokens": 6}},
+             "baselines": {"conf": {"method": "confidence", "threshold": [0.5, 8, 1000], "probe_every": 1}},
+             "swept_prompts": 1, "speed_repeats": 2}
+    params.write_text(yaml.safe_dump({"decode": sweep}))
+    assert _decode(workspace, "baseline", "conf", monkeypatch, runs="sweep-runs", params=params) == 0
+    records = sorted((runfile.load(p) for p in (workspace / "sweep-runs" / "baseline-conf").glob("*.json")),
+                     key=lambda r: r["value"])
+    assert [(r["point"], r["curve"], r["knob"], r["value"]) for r in records] == [
+        ("conf_0.5", "conf", "threshold", 0.5), ("conf_8", "conf", "threshold", 8.0),
+        ("conf_1000", "conf", "threshold", 1000.0)]
+    for r in records:
+        cost = r["cost"]
+        assert cost["speed_repeats"] == 2 and cost["reference_tokens_per_s"] > 0 and cost["speed_tokens_per_s"] > 0
+        assert cost["speedup"] > 0 and cost["load_avg"] is not None
+        assert r["free_prompts"] == 1 and r["tasks"]["fidelity"]["samples"]["exact_match"].__len__() == 1
+        assert 0 <= r["quality"]["agreement.token_agreement"] <= 1 and r["tasks"]["perplexity"]["tokens"] > 0
+    # the higher the entropy threshold, the earlier tokens exit: cost falls along the curve
+    flops = [r["cost"]["flops_ratio"] for r in records]
+    assert flops == sorted(flops, reverse=True) and flops[0] > flops[-1]
+    mlflow.set_tracking_uri(f"sqlite:///{workspace / 'mlflow.db'}")
+    names = {r.info.run_name for r in mlflow.search_runs(experiment_names=["emad"], output_format="list")}
+    assert {r["run_id"] for r in records} <= names
 
 
 def test_ablation_and_related_tasks_narrow_their_kind_only():

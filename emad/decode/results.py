@@ -91,6 +91,9 @@ class Generation:
 
 
 
+Request = tuple[list[int], list[list[int]]]  # a prompt and the continuations scored after it (teacher forced)
+
+
 @dataclass
 class Scored:
     """Per continuation token: log-probability, depth it was predicted at, and cost (FLOPs)."""

@@ -25,6 +25,7 @@ class Strategy:
     """
 
     name: ClassVar[str]
+    knobs: ClassVar[dict[str, str]] = {}  # as :attr:`Criterion.knobs`: the scalar options a sweep varies
     readout = None  # an emad.exits.readouts.Readout set by the operating point; None: the stack's own
 
     def readout_layers(self, n_layers: int) -> list[int]:

@@ -9,6 +9,7 @@ from pydantic import Field, field_validator, model_validator
 
 from emad.config import Section, validate_section
 from emad.evaluation.operating_point import PointConfig
+from emad.evaluation.sweeps import Curve, expand_table, knob_of
 from emad.tasks.registry import TASKS
 
 NAME = r"^[A-Za-z0-9_-]+$"  # DVC addresses params by dotted keys: names may not contain dots
@@ -40,6 +41,17 @@ class DecodeConfig(Section):
         related_domains: domains the related methods run on (each also in ``domains``).
         related_tasks: the tasks the related methods run, each among every related domain's tasks (null = all).
         heatmap_texts: generated texts shown in a run's token-depth heat map.
+        swept_prompts: prompts (problems) each free-running task (fidelity, gsm8k, humaneval) of a swept point
+            decodes: the first of its task's own (null = all); the teacher-forced tasks score them all.
+        unserved_tokens: scored perplexity tokens for points the sweep scorer cannot serve (policies other than
+            monotone, strategies): they score token by token (null = ``decode.tasks.perplexity.tokens``).
+        speed_repeats: timed generations per point, each beside a full-depth one of the same prompts (speed-up =
+            the median of their tokens/s ratios; 0 = no speed measurement).
+        curves: filled from the points' value lists (not set by hand): expanded point → its :class:`Curve`.
+
+    A point of ``baselines``, ``points`` or ``related`` may give a list for its method's knob (``margin``,
+    ``threshold``, ``depth``, ``tau``, ``exit_layer``): it stands for one point per value
+    (:mod:`emad.evaluation.sweeps`).
         device, dtype: where and how the model runs.
     """
 
@@ -56,8 +68,32 @@ class DecodeConfig(Section):
     related_domains: list[str] = Field(default_factory=list)
     related_tasks: list[str] | None = None
     heatmap_texts: int = Field(3, ge=0)
+    swept_prompts: int | None = Field(None, ge=1)
+    unserved_tokens: int | None = Field(None, ge=2)
+    speed_repeats: int = Field(3, ge=0)
+    curves: dict[str, Curve] = Field(default_factory=dict)
     device: str = "auto"
     dtype: str = "auto"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_sweeps(cls, data: Any) -> Any:
+        """Replace each swept point by its points and record their curves (errors name the point and field)."""
+        if not isinstance(data, dict):
+            return data
+        if "curves" in data:
+            raise ValueError("decode.curves is filled from the points' value lists; remove it from params")
+        data, curves, owner = dict(data), {}, {}
+        for table in ("baselines", "points", "related"):
+            if isinstance(data.get(table), dict):
+                data[table], found = expand_table(table, data[table])
+                for name in data[table]:
+                    if name in owner and (name in found or name in curves):
+                        raise ValueError(f"decode.{table}: point {name!r} (from a sweep) is also in "
+                                         f"decode.{owner[name]}; rename one of them")
+                    owner[name] = table
+                curves.update(found)
+        return {**data, "curves": curves}
 
     @field_validator("domains")
     @classmethod
@@ -80,7 +116,7 @@ class DecodeConfig(Section):
     def _consistent(self) -> DecodeConfig:
         tables = {"baselines": self.baselines, "points": self.points, "ablations": self.ablations,
                   "related": self.related}
-        _names_ok("point", [name for table in tables.values() for name in table])
+        _names_ok("point", [self.curves[n].curve if n in self.curves else n for t in tables.values() for n in t])
         for name, point in self.baselines.items():
             if point.needs_profile or point.is_strategy:
                 home = "points" if point.needs_profile else "related"
@@ -153,6 +189,32 @@ class DecodeConfig(Section):
         """The tasks a point of ``kind`` runs on ``domain`` (``ablation_tasks`` / ``related_tasks`` when set)."""
         narrow = {"ablation": self.ablation_tasks, "related": self.related_tasks}.get(kind)
         return [t for t in self.domains[domain] if not narrow or t in narrow]
+
+    def curve_of(self, kind: str, name: str) -> Curve:
+        """The :class:`Curve` of point ``name``: its sweep's, or its own (its knob's value) when not swept."""
+        if name in self.curves:
+            return self.curves[name]
+        point = self.point(kind, name)
+        knob = knob_of(point.method)
+        value = getattr(point, knob) if knob else None
+        return Curve(curve=name, knob=knob, value=None if value is None else float(value))
+
+    def is_swept(self, name: str) -> bool:
+        return name in self.curves
+
+    def select(self, kind: str, chosen: list[str] | None) -> list[str]:
+        """The point names of ``kind`` a stage runs: ``chosen`` (a sweep's name stands for all its points) or every
+        one; unknown names are an error listing the valid ones."""
+        names = self.names_of(kind)
+        if not chosen:
+            return names
+        out = []
+        for c in chosen:
+            found = [n for n in names if n == c or (n in self.curves and self.curves[n].curve == c)]
+            if not found:
+                raise ValueError(f"--point {c!r}: not a {kind} point or sweep; valid: {', '.join(names) or 'none'}")
+            out += [n for n in found if n not in out]
+        return out
 
     def task_settings(self, name: str):
         return TASKS.get(name).settings(self.tasks.get(name))

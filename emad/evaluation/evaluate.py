@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from emad.decode import Generation, Method, Scored
+from emad.decode import Generation, Method, Scored, Sweep, score_continuations
+from emad.decode.strategy import Strategy
+from emad.decode.sweep import sweep_refusal
 from emad.engine.stack import LayerStack
-from emad.tasks.registry import TASKS
+from emad.tasks.registry import TASKS, Shared
 
 
 @dataclass
@@ -123,9 +125,54 @@ def prepare(task_names: list[str], task_settings: dict[str, dict], corpus_dir: P
     return out
 
 
-def evaluate(stack: LayerStack, tokenizer, method: Method, prepared: list[Prepared]) -> Evaluation:
-    """Run each prepared task under ``method`` (each task decodes its prompts as one batch)."""
-    result = Evaluation(tasks={})
+Scores = dict[str, list[list[Scored]]]  # teacher-forced task -> per request, its continuations' scores
+
+
+def score_all(stack: LayerStack, tokenizer, methods: dict[str, Method | Strategy], prepared: list[Prepared],
+              shared: Shared, unserved_tokens: int | None = None) -> dict[str, Scores]:
+    """Every teacher-forced task's requests scored under every method: one sweep pass per request for the methods
+    a :class:`~emad.decode.Sweep` serves exactly, each other method alone (on the requests of its first
+    ``unserved_tokens`` tokens where the task has a token count, e.g. perplexity).
+
+    Returns:
+        ``{method name: {task: [[Scored per continuation] per request]}}``, each as the method alone would score.
+    """
+    served = [name for name, method in methods.items() if sweep_refusal(method) is None]
+    sweep = Sweep(stack, [methods[n] for n in served], served) if served else None
+    out: dict[str, Scores] = {name: {} for name in methods}
     for p in prepared:
-        result.tasks[p.name] = p.task.run(stack, tokenizer, method, p.data, p.settings, result.outputs)
+        if not p.task.teacher_forced:
+            continue
+        requests = p.task.requests(stack, tokenizer, p.data, p.settings, shared)
+        for name in methods:
+            out[name][p.name] = []
+        for prompt, continuations in requests if sweep else []:
+            for name, rows in zip(served, sweep.score(prompt, continuations)):
+                out[name][p.name].append(rows)
+        alone = p.task.fewer(requests, unserved_tokens) if unserved_tokens else requests
+        for name, method in methods.items():
+            if name not in served:
+                out[name][p.name] = [score_continuations(stack, prompt, continuations, method)
+                                     for prompt, continuations in alone]
+    return out
+
+
+def evaluate(stack: LayerStack, tokenizer, method: Method, prepared: list[Prepared], shared: Shared | None = None,
+             scores: Scores | None = None, limit: int | None = None) -> Evaluation:
+    """Run each prepared task under ``method`` (each task decodes its prompts as one batch).
+
+    Args:
+        shared: what the domain's tasks share across points (full-depth references); new when None.
+        scores: the method's teacher-forced scores from :func:`score_all` (tasks not in it score here).
+        limit: free-running tasks decode only their first ``limit`` prompts (None: all).
+    """
+    result, shared, scores = Evaluation(tasks={}), shared or Shared(), scores or {}
+    for p in prepared:
+        if p.name in scores:
+            result.outputs.extend(s for row in scores[p.name] for s in row)
+            result.tasks[p.name] = p.task.reduce(stack, tokenizer, method, p.data, p.settings, scores[p.name],
+                                                 result.outputs, limit)
+        else:
+            result.tasks[p.name] = p.task.run(stack, tokenizer, method, p.data, p.settings, result.outputs, shared,
+                                              limit)
     return result

@@ -48,6 +48,7 @@ QUALITY: dict[str, tuple[str, str, bool]] = {
     "fidelity.token_agreement": ("fidelity", "token_agreement", True),
     "fidelity.exact_match": ("fidelity", "exact_match", True),
     "fidelity.rouge_l": ("fidelity", "rouge_l", True),
+    "agreement.token_agreement": ("agreement", "token_agreement", True),
     "gsm8k.accuracy": ("gsm8k", "accuracy", True),
     "humaneval.pass_at_1": ("humaneval", "pass_at_1", True),
     "multiple_choice.acc": ("multiple_choice", "acc", True),

@@ -145,6 +145,7 @@ class Fixed(Criterion):
         depth: m, in 1..L.
     """
 
+    knobs = {"depth": "high"}
     needs_estimate = False
 
     def __init__(self, depth: int):

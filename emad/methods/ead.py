@@ -241,6 +241,7 @@ class EAD(Strategy):
     """
 
     name = "ead"
+    knobs = {"tau": "low"}  # τ low: more tokens go to the large model
 
     def __init__(self, pair: Pair, switcher: Switcher):
         self.pair, self.switcher = pair, switcher

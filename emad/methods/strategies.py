@@ -34,6 +34,8 @@ class Speculative(Strategy):
     lossless, so a text's probability under it is the target's, and teacher forcing needs no drafts.
     """
 
+    knobs = {"exit_layer": "high"}  # the self drafter's exit layer: higher drafts better and costs more
+
     def __init__(self, drafter: Drafter, policy: DraftPolicy):
         self.drafter, self.policy = drafter, policy
 

@@ -4,7 +4,9 @@ Each item is a passage and its target word; the continuation is ``" " + target``
 (the whole text is encoded and the passage's tokens split off). Metrics:
 
 - ``acc`` (lm-eval ``lambada`` semantics): every target token is the argmax of its exit readout, teacher forced
-  with :func:`~emad.decode.score_adaptive` (generation semantics).
+  with :func:`~emad.decode.score_continuations` (generation semantics). The passage's last ``adaptive_tokens``
+  tokens are scored too (teacher forced, at adaptive depth) rather than prefilled, so the target is read where the
+  method's exits have taken the depth, not at the prompt's full depth; metrics read the target's tokens only.
 - ``generation_acc``: the first word of the greedy continuation (:func:`~emad.decode.generate`, all passages in one
   batch, one token more than the longest target so a longer word is not taken for the target) equals the target.
 - ``loglikelihood``: mean log-likelihood of the continuation (nats); ``perplexity`` = exp(-mean), as lm-eval's
@@ -20,7 +22,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from emad.decode import Method, generate, score_adaptive
+from emad.decode import Generation, Method, Scored, generate, score_continuations
+from emad.decode.results import Request
 from emad.engine.stack import LayerStack
 from emad.tasks.multiple_choice import encode_pair
 
@@ -50,10 +53,57 @@ def majority_rate(targets: Sequence[str]) -> float:
     return Counter(targets).most_common(1)[0][1] / len(targets)
 
 
-def cloze(stack: LayerStack, tokenizer, items: Sequence[ClozeItem], method: Method, sink: list | None = None) -> dict:
+def cloze_requests(tokenizer, items: Sequence[ClozeItem], adaptive_tokens: int) -> tuple[list[Request], list[int]]:
+    """One request per item: the passage less its last ``adaptive_tokens`` tokens as the prompt, those tokens and
+    the target's as the continuation; and each item's target length in tokens (the scored tail)."""
+    requests, tails = [], []
+    for item in items:
+        context, whole = encode_pair(tokenizer, item.context, " " + item.target)
+        cut = len(context) - min(adaptive_tokens, len(context) - 1)
+        requests.append((context[:cut], [whole[cut:]]))
+        tails.append(len(whole) - len(context))
+    return requests, tails
+
+
+def cloze_metrics(items: Sequence[ClozeItem], scored: Sequence[Sequence[Scored]], tails: Sequence[int],
+                  generated: Generation | None = None) -> dict:
+    """Cloze metrics (see the module doc) from each item's scored continuation, read on its target tokens, and the
+    greedy generation of the first items' passages (``generation_acc`` over those; absent without one)."""
+    rows = [row[0] for row in scored]
+    if len(rows) != len(tails) or any(len(s.greedy) != len(s.logprobs) for s in rows):
+        raise ValueError("this method's scoring reports no greedy flag per token (Scored.greedy): cloze acc "
+                             "needs them")
+    acc = [float(all(s.greedy[len(s.greedy) - tail:])) for s, tail in zip(rows, tails)]
+    loglik = [sum(s.logprobs[len(s.logprobs) - tail:]) for s, tail in zip(rows, tails)]
+    flops = sum(s.flops for s in rows)
+    full = sum(s.full_flops for s in rows)
+    n = len(items)
+    out = {"acc": sum(acc) / n, "loglikelihood": sum(loglik) / n, "perplexity": math.exp(-sum(loglik) / n),
+           "chance": majority_rate([item.target for item in items]), "n": n,
+           "samples": {"acc": acc, "loglikelihood": loglik}}
+    if generated is not None:
+        hits = [float(first_word(text) == item.target) for text, item in zip(generated.texts, items)]
+        out["generation_acc"] = sum(hits) / len(hits)
+        out["samples"]["generation_acc"] = hits
+        flops += sum(sum(row) for row in generated.flops)
+        full += sum(sum(row) for row in generated.full_flops)
+    return {**out, "flops_ratio": flops / full if full else 1.0}
+
+
+def cloze_generation(stack: LayerStack, tokenizer, items: Sequence[ClozeItem], method: Method) -> Generation:
+    """Greedy continuations of the items' passages, one token longer than the longest target."""
+    pairs = [encode_pair(tokenizer, item.context, " " + item.target) for item in items]
+    longest = max(len(whole) - len(context) for context, whole in pairs)
+    return generate(stack, tokenizer, [context for context, _ in pairs], method, longest + 1)
+
+
+def cloze(stack: LayerStack, tokenizer, items: Sequence[ClozeItem], method: Method, adaptive_tokens: int = 8,
+          sink: list | None = None) -> dict:
     """Cloze metrics of ``items`` under ``method`` (see the module doc), with per-item ``samples``.
 
     Args:
+        adaptive_tokens: the passage's last tokens scored at adaptive depth before the target (teacher forced),
+            so that the target is read at an adaptive depth; the rest of the passage is the prefilled prompt.
         sink: when given, every :class:`~emad.decode.Generation` / :class:`~emad.decode.Scored` of the method is
             appended to it (traces, timing).
 
@@ -63,25 +113,9 @@ def cloze(stack: LayerStack, tokenizer, items: Sequence[ClozeItem], method: Meth
     """
     if not items:
         raise ValueError("cloze needs at least one item")
-    pairs = [encode_pair(tokenizer, item.context, " " + item.target) for item in items]
-    contexts = [context for context, _ in pairs]
-    scored = []
-    for context, whole in pairs:
-        scored.append(score_adaptive(stack, context, whole[len(context):], method))
-        if len(scored[-1].greedy) != len(whole) - len(context):
-            raise ValueError("this method's scoring reports no greedy flag per token (Scored.greedy): cloze acc "
-                             "needs them")
-    longest = max(len(whole) - len(context) for context, whole in pairs)
-    out = generate(stack, tokenizer, contexts, method, longest + 1)
+    requests, tails = cloze_requests(tokenizer, items, adaptive_tokens)
+    scored = [score_continuations(stack, prompt, continuations, method) for prompt, continuations in requests]
+    out = cloze_generation(stack, tokenizer, items, method)
     if sink is not None:
-        sink.extend([*scored, out])
-    acc = [float(all(s.greedy)) for s in scored]
-    generated = [float(first_word(text) == item.target) for text, item in zip(out.texts, items)]
-    loglik = [-s.nll for s in scored]
-    flops = sum(s.flops for s in scored) + sum(sum(row) for row in out.flops)
-    full = sum(s.full_flops for s in scored) + sum(sum(row) for row in out.full_flops)
-    n = len(items)
-    return {"acc": sum(acc) / n, "generation_acc": sum(generated) / n, "loglikelihood": sum(loglik) / n,
-            "perplexity": math.exp(-sum(loglik) / n), "chance": majority_rate([item.target for item in items]),
-            "n": n, "flops_ratio": flops / full if full else 1.0,
-            "samples": {"acc": acc, "generation_acc": generated, "loglikelihood": loglik}}
+        sink.extend([*(s for row in scored for s in row), out])
+    return cloze_metrics(items, scored, tails, out)

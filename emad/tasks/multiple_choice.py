@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from emad.decode import Method, score_continuations
+from emad.decode import Method, Scored, score_continuations
+from emad.decode.results import Request
 from emad.engine.stack import LayerStack
 
 
@@ -44,28 +45,39 @@ def arc_items(split: str = "test", config: str = "ARC-Easy", data_files: str | N
     return items
 
 
-def multiple_choice(stack: LayerStack, tokenizer, items: Sequence[Item], method: Method, sink: list | None = None) -> dict:
-    """``acc`` and ``acc_norm`` over the items, with the FLOPs ratio of the scoring passes; ``samples``: 1 or 0
-    per item for each."""
-    correct, correct_norm = [], []
-    flops = full = 0.0
+def choice_requests(tokenizer, items: Sequence[Item]) -> list[Request]:
+    """One request per item: the context and each choice's continuation tokens (lm-eval's split)."""
+    out = []
     for item in items:
         pairs = [encode_pair(tokenizer, item.context, choice) for choice in item.choices]
         context = pairs[0][0]
-        scores, norms = [], []
-        for choice, scored in zip(item.choices, score_continuations(
-                stack, context, [whole[len(context):] for _, whole in pairs], method)):
-            if sink is not None:
-                sink.append(scored)
-            scores.append(-scored.nll)
-            norms.append(-scored.nll / max(len(choice), 1))
-            flops += scored.flops
-            full += scored.full_flops
+        out.append((context, [whole[len(context):] for _, whole in pairs]))
+    return out
+
+
+def choice_metrics(items: Sequence[Item], scored: Sequence[Sequence[Scored]]) -> dict:
+    """``acc``, ``acc_norm``, ``n``, the FLOPs ratio and per-item samples from each item's scored choices."""
+    correct, correct_norm = [], []
+    for item, row in zip(items, scored, strict=True):
+        scores = [-s.nll for s in row]
+        norms = [-s.nll / max(len(choice), 1) for s, choice in zip(row, item.choices)]
         correct.append(int(scores.index(max(scores)) == item.answer))
         correct_norm.append(int(norms.index(max(norms)) == item.answer))
+    flops = sum(s.flops for row in scored for s in row)
+    full = sum(s.full_flops for row in scored for s in row)
     n = len(items)
     return {"acc": sum(correct) / n, "acc_norm": sum(correct_norm) / n, "n": n,
             "flops_ratio": flops / full if full else 1.0, "samples": {"acc": correct, "acc_norm": correct_norm}}
+
+
+def multiple_choice(stack: LayerStack, tokenizer, items: Sequence[Item], method: Method, sink: list | None = None) -> dict:
+    """``acc`` and ``acc_norm`` over the items, with the FLOPs ratio of the scoring passes; ``samples``: 1 or 0
+    per item for each."""
+    scored = [score_continuations(stack, context, continuations, method)
+              for context, continuations in choice_requests(tokenizer, items)]
+    if sink is not None:
+        sink.extend(s for row in scored for s in row)
+    return choice_metrics(items, scored)
 
 
 def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:

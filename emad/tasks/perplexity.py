@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from emad.decode import Method, score_adaptive
+from emad.decode import Method, Scored, score_continuations
+from emad.decode.results import Request
 from emad.engine.stack import LayerStack
 
 
@@ -24,6 +25,36 @@ def windows_with_prefix(ids: Sequence[int], window: int, prefix: int) -> list[tu
     return out
 
 
+def perplexity_requests(documents: Sequence[Sequence[int]], window: int, prefix: int) -> list[Request]:
+    """One request (prompt, [continuation]) per window of each document (:func:`windows_with_prefix`)."""
+    return [(prompt, [continuation]) for ids in documents for prompt, continuation in windows_with_prefix(
+        ids, window, prefix)]
+
+
+def perplexity_metrics(scored: Sequence[Sequence[Scored]], prefix: int) -> dict:
+    """Perplexity from the scored windows (one ``[Scored]`` per request); see :func:`perplexity`."""
+    windows = [s for row in scored for s in row]
+    tokens = sum(len(s.logprobs) for s in windows)
+    if tokens == 0:
+        raise ValueError(f"no document is longer than the prefix ({prefix} tokens): nothing to score")
+    nll = sum(s.nll for s in windows)
+    return {"perplexity": math.exp(nll / tokens), "nll": nll, "tokens": tokens,
+            "flops_ratio": sum(s.flops for s in windows) / sum(s.full_flops for s in windows),
+            "mean_depth": sum(sum(s.depths) for s in windows) / tokens,
+            "samples": {"perplexity": [[float(s.nll), len(s.logprobs)] for s in windows]}}
+
+
+def first_tokens(requests: Sequence[Request], tokens: int) -> list[Request]:
+    """The leading requests that score at least ``tokens`` continuation tokens (all of them when fewer)."""
+    out, total = [], 0
+    for request in requests:
+        if total >= tokens:
+            break
+        out.append(request)
+        total += sum(len(c) for c in request[1])
+    return out
+
+
 def perplexity(stack: LayerStack, documents: Sequence[Sequence[int]], method: Method, window: int = 256,
                prefix: int = 64, sink: list | None = None) -> dict:
     """Adaptive-depth perplexity of token-id documents.
@@ -36,20 +67,8 @@ def perplexity(stack: LayerStack, documents: Sequence[Sequence[int]], method: Me
         ``{"perplexity", "nll", "tokens", "flops_ratio", "mean_depth", "samples"}`` (natural-log NLL summed over
         tokens); ``samples["perplexity"]``: one ``[nll, tokens]`` per window, so perplexity = exp(Σnll / Σtokens).
     """
-    nll, tokens, flops, full, depth_sum = 0.0, 0, 0.0, 0.0, 0
-    per_window: list[list[float]] = []
-    for ids in documents:
-        for prompt, continuation in windows_with_prefix(ids, window, prefix):
-            scored = score_adaptive(stack, prompt, continuation, method)
-            if sink is not None:
-                sink.append(scored)
-            nll += scored.nll
-            tokens += len(continuation)
-            per_window.append([float(scored.nll), len(continuation)])
-            flops += scored.flops
-            full += scored.full_flops
-            depth_sum += sum(scored.depths)
-    if tokens == 0:
-        raise ValueError(f"no document is longer than the prefix ({prefix} tokens): nothing to score")
-    return {"perplexity": math.exp(nll / tokens), "nll": nll, "tokens": tokens,
-            "flops_ratio": flops / full, "mean_depth": depth_sum / tokens, "samples": {"perplexity": per_window}}
+    scored = [score_continuations(stack, prompt, continuations, method)
+              for prompt, continuations in perplexity_requests(documents, window, prefix)]
+    if sink is not None:
+        sink.extend(s for row in scored for s in row)
+    return perplexity_metrics(scored, prefix)

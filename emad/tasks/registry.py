@@ -2,13 +2,18 @@
 
 A task is a small class registered in :data:`TASKS`: ``Settings`` (a params section, ``decode.tasks.<name>``),
 ``load(settings, corpus_dir, tokenizer)`` → its data (done before any decoding, so bad input fails first), and
-``run(stack, tokenizer, method, data, settings, sink)`` → its metrics. Text tasks read the domain's sampled eval
+``run(stack, tokenizer, method, data, settings, sink)`` → its metrics. A teacher-forced task (``teacher_forced``)
+splits ``run`` in two: ``requests`` (the prompts and continuations it scores, the same for every method) and
+``reduce`` (metrics from one method's scores), so one sweep pass can score a request for many methods
+(:mod:`emad.evaluation.evaluate`). Text tasks read the domain's sampled eval
 split; ``cloze`` and ``choice`` read the item files sample_corpus cut out of it (``corpus.tasks``); ``gsm8k`` and
 ``humaneval`` read their embedded packages.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -16,21 +21,44 @@ from pydantic import Field
 
 from emad.config import Section, validate_section
 from emad.corpus import CorpusError, read_items, read_split
+from emad.decode import Generation, Scored, generate, score_continuations
+from emad.decode.results import Request
+from emad.exits.criteria import Full
 from emad.registry import Registry
-from emad.tasks.cloze import ClozeItem, cloze
+from emad.tasks.agreement import agreement_metrics, agreement_requests
+from emad.tasks.cloze import ClozeItem, cloze_generation, cloze_metrics, cloze_requests
 from emad.tasks.fidelity import fidelity
 from emad.tasks.gsm8k import gsm8k, test_rows
 from emad.tasks.humaneval import humaneval, problems
-from emad.tasks.multiple_choice import Item, arc_items, multiple_choice
-from emad.tasks.perplexity import perplexity
+from emad.tasks.multiple_choice import Item, arc_items, choice_metrics, choice_requests
+from emad.tasks.perplexity import first_tokens, perplexity_metrics, perplexity_requests
+
+
+@dataclass
+class Shared:
+    """What the tasks of one domain share across the points that run them: full-depth greedy generations of their
+    prompts, made once (fidelity's reference, the agreement task's continuations)."""
+
+    references: dict[tuple, Generation] = field(default_factory=dict)
+
+    def reference(self, stack, tokenizer, prompts: Sequence[Sequence[int]], new_tokens: int) -> Generation:
+        key = (tuple(map(tuple, prompts)), new_tokens)
+        if key not in self.references:
+            self.references[key] = generate(stack, tokenizer, prompts, Full(), new_tokens)
+        return self.references[key]
 
 
 class Task:
-    """Base class: a task's settings, data loading and evaluation."""
+    """Base class: a task's settings, data loading and evaluation.
+
+    ``run(..., limit=n)`` decodes only the first ``n`` prompts (problems) of a free-running task (swept points,
+    ``decode.swept_prompts``); teacher-forced tasks score all theirs.
+    """
 
     name: ClassVar[str]
     Settings: ClassVar[type[Section]] = Section
     corpus_items: ClassVar[str | None] = None  # the corpus.tasks item file it reads, when it reads one
+    teacher_forced: ClassVar[bool] = False  # metrics from scored requests (requests + reduce)
 
     @classmethod
     def settings(cls, raw: dict | None) -> Section:
@@ -40,8 +68,32 @@ class Task:
     def load(self, settings, corpus_dir: Path | None, tokenizer) -> Any:
         raise NotImplementedError
 
-    def run(self, stack, tokenizer, method, data, settings, sink: list) -> dict:
+    def requests(self, stack, tokenizer, data, settings, shared: Shared) -> list[Request]:
+        """A teacher-forced task's requests: the same for every method."""
         raise NotImplementedError
+
+    def fewer(self, requests: list[Request], tokens: int) -> list[Request]:
+        """The requests a method scored token by token scores when ``decode.unserved_tokens`` is set (all)."""
+        return requests
+
+    def reduce(self, stack, tokenizer, method, data, settings, scored: list[list[Scored]], sink: list,
+               limit: int | None = None) -> dict:
+        """A teacher-forced task's metrics from ``method``'s scores of (the leading) requests."""
+        raise NotImplementedError
+
+    def speed_prompts(self, data, settings) -> tuple[list[list[int]], int] | None:
+        """Prompts and new tokens whose generation times a point's speed-up (None: this task has none)."""
+        return None
+
+    def run(self, stack, tokenizer, method, data, settings, sink: list, shared: Shared | None = None,
+            limit: int | None = None) -> dict:
+        """The task's metrics under ``method``; a teacher-forced task scores its requests alone and reduces them."""
+        if not self.teacher_forced:
+            raise NotImplementedError
+        scored = [score_continuations(stack, prompt, continuations, method)
+                  for prompt, continuations in self.requests(stack, tokenizer, data, settings, shared or Shared())]
+        sink.extend(s for row in scored for s in row)
+        return self.reduce(stack, tokenizer, method, data, settings, scored, sink, limit)
 
 
 TASKS: Registry[Task] = Registry("task")
@@ -73,6 +125,7 @@ class Perplexity(Task):
     """Adaptive-depth perplexity on the domain's eval split (DESIGN.md §4)."""
 
     Settings = PerplexitySettings
+    teacher_forced = True
 
     def load(self, settings, corpus_dir, tokenizer):
         if not settings.prefix < settings.window:
@@ -80,8 +133,14 @@ class Perplexity(Task):
                              f"({settings.window})")
         return _eval_docs(corpus_dir, tokenizer, settings.tokens)
 
-    def run(self, stack, tokenizer, method, data, settings, sink):
-        return perplexity(stack, data, method, settings.window, settings.prefix, sink=sink)
+    def requests(self, stack, tokenizer, data, settings, shared):
+        return perplexity_requests(data, settings.window, settings.prefix)
+
+    def fewer(self, requests, tokens):
+        return first_tokens(requests, tokens)
+
+    def reduce(self, stack, tokenizer, method, data, settings, scored, sink, limit=None):
+        return perplexity_metrics(scored, settings.prefix)
 
 
 class FidelitySettings(Section):
@@ -105,8 +164,28 @@ class Fidelity(Task):
                              f"{settings.prompt_tokens} tokens (decode.tasks.fidelity)")
         return [ids[i * step: i * step + settings.prompt_tokens] for i in range(settings.prompts)]
 
-    def run(self, stack, tokenizer, method, data, settings, sink):
-        return fidelity(stack, tokenizer, data, method, settings.new_tokens, sink=sink)
+    def speed_prompts(self, data, settings):
+        return data, settings.new_tokens
+
+    def run(self, stack, tokenizer, method, data, settings, sink, shared=None, limit=None):
+        prompts = data[:limit]
+        reference = (shared or Shared()).reference(stack, tokenizer, prompts, settings.new_tokens)
+        return fidelity(stack, tokenizer, prompts, method, settings.new_tokens, reference=reference, sink=sink)
+
+
+@TASKS.register("agreement")
+class Agreement(Fidelity):
+    """Teacher-forced token agreement: the full-depth greedy continuations of fidelity's prompts fed back
+    (:mod:`emad.tasks.agreement`)."""
+
+    teacher_forced = True
+    run = Task.run
+
+    def requests(self, stack, tokenizer, data, settings, shared):
+        return agreement_requests(data, shared.reference(stack, tokenizer, data, settings.new_tokens))
+
+    def reduce(self, stack, tokenizer, method, data, settings, scored, sink, limit=None):
+        return agreement_metrics(scored)
 
 
 class Gsm8kSettings(Section):
@@ -129,8 +208,9 @@ class Gsm8k(Task):
         pairs = [(r["question"], r["answer"]) for r in rows]
         return pairs[: settings.problems], pairs[len(pairs) - settings.shots:]
 
-    def run(self, stack, tokenizer, method, data, settings, sink):
+    def run(self, stack, tokenizer, method, data, settings, sink, shared=None, limit=None):
         problems, shots = data
+        problems = problems[:limit]
         return gsm8k(stack, tokenizer, problems, method, shots, settings.max_new_tokens, sink=sink)
 
 
@@ -149,8 +229,8 @@ class HumanEval(Task):
     def load(self, settings, corpus_dir, tokenizer):
         return problems()[: settings.problems]
 
-    def run(self, stack, tokenizer, method, data, settings, sink):
-        return humaneval(stack, tokenizer, data, method, settings.max_new_tokens, settings.timeout, sink=sink)
+    def run(self, stack, tokenizer, method, data, settings, sink, shared=None, limit=None):
+        return humaneval(stack, tokenizer, data[:limit], method, settings.max_new_tokens, settings.timeout, sink=sink)
 
 
 class MultipleChoiceSettings(Section):
@@ -165,12 +245,16 @@ class MultipleChoice(Task):
     """ARC-style accuracy by log-likelihood (hub ``allenai/ai2_arc`` online, or a local file)."""
 
     Settings = MultipleChoiceSettings
+    teacher_forced = True
 
     def load(self, settings, corpus_dir, tokenizer):
         return arc_items(settings.split, settings.config, settings.data_files)[: settings.items]
 
-    def run(self, stack, tokenizer, method, data, settings, sink):
-        return multiple_choice(stack, tokenizer, data, method, sink=sink)
+    def requests(self, stack, tokenizer, data, settings, shared):
+        return choice_requests(tokenizer, data)
+
+    def reduce(self, stack, tokenizer, method, data, settings, scored, sink, limit=None):
+        return choice_metrics(data, scored)
 
 
 def _items(corpus_dir: Path | None, task: str, make) -> list:
@@ -187,17 +271,29 @@ def _items(corpus_dir: Path | None, task: str, make) -> list:
     return items
 
 
+class ClozeSettings(Section):
+    adaptive_tokens: int = Field(8, ge=0)  # the passage's last tokens scored at adaptive depth before the target
+
+
 @TASKS.register("cloze")
 class Cloze(Task):
-    """Last-word accuracy (LAMBADA-style) on passages of the eval split: by log-likelihood and by generation."""
+    """Last-word accuracy (LAMBADA-style) on passages of the eval split: by log-likelihood (teacher forced, the
+    passage's last ``adaptive_tokens`` at adaptive depth) and by generation (the first ``limit`` passages)."""
 
+    Settings = ClozeSettings
     corpus_items = "cloze"  # built by sample_corpus from corpus.tasks.cloze
+    teacher_forced = True
 
     def load(self, settings, corpus_dir, tokenizer):
         return _items(corpus_dir, "cloze", lambda r: ClozeItem(r["context"], r["target"]))
 
-    def run(self, stack, tokenizer, method, data, settings, sink):
-        return cloze(stack, tokenizer, data, method, sink=sink)
+    def requests(self, stack, tokenizer, data, settings, shared):
+        return cloze_requests(tokenizer, data, settings.adaptive_tokens)[0]
+
+    def reduce(self, stack, tokenizer, method, data, settings, scored, sink, limit=None):
+        generated = cloze_generation(stack, tokenizer, data[:limit], method)
+        sink.append(generated)
+        return cloze_metrics(data, scored, cloze_requests(tokenizer, data, settings.adaptive_tokens)[1], generated)
 
 
 @TASKS.register("choice")
@@ -206,10 +302,14 @@ class Choice(Task):
     ``acc_norm`` by log-likelihood (lm-eval semantics), per-item ``samples``, and ``chance``."""
 
     corpus_items = "choice"  # built by sample_corpus from corpus.tasks.choice
+    teacher_forced = True
 
     def load(self, settings, corpus_dir, tokenizer):
         return _items(corpus_dir, "choice", lambda r: Item(r["context"], tuple(r["choices"]), r["answer"]))
 
-    def run(self, stack, tokenizer, method, data, settings, sink):
+    def requests(self, stack, tokenizer, data, settings, shared):
+        return choice_requests(tokenizer, data)
+
+    def reduce(self, stack, tokenizer, method, data, settings, scored, sink, limit=None):
         chance = sum(1 / len(item.choices) for item in data) / len(data)  # 1 / choices
-        return {**multiple_choice(stack, tokenizer, data, method, sink=sink), "chance": chance}
+        return {**choice_metrics(data, scored), "chance": chance}

@@ -1,0 +1,44 @@
+"""A point's speed-up, timed where it runs: its generations alternate with full-depth generations of the same
+prompts in the same process, and the speed-up is the median of the paired tokens/s ratios.
+
+Timing each point against a full-depth run made in another process (at another time, under another load) turns a
+busy machine into a fake slow-down; pairing them in time cancels most of it. The load average around the
+measurement is recorded beside it.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections.abc import Sequence
+
+from emad.decode import Generation, generate
+from emad.exits.criteria import Full
+
+
+def _tokens_per_s(out: Generation) -> float:
+    return sum(len(row) for row in out.token_ids) / max(out.seconds, 1e-9)
+
+
+def measure_speedup(stack, tokenizer, method, prompts: Sequence[Sequence[int]], new_tokens: int,
+                    repeats: int) -> dict[str, float | int | None]:
+    """Generate ``prompts`` ``repeats`` times under ``method`` and at full depth, alternating which goes first.
+
+    Returns:
+        ``speedup`` (median of the per-repeat ratios method tokens/s ÷ full-depth tokens/s), the medians
+        ``speed_tokens_per_s`` and ``reference_tokens_per_s``, ``speed_repeats``, and ``load_avg`` (1-minute load
+        average, the larger of before and after). Values are None when ``repeats`` is 0.
+    """
+    if repeats == 0 or not prompts:
+        return {"speedup": None, "speed_tokens_per_s": None, "reference_tokens_per_s": None, "speed_repeats": 0,
+                "load_avg": None}
+    before = os.getloadavg()[0]
+    own, ref = [], []
+    full = Full()
+    for r in range(repeats):
+        for m in ((full, method) if r % 2 == 0 else (method, full)):
+            tps = _tokens_per_s(generate(stack, tokenizer, prompts, m, new_tokens))
+            (ref if m is full else own).append(tps)
+    return {"speedup": statistics.median(a / b for a, b in zip(own, ref)),
+            "speed_tokens_per_s": statistics.median(own), "reference_tokens_per_s": statistics.median(ref),
+            "speed_repeats": repeats, "load_avg": max(before, os.getloadavg()[0])}
