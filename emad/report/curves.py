@@ -199,3 +199,20 @@ def y_limits(values: Iterable[float], scale: QualityScale, ratio_cap: float = 1e
     lo, hi = max(min(allv), points_floor), max(allv)
     pad = max(0.06 * (hi - lo), 0.5 if scale.kind == "points" else 0.02)
     return lo - pad, hi + pad
+
+
+def plot_fields(series, row: dict[str, Any], ppl_rel_tol: float = 0.01, acc_abs_tol: float = 0.01) -> dict[str, Any]:
+    """Fields the ``dvc plots`` template draws with, for one row of ``series.plot_rows()``.
+
+    Returns:
+        ``quality_vs_full`` (the quality as the figures show it: ratio to full depth for lower-better metrics,
+        change in points otherwise; the raw quality without a full-depth run; None when not finite),
+        ``calibration_kind`` (``in-domain``, ``shifted`` or ``none``) and ``line`` (the curve the row belongs to).
+    """
+    scale = quality_scale(series.metric, series.higher_better, series.full_quality, ppl_rel_tol, acc_abs_tol)
+    shown = scale(row.get("quality"), series.full_quality)
+    family, cal = row.get("family") or "?", row.get("calibration")
+    kind = "none" if not cal else "in-domain" if in_domain(cal, row.get("domain") or series.domain) else "shifted"
+    name = row.get("point") if family in (FULL, ORACLE) else row.get("curve") or family
+    return {"quality_vs_full": shown if finite(shown) else None, "calibration_kind": kind,
+            "line": f"{family} | {name} | {cal or '-'}"}
