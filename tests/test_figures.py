@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 
 from emad.report import ParetoSeries
-from emad.report.curves import curves, family_styles, quality_scale
+from emad.report.curves import curves, family_styles, plot_fields, quality_scale
 from emad.report.figures import (
     domain_shift_figure,
     overview_figure,
@@ -147,3 +149,26 @@ def test_overview_and_domain_shift_figures_build(tmp_path):
 def test_pareto_figures_index_keeps_its_form(tmp_path):
     index = write_pareto_figures([synthetic_series()], tmp_path)
     assert index[0]["name"] == "m--prose--perplexity" and index[0]["mlflow_run_ids"] == ["ml-full"]
+
+
+def test_plot_fields_put_quality_on_the_figures_scale():
+    s = synthetic_series(families=("emad",), n=3)
+    rows = s.plot_rows()
+    fields = [plot_fields(s, r) for r in rows]
+    full = fields[0]
+    assert full["quality_vs_full"] == 1.0 and full["tolerance_vs_full"] == pytest.approx(1.01)
+    assert {f["calibration_kind"] for f in fields} == {"none", "in-domain", "shifted"}
+    assert len({f["line"] for f, r in zip(fields, rows) if r["family"] == "emad"}) == 2
+    acc = synthetic_series(families=("fixed",), n=3, metric="fidelity.token_agreement")
+    assert plot_fields(acc, acc.rows[1])["quality_vs_full"] == pytest.approx(100 * (acc.rows[1]["quality"] - 0.8))
+
+
+def test_frontier_template_draws_lines_per_family_offline():
+    text = (Path(__file__).parents[1] / ".dvc" / "plots" / "frontier.json").read_text()
+    spec = json.loads(text)
+    assert "<script" not in text and "<DVC_METRIC_DATA>" in text and "<DVC_METRIC_ZOOM_AND_PAN>" in text
+    curves_layer = spec["layer"][0]["layer"]
+    assert curves_layer[0]["mark"]["type"] == "line" and curves_layer[1]["mark"]["type"] == "point"
+    enc = curves_layer[0]["encoding"]
+    assert enc["color"]["field"] == "family" and enc["strokeDash"]["field"] == "calibration_kind"
+    assert {d["field"] for d in enc["detail"]} >= {"line", "rev"}

@@ -207,6 +207,7 @@ def plot_fields(series, row: dict[str, Any], ppl_rel_tol: float = 0.01, acc_abs_
     Returns:
         ``quality_vs_full`` (the quality as the figures show it: ratio to full depth for lower-better metrics,
         change in points otherwise; the raw quality without a full-depth run; None when not finite),
+        ``tolerance_vs_full`` (the verdict's tolerance on that scale; None without a full-depth run),
         ``calibration_kind`` (``in-domain``, ``shifted`` or ``none``) and ``line`` (the curve the row belongs to).
     """
     scale = quality_scale(series.metric, series.higher_better, series.full_quality, ppl_rel_tol, acc_abs_tol)
@@ -214,5 +215,5 @@ def plot_fields(series, row: dict[str, Any], ppl_rel_tol: float = 0.01, acc_abs_
     family, cal = row.get("family") or "?", row.get("calibration")
     kind = "none" if not cal else "in-domain" if in_domain(cal, row.get("domain") or series.domain) else "shifted"
     name = row.get("point") if family in (FULL, ORACLE) else row.get("curve") or family
-    return {"quality_vs_full": shown if finite(shown) else None, "calibration_kind": kind,
-            "line": f"{family} | {name} | {cal or '-'}"}
+    return {"quality_vs_full": shown if finite(shown) else None, "tolerance_vs_full": scale.tolerance,
+            "calibration_kind": kind, "line": f"{family} | {name} | {cal or '-'}"}
