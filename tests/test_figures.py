@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,7 +19,8 @@ from emad.report.figures import (
     write_overview_figure,
     write_pareto_figures,
 )
-from emad.report.plots import plt
+from emad.report.heatmap import heatmap_html
+from emad.report.plots import plt, profile_figure
 
 FAMILIES = ("emad", "fixed", "confidence+tuned")
 KNOBS = {"emad": "margin", "fixed": "depth", "confidence": "h0"}
@@ -172,3 +174,31 @@ def test_frontier_template_draws_lines_per_family_offline():
     enc = curves_layer[0]["encoding"]
     assert enc["color"]["field"] == "family" and enc["strokeDash"]["field"] == "calibration_kind"
     assert {d["field"] for d in enc["detail"]} >= {"line", "rev"}
+
+
+def test_heatmap_sets_prompt_apart_and_shows_full_depth_beside():
+    tokens = [("Once", None), (" upon", 0), (" a", 3), (" <time>", 30)]
+    page = heatmap_html([tokens], 30, "r")
+    body = page.split("<body>")[1]
+    assert 'class="prompt"' in body and '<span class="p">Once</span>' in body and "&lt;time&gt;" in body
+    assert 'title="layer 3"' in body and 'title="layer 0"' not in body and "full depth</b>" not in body
+    page = heatmap_html([tokens[2:]], 30, "r", prompts=["Tell me:"], full_depth=[[" a", " b"]])
+    assert "Tell me:" in page and "adaptive depth" in page and "full depth</b>" in page and " a b" in page
+    ticks = page.split('class="ticks">')[1].split("</div>")[0]
+    assert ticks.count("<span") == 6  # 1, 6, 12, 18, 24, 30: each positioned apart
+
+
+def test_profile_figure_draws_global_prominently_with_a_short_legend():
+    layers = [3, 6, 9, 12]
+    names = [f"pos{i}" for i in range(6)]
+    raw = {n: [5.0 - 0.3 * k + 0.1 * i for k in range(4)] for i, n in enumerate(names)}
+    prof = SimpleNamespace(probe_layers=layers, strata=SimpleNamespace(names=lambda: names), raw=raw, tau=raw,
+                           count={n: [10.0] * 4 for n in names}, agreement=[0.1, 0.3, 0.6, 1.0],
+                           oracle=[0.1, 0.2, 0.3, 0.4])
+    fig = profile_figure(prof, "t")
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert len(labels) <= 4 and labels[0] == "global raw"
+    widths = sorted(ln.get_linewidth() for ln in ax.get_lines())
+    assert widths[-1] >= 2 * widths[0]  # the global τ stands out of the strata
+    plt.close(fig)
