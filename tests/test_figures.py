@@ -58,7 +58,7 @@ def synthetic_series(domain: str = "prose", n: int = 8, families=FAMILIES, metri
         for cal in cals:
             for i in range(n):
                 t = i / max(n - 1, 1)
-                span = (1 - t) ** (1 + k) * (math.log(ppl_max) - math.log(FULL_PPL)) * (1 - 0.15 * k)
+                span = (1 - t) ** (1 + k) * (math.log(ppl_max) - math.log(FULL_PPL)) * (1 - 0.06 * k)
                 ppl = FULL_PPL * 1.002 * math.exp(span)
                 if cal not in (None, domain):
                     ppl *= 1.5
@@ -201,4 +201,16 @@ def test_profile_figure_draws_global_prominently_with_a_short_legend():
     assert len(labels) <= 4 and labels[0] == "global raw"
     widths = sorted(ln.get_linewidth() for ln in ax.get_lines())
     assert widths[-1] >= 2 * widths[0]  # the global τ stands out of the strata
+    plt.close(fig)
+
+
+def test_ratios_far_below_full_depth_and_infinite_ones_stay_inside():
+    s = synthetic_series(families=("fixed",), n=4)
+    s.rows[1]["quality"], s.rows[2]["quality"] = 1e-9, math.inf
+    fig = pareto_figure(s)
+    ax = fig.axes[0]
+    lo, hi = ax.get_ylim()
+    ys = _curve_lines(ax)[0].get_ydata()
+    assert all(lo <= y <= hi for y in ys) and lo >= 0.01
+    assert any(t.get_text() == "∞" for t in ax.texts)
     plt.close(fig)

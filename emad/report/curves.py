@@ -184,16 +184,17 @@ def clip(values: Sequence[float], lo: float, hi: float) -> tuple[list[float], li
     return out, moved
 
 
-def y_limits(values: Iterable[float], scale: QualityScale, ratio_cap: float = 1e6,
+def y_limits(values: Iterable[float], scale: QualityScale, ratio_cap: float = 1e6, ratio_floor: float = 0.1,
              points_floor: float = -100.0) -> tuple[float, float]:
-    """Axis limits that hold every finite shown value, the full-depth level and the tolerance (padded), capped at
-    ``ratio_cap`` (log scales: beyond it points go to the edge) and ``points_floor``."""
+    """Axis limits that hold every finite shown value, the full-depth level and the tolerance (padded), within
+    [``ratio_floor``, ``ratio_cap``] for ratios (points beyond go to the edge) and above ``points_floor``."""
     vals = [v for v in values if finite(v)]
     marks = [v for v in (scale.full, scale.tolerance) if v is not None]
     if scale.log:
         pos = [v for v in vals + marks if v > 0] or [1.0]
-        lo, hi = min(pos), min(max(pos), ratio_cap)
-        lo = min(lo, hi)
+        lo, hi = min(pos), max(pos)
+        if scale.kind == "ratio":
+            lo, hi = max(lo, ratio_floor), min(hi, ratio_cap)
         return lo / 1.6, hi * 1.6
     allv = vals + marks or [0.0]
     lo, hi = max(min(allv), points_floor), max(allv)
