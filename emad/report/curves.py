@@ -99,7 +99,7 @@ class QualityScale:
     kind: str
     full: float | None
     tolerance: float | None
-    label: str
+    label: str  # follows the metric's name on the axis
 
     @property
     def log(self) -> bool:
@@ -123,12 +123,12 @@ def quality_scale(metric: str, higher_better: bool, full_quality: float | None, 
     if not higher_better:
         if has_full:
             return QualityScale("ratio", 1.0, 1.0 + ppl_rel_tol,
-                                "÷ full depth (log scale; lower is better)")
-        return QualityScale("log", None, None, "log scale; lower is better")
+                                " ÷ full depth (log scale; lower is better)")
+        return QualityScale("log", None, None, " (log scale; lower is better)")
     if finite(full_quality):
         return QualityScale("points", 0.0, -100.0 * acc_abs_tol,
-                            "change vs full depth (points; higher is better)")
-    return QualityScale("raw", None, None, "higher is better")
+                            ": change vs full depth (points; higher is better)")
+    return QualityScale("raw", None, None, " (higher is better)")
 
 
 def in_domain(calibration: str | None, domain: str) -> bool:

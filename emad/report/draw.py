@@ -145,7 +145,8 @@ def finish_axes(ax, scale: QualityScale, lim: tuple[float, float], x_key: str, x
         pad = 0.06 * (hi - lo or 1.0)
         ax.set_xlim(max(0.0, lo - pad), hi + pad)
     ax.set_xlabel(X_LABELS.get(x_key, x_key))
-    ax.set_ylabel(f"{metric} {scale.label}" if len(metric) < 14 else f"{metric}\n{scale.label}", fontsize=8)
+    text = f"{metric}{scale.label}" if len(metric) < 14 else f"{metric}\n{scale.label.lstrip(': ')}"
+    ax.set_ylabel(text, fontsize=8)
     ax.grid(alpha=0.25, which="major")
 
 
