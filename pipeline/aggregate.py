@@ -17,6 +17,7 @@ from emad.evaluation import runfile
 from emad.io import atomic_write_json, atomic_write_text, read_json
 from emad.params import load_section
 from emad.report import (
+    Thresholds,
     ablation_tables,
     domain_shift_table,
     family_verdicts,
@@ -24,19 +25,25 @@ from emad.report import (
     pareto_data,
     report_markdown,
     verdict,
+    write_domain_shift_figure,
+    write_overview_figure,
     write_pareto_figures,
 )
 from emad.report.config import AggregateConfig
+from emad.report.curves import plot_fields
 
 PLOT_KEYS = ("run_id", "point", "family", "calibration", "flops_ratio", "bytes_ratio", "speedup", "quality",
-             "on_frontier_flops", "on_frontier_speed")
+             "on_frontier_flops", "on_frontier_speed", "curve", "knob", "value", "readout", "domain")
+OVERVIEW, DOMAIN_SHIFT = "overview.png", "domain-shift.png"  # beside the per-series figures
 
 
-def _write_plot_data(series, folder: Path) -> None:
+def _write_plot_data(series, folder: Path, thresholds: Thresholds) -> None:
     """One JSON per series for ``dvc plots`` (every record with the same keys, as DVC requires), under
-    ``flops/`` and ``speed/`` — one plot definition per x axis in dvc.yaml."""
+    ``flops/`` and ``speed/`` — one plot definition per x axis in dvc.yaml. Each row also carries the quality as
+    the figures show it (``quality_vs_full``) and the line it belongs to (``line``, ``calibration_kind``)."""
     for s in series:
-        rows = [{k: row.get(k) for k in PLOT_KEYS} for row in s.plot_rows()]
+        rows = [{**{k: row.get(k) for k in PLOT_KEYS},
+                 **plot_fields(s, row, thresholds.ppl_rel_tol, thresholds.acc_abs_tol)} for row in s.plot_rows()]
         for axis in ("flops", "speed"):
             atomic_write_json(folder / axis / f"{s.name}.json", rows)
 
@@ -78,11 +85,15 @@ def main(argv: list[str] | None = None) -> int:
               if any(r["point"] == args.default_point for r in runs) else {},
               "risk": _risk_results(args.risk)}
     series = pareto_data(runs)
+    thresholds = Thresholds(**cfg.thresholds())
 
     with tempfile.TemporaryDirectory(dir=args.figures.parent if args.figures.parent.exists() else None) as tmp:
         staged = Path(tmp)  # figures and plot data appear whole, or not at all
-        index = write_pareto_figures(series, staged / "figures")
-        _write_plot_data(series, staged / "pareto")
+        index = write_pareto_figures(series, staged / "figures", thresholds)
+        summaries = [p for p in (write_overview_figure(series, staged / "figures" / OVERVIEW, thresholds=thresholds),
+                                 write_domain_shift_figure(series, staged / "figures" / DOMAIN_SHIFT,
+                                                           thresholds=thresholds)) if p]
+        _write_plot_data(series, staged / "pareto", thresholds)
         for src, dst in ((staged / "figures", args.figures), (staged / "pareto", args.pareto)):
             shutil.rmtree(dst, ignore_errors=True)
             dst.parent.mkdir(parents=True, exist_ok=True)
@@ -101,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
             run.log_dict(v.to_dict(), f"verdict/{model}.json")
             run.log_metrics({f"{model}.c1_passed": float(v.c1.passed), f"{model}.c2_passed": float(v.c2.passed)})
             run.set_tags({f"{model}.c1": v.c1.outcome, f"{model}.c2": v.c2.outcome})  # pass, fail or unresolved
-        for entry in index:
-            run.log_artifact(entry["path"], "figures")
+        for path in [entry["path"] for entry in index] + [str(args.figures / p.name) for p in summaries]:
+            run.log_artifact(path, "figures")
         run.log_artifact(args.report)
         run.log_artifact(args.metrics)
         nested = run.adopt(sorted({r["mlflow_run_id"] for r in runs if r.get("mlflow_run_id")}))

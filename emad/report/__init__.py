@@ -10,11 +10,20 @@ data, a matplotlib figure or text; nothing here reads run files or knows about r
     tables = {"domain_shift": domain_shift_table(runs),
               "ablations": ablation_tables(runs, default_point="emad-m05")}
     index = write_pareto_figures(series, "reports/figures")
+    write_overview_figure(series, "reports/figures/overview.png")          # perplexity vs FLOPs, per domain
+    write_domain_shift_figure(series, "reports/figures/domain-shift.png")  # in-domain vs shifted calibration
     text = report_markdown(runs, verdicts, tables, index, family_verdicts=others, relative_to="reports")
     metrics = metrics_summary(runs, verdicts)
 """
 
-from emad.report.figures import pareto_figure, write_pareto_figures
+from emad.report.figures import (
+    domain_shift_figure,
+    overview_figure,
+    pareto_figure,
+    write_domain_shift_figure,
+    write_overview_figure,
+    write_pareto_figures,
+)
 from emad.report.pareto import (
     ParetoSeries,
     baselines,
@@ -49,5 +58,6 @@ __all__ = [
     "ablation_markdown", "ablation_tables", "baselines", "domain_shift_markdown", "domain_shift_table",
     "family_verdicts", "frontier", "metrics_summary", "model_verdict", "oracle_bounds", "oracle_flops_ratio",
     "pareto_data", "pareto_figure", "point_label", "report_markdown", "speedup", "verdict",
-    "write_pareto_figures",
+    "write_pareto_figures", "overview_figure", "write_overview_figure", "domain_shift_figure",
+    "write_domain_shift_figure",
 ]

@@ -1,8 +1,15 @@
-"""Pareto figures: quality against FLOPs ratio and against speed-up, one PNG per model × domain × metric.
+"""Curve figures of the aggregate stage (PNG): every family's sweep as a line through its operating points.
 
-Each family has its own marker and colour; the frontier of each panel is a line; the full-depth quality and its
-tolerance (as in the verdict) are horizontal lines; the oracle bound is a vertical dashed line on the FLOPs panel
-with a cross at the full-depth quality.
+* :func:`pareto_figure` / :func:`write_pareto_figures`: one PNG per model × domain × metric, quality against the
+  FLOPs ratio (left) and against the speed-up (right).
+* :func:`overview_figure` / :func:`write_overview_figure`: small multiples, one panel per model × domain, the
+  headline metric (perplexity) against the FLOPs ratio — the README's figure.
+* :func:`domain_shift_figure` / :func:`write_domain_shift_figure`: each profile-based family calibrated in-domain
+  (solid) and on shifted sources (dashed), one panel per domain × family.
+
+Quality is shown relative to full depth (perplexity as a ratio on a log axis, other metrics as a change in points),
+with the full-depth point, the verdict's tolerance band and the oracle bound. Each family has one colour × marker in
+every figure (:func:`emad.report.curves.family_styles`).
 """
 
 from __future__ import annotations
@@ -11,70 +18,84 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from emad.report.pareto import ParetoSeries, frontier
+from emad.report.curves import FULL, ORACLE, Curve, Style, curves, family_style, family_styles
+from emad.report.draw import (
+    Drawn,
+    draw_curves,
+    draw_reference,
+    finish_axes,
+    legend_handles,
+    panel_limits,
+    series_scale,
+)
+from emad.report.pareto import ParetoSeries
 from emad.report.plots import plt, save_figure
 from emad.report.verdict import Thresholds
 
-_STYLE = {"full": ("*", "black"), "fixed": ("s", "C0"), "confidence": ("^", "C1"), "emad": ("o", "C3")}
-_MARKERS = "DvP<>hX"
+__all__ = ["domain_shift_figure", "family_style", "overview_figure", "pareto_figure", "write_domain_shift_figure",
+           "write_overview_figure", "write_pareto_figures"]
+
+RATIO_CAP = 1e6  # perplexity ratios beyond this are drawn at the top edge, their value written beside
 
 
-def family_style(family: str, others: Sequence[str]) -> tuple[str, str]:
-    """(marker, colour) of a family; families beyond the known ones get the next free marker and colour."""
-    if family in _STYLE:
-        return _STYLE[family]
-    i = sorted(others).index(family) if family in others else 0
-    return _MARKERS[i % len(_MARKERS)], f"C{(4 + i) % 10}"
+def _families(series_list: Sequence[ParetoSeries]) -> list[str]:
+    return sorted({r.get("family") or "?" for s in series_list for r in s.rows} - {FULL, ORACLE})
 
 
-def _tolerance_line(series: ParetoSeries, thr: Thresholds) -> float | None:
-    q = series.full_quality
-    if q is None:
-        return None
-    return q - thr.acc_abs_tol if series.higher_better else q * (1.0 + thr.ppl_rel_tol)
+def draw_panel(ax, series: ParetoSeries, x_key: str, thr: Thresholds, styles: dict[str, Style], drawn: Drawn,
+               *, family: str | None = None, source_colours: dict[str, str] | None = None,
+               ratio_cap: float = RATIO_CAP) -> list[Curve]:
+    """Draw one series on ``ax``: every curve against ``x_key`` in its family's style, or only the curves of
+    ``family`` coloured by calibration source (``source_colours``); returns the curves drawn, in order."""
+    scale = series_scale(series, thr)
+    cs = [c for c in curves(series.rows, x_key, series.domain) if family is None or c.family == family]
+    if family is not None:
+        cs = [c for c in cs if not c.in_domain] + [c for c in cs if c.in_domain]  # drawing order
+    lim = panel_limits(series, cs, scale, ratio_cap)
+    full_x = [r[x_key] for r in series.rows if r.get("family") == FULL and r.get(x_key) is not None]
+    finish_axes(ax, scale, lim, x_key, [r[x_key] for c in cs for r in c.points] + full_x, series.metric)
+    if family is None:
+        keys = None
+    else:  # a family's own readout: plain keys for logit, "<source>+<readout>" otherwise
+        readout = family.partition("+")[2]
+        def keys(k: str) -> bool:
+            return k.partition("+")[2] == readout
+    draw_reference(ax, series, x_key, scale, lim, drawn, keys)
+    if family is None:
+        draw_curves(ax, cs, x_key, scale, series.full_quality, lim, lambda c: styles[c.family])
+    else:
+        sources = source_colours or {}
+        def style_of(c: Curve) -> Style:
+            return Style(sources.get(c.calibration or "", "C7"), styles[family].marker)
+        draw_curves(ax, [c for c in cs if not c.in_domain], x_key, scale, series.full_quality, lim, style_of)
+        draw_curves(ax, [c for c in cs if c.in_domain], x_key, scale, series.full_quality, lim, style_of,
+                    label_values=True)  # the knob values along the in-domain curve
+    drawn.families |= {c.family for c in cs}
+    drawn.shifted |= any(not c.in_domain for c in cs)
+    if not cs and not full_x:
+        ax.text(0.5, 0.5, "no points with this axis\n(no full-depth tokens/s to compare with)"
+                if x_key == "speedup" else "no points", ha="center", va="center", transform=ax.transAxes,
+                fontsize=8, color="grey")
+    return cs
 
 
-def _panel(ax, series: ParetoSeries, x_key: str, lower_better_x: bool, thr: Thresholds) -> None:
-    rows = [r for r in series.rows if r[x_key] is not None]
-    others = sorted({r["family"] for r in series.rows} - set(_STYLE))
-    for family in sorted({r["family"] for r in rows}, key=lambda f: (f != "full", f)):
-        pts = [r for r in rows if r["family"] == family]
-        marker, colour = family_style(family, others)
-        ax.scatter([r[x_key] for r in pts], [r["quality"] for r in pts], marker=marker, color=colour,
-                   s=90 if family == "full" else 40, label=family, zorder=3)
-    front = frontier(rows, x_key, "quality", series.higher_better, cost_lower_better=lower_better_x)
-    if len(front) > 1:
-        ax.plot([r[x_key] for r in front], [r["quality"] for r in front], "-", color="grey", lw=1,
-                label="Pareto frontier", zorder=2)
-    if series.full_quality is not None:
-        ax.axhline(series.full_quality, color="black", ls=":", lw=0.8, label="full depth")
-        ax.axhline(_tolerance_line(series, thr), color="red", ls=":", lw=0.8, label="tolerance")
-    if not rows:
-        ax.text(0.5, 0.5, "no full-depth tokens/s to compare with", ha="center", va="center",
-                transform=ax.transAxes)
+def _legend(fig, styles: dict[str, Style], drawn: Drawn, extra: Sequence[Any] = ()) -> None:
+    handles = [*legend_handles(styles, drawn), *extra]
+    if handles:
+        fig.legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
 
 
-def _oracle(ax, series: ParetoSeries) -> None:
-    for cal, ratio in series.oracle.items():
-        ax.axvline(ratio, color="green", ls="--", lw=0.8, label=f"oracle bound (cal {cal})")
-        if series.full_quality is not None:
-            ax.scatter([ratio], [series.full_quality], marker="x", color="green", zorder=3)
-
-
-def pareto_figure(series: ParetoSeries, thresholds: Thresholds | None = None):
-    """The figure of one series: quality vs FLOPs ratio (left) and quality vs speed-up (right)."""
+def pareto_figure(series: ParetoSeries, thresholds: Thresholds | None = None, *, ratio_cap: float = RATIO_CAP):
+    """The figure of one series: quality vs FLOPs ratio (left) and vs speed-up (right), legend at the right."""
     thr = thresholds or Thresholds()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    _panel(left, series, "flops_ratio", True, thr)
-    _oracle(left, series)
-    _panel(right, series, "speedup", False, thr)
-    ylabel = f"{series.metric} ({'higher' if series.higher_better else 'lower'} is better)"
-    left.set(xlabel="FLOPs ratio (vs full depth)", ylabel=ylabel, title="quality vs compute")
-    right.set(xlabel="speed-up (tokens/s vs full depth)", ylabel=ylabel, title="quality vs speed")
-    for ax in (left, right):
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
+    styles = family_styles(_families([series]))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.3), layout="constrained")
+    drawn = Drawn()
+    draw_panel(left, series, "flops_ratio", thr, styles, drawn, ratio_cap=ratio_cap)
+    draw_panel(right, series, "speedup", thr, styles, drawn, ratio_cap=ratio_cap)
+    left.set_title("quality vs compute", fontsize=10)
+    right.set_title("quality vs speed", fontsize=10)
+    _legend(fig, styles, drawn)
     fig.suptitle(f"{series.model} · {series.domain} · {series.metric}")
     return fig
 
@@ -93,3 +114,96 @@ def write_pareto_figures(series_list: Sequence[ParetoSeries], out_dir: str | Pat
         index.append({"path": str(path), "name": s.name, "model": s.model, "domain": s.domain,
                       "metric": s.metric, "run_ids": s.run_ids(), "mlflow_run_ids": s.mlflow_run_ids()})
     return index
+
+
+def _grid(n_rows: int, n_cols: int, w: float = 4.2, h: float = 3.4):
+    fig, axes = plt.subplots(n_rows, n_cols, figsize=(w * n_cols, h * n_rows), squeeze=False,
+                             layout="constrained")
+    return fig, axes
+
+
+def overview_figure(series_list: Sequence[ParetoSeries], metric: str = "perplexity",
+                    thresholds: Thresholds | None = None, *, ratio_cap: float = RATIO_CAP):
+    """Small multiples of ``metric`` against the FLOPs ratio: one row per model, one panel per domain.
+
+    Raises:
+        ValueError: no series of ``metric``.
+    """
+    chosen = [s for s in series_list if s.metric == metric]
+    if not chosen:
+        raise ValueError(f"no series of metric {metric!r} to draw")
+    thr = thresholds or Thresholds()
+    models = sorted({s.model for s in chosen})
+    domains = sorted({s.domain for s in chosen})
+    styles = family_styles(_families(chosen))
+    fig, axes = _grid(len(models), len(domains))
+    drawn = Drawn()
+    for ax in axes.flat:
+        ax.set_visible(False)
+    for s in chosen:
+        ax = axes[models.index(s.model)][domains.index(s.domain)]
+        ax.set_visible(True)
+        draw_panel(ax, s, "flops_ratio", thr, styles, drawn, ratio_cap=ratio_cap)
+        ax.set_title(f"{s.model} · {s.domain}", fontsize=10)
+    _legend(fig, styles, drawn)
+    fig.suptitle(f"{metric} against compute: one line per method family")
+    return fig
+
+
+def _profile_families(series_list: Sequence[ParetoSeries]) -> list[str]:
+    return sorted({r["family"] for s in series_list for r in s.rows
+                   if r.get("calibration") and r.get("family") not in (FULL, ORACLE)})
+
+
+def domain_shift_figure(series_list: Sequence[ParetoSeries], metric: str = "perplexity",
+                        thresholds: Thresholds | None = None, *, ratio_cap: float = RATIO_CAP):
+    """Each profile-based family (one with calibrated runs) per model × domain: its curve calibrated on the domain
+    itself (solid) and on other sources (dashed, one colour per source), knob values written at the points.
+
+    Raises:
+        ValueError: no series of ``metric`` with calibrated runs.
+    """
+    chosen = [s for s in series_list if s.metric == metric]
+    families = _profile_families(chosen)
+    if not families:
+        raise ValueError(f"no calibrated runs of metric {metric!r} to draw")
+    thr = thresholds or Thresholds()
+    styles = family_styles(_families(chosen))
+    sources = sorted({r.get("calibration") or "" for s in chosen for r in s.rows if r.get("calibration")})
+    colours = {src: f"C{i % 10}" for i, src in enumerate(sources)}  # one colour per source in every panel
+    fig, axes = _grid(len(chosen), len(families), w=3.8, h=3.2)
+    drawn = Drawn()
+    for i, s in enumerate(chosen):
+        for j, family in enumerate(families):
+            ax = axes[i][j]
+            cs = draw_panel(ax, s, "flops_ratio", thr, styles, drawn, family=family, source_colours=colours,
+                            ratio_cap=ratio_cap)
+            knob = next((c.knob for c in cs if c.knob), None)
+            ax.set_title(f"{family} · {s.model} · {s.domain}" + (f"  (labels: {knob})" if knob else ""),
+                         fontsize=9)
+            if cs:
+                ax.legend(handles=[plt.Line2D([], [], color=line.get_color(), ls=line.get_linestyle(),
+                                              marker=line.get_marker(), label=f"cal {c.calibration or '—'}")
+                                   for c, line in zip(cs, ax.get_lines()[-len(cs):])],
+                          fontsize=6.5, loc="best", frameon=True, framealpha=0.8)
+    drawn.families = set()  # the panel titles name the family; the colours name the calibration source
+    _legend(fig, styles, drawn)
+    fig.suptitle(f"{metric}: calibrated in-domain (solid) vs shifted (dashed)")
+    return fig
+
+
+def write_overview_figure(series_list: Sequence[ParetoSeries], path: str | Path, metric: str = "perplexity",
+                          thresholds: Thresholds | None = None) -> Path | None:
+    """Write :func:`overview_figure` to ``path``; None (nothing written) when no series has ``metric``."""
+    if not any(s.metric == metric for s in series_list):
+        return None
+    return save_figure(overview_figure(series_list, metric, thresholds), path)
+
+
+def write_domain_shift_figure(series_list: Sequence[ParetoSeries], path: str | Path, metric: str = "perplexity",
+                              thresholds: Thresholds | None = None) -> Path | None:
+    """Write :func:`domain_shift_figure` to ``path``; None (nothing written) without calibrated runs of
+    ``metric``."""
+    if not _profile_families([s for s in series_list if s.metric == metric]):
+        return None
+    return save_figure(domain_shift_figure(series_list, metric, thresholds), path)

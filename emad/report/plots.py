@@ -21,24 +21,55 @@ def save_figure(fig, path: str | Path) -> Path:
     return atomic_write_bytes(path, buf.getvalue())
 
 
+def _global_curve(per_stratum: dict[str, list[float]], counts: dict[str, list[float]]) -> list[float]:
+    """The token-weighted mean over strata per probe layer (plain mean where no counts are known)."""
+    names = list(per_stratum)
+    n = len(per_stratum[names[0]])
+    out = []
+    for i in range(n):
+        w = [counts.get(k, [1.0] * n)[i] if counts else 1.0 for k in names]
+        total = sum(w) or 1.0
+        out.append(sum(wi * per_stratum[k][i] for wi, k in zip(w, names)) / total)
+    return out
+
+
 def profile_figure(profile, title: str = ""):
-    """Raw vs smoothed τ per stratum, argmax agreement per probe, and the oracle-depth distribution."""
+    """Target profile τ (global prominent, strata faint), argmax agreement per probe, and oracle-depth shares.
+
+    The global profile is the only stratum when unstratified, else the token-weighted mean over strata; the legend
+    sits below the first panel with a handful of entries.
+    """
     layers = profile.probe_layers
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    names = profile.strata.names()
+    counts = getattr(profile, "count", {}) or {}
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), layout="constrained")
     ax = axes[0]
-    for i, name in enumerate(profile.strata.names()):
-        color = f"C{i % 10}"
-        ax.plot(layers, profile.raw[name], "o--", color=color, alpha=0.5, label=f"{name} raw")
-        ax.plot(layers, profile.tau[name], "-", color=color, label=f"{name} τ")
-    ax.set(xlabel="probe layer", ylabel="entropy (nats)", title="target profile τ (raw vs smoothed)")
-    ax.legend(fontsize=7)
+    if len(names) > 1:
+        for name in names:
+            if name in profile.raw:
+                ax.plot(layers, profile.raw[name], ls=":", lw=0.8, color="C0", alpha=0.3, zorder=1)
+            ax.plot(layers, profile.tau[name], ls="-", lw=0.9, color="C0", alpha=0.3, zorder=1)
+    raw = {k: v for k, v in profile.raw.items() if k in names}
+    if raw:
+        ax.plot(layers, _global_curve(raw, counts), "o--", color="black", lw=1.4, ms=4, label="global raw",
+                zorder=4)
+    ax.plot(layers, _global_curve({k: profile.tau[k] for k in names}, counts), "-", color="C3", lw=2.6, zorder=3,
+            label="global τ (smoothed)" if len(names) == 1 else "global τ (token-weighted mean of strata)")
+    if len(names) > 1:
+        ax.plot([], [], color="C0", alpha=0.5, lw=0.9, label=f"{len(names)} strata: τ (solid), raw (dotted)")
+    ax.set(xlabel="probe layer", ylabel="entropy (nats)", title="target profile τ")
+    ax.grid(alpha=0.25)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
     axes[1].plot(layers, profile.agreement, "o-")
     axes[1].set(xlabel="probe layer", ylabel="share of tokens", ylim=(0, 1.02),
                 title="argmax equals final argmax")
+    axes[1].grid(alpha=0.25)
     axes[2].bar([str(x) for x in layers], profile.oracle)
     axes[2].set(xlabel="oracle depth (probe layer)", ylabel="share of tokens", title="oracle depth distribution")
+    if len(layers) > 12:
+        axes[2].tick_params(axis="x", labelrotation=90, labelsize=7)
     if title:
-        fig.suptitle(title, y=1.03)
+        fig.suptitle(title)
     return fig
 
 
