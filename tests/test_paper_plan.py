@@ -1,7 +1,7 @@
 """The paper's plan (``params-paper.yaml``) resolves offline: every stage instance of its DVC graph validates its
 params and builds what it would run, on a tiny random model of each family.
 
-DVC itself expands ``dvc.yaml`` with the plan as ``params.yaml`` (what the README's recipe does), and each
+DVC itself expands ``dvc.yaml`` with the plan as ``params.yaml`` (what the recipe of docs/paper-plan.md does), and each
 instance's command line is handed to its stage: prepare_model, sample_corpus (embedded sources), calibrate, smooth,
 fit_estimators, decode (every kind) and risk run their own ``main``; fit_readouts runs its library call
 (``fit_texts``); aggregate validates its section. Only what cannot run offline, or is the heavy work, is stood in:
@@ -63,7 +63,7 @@ HIDDEN = 128  # the tiny models' hidden size (>= every rank the plan asks of an 
 VOCAB = 2048  # the tiny models' vocabulary (>= the plan's top-K shortlist)
 FIT_TOKENS = 128  # synthetic hidden states an estimator fit reads
 WORDS = 1000  # synthetic text draws words w3 .. w999, which every tiny vocabulary holds (one word, one token)
-# The README's listing of the calibrate instances as torchrun commands (run here in the plan's workspace).
+# The listing in docs/paper-plan.md of the calibrate instances as torchrun commands (run here in the plan's workspace).
 TORCHRUN_LISTING = ("dvc repro --dry calibrate | sed -n 's|^> python pipeline/calibrate.py|torchrun --standalone "
                     "--nproc_per_node 8 pipeline/calibrate.py|p'")
 
@@ -382,7 +382,7 @@ def test_the_plan_fits_the_real_models_and_data():
 
 
 def test_copying_the_plan_over_params_resolves_in_dvc(tmp_path, graph):
-    """The README's recipe copies the plan over params.yaml: DVC expands it to the graph the tiny stand-ins run."""
+    """The recipe of docs/paper-plan.md copies the plan over params.yaml: DVC expands it to the graph the tiny stand-ins run."""
     shutil.copy(ROOT / "dvc.yaml", tmp_path / "dvc.yaml")
     shutil.copy(PAPER, tmp_path / "params.yaml")
     subprocess.run([Path(sys.executable).parent / "dvc", "init", "--no-scm", "-q"], cwd=tmp_path, check=True)
@@ -403,7 +403,7 @@ def test_every_stage_instance_validates_and_builds_on_tiny_models(built):
 
 @pytest.mark.heavy  # the whole graph on tiny stand-ins (a minute); gsm8k and humaneval sampled with SmolLM2's tokenizer
 def test_calibration_under_torchrun_lists_one_command_per_instance(built, workspace, graph):
-    """The README's torchrun recipe: DVC's dry run lists the calibrate instances; sed makes each a torchrun."""
+    """The torchrun recipe of docs/paper-plan.md: DVC's dry run lists the calibrate instances; sed makes each a torchrun."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     listed = subprocess.run(["bash", "-c", TORCHRUN_LISTING], cwd=workspace, env=env, capture_output=True, text=True,
                             timeout=300)
