@@ -112,6 +112,18 @@ def _speed(stack, tokenizer, method, prepared: list, limit: int | None, repeats:
     return measure_speedup(stack, tokenizer, method, [], 0, 0)
 
 
+def _heatmap_texts(stack, tokenizer, result, prepared: list, shared: Shared, n: int, limit: int | None):
+    """The heat map's texts, and beside them their prompts and full-depth continuations when the first generating
+    task is fidelity (its generations come first; the full-depth ones are its references)."""
+    texts = result.heatmap_texts(tokenizer, n)
+    first = next((p for p in prepared if not p.task.teacher_forced), None)
+    if first is None or first.name != "fidelity" or not texts:
+        return texts, None, None
+    prompts = first.data[:limit]
+    reference = shared.reference(stack, tokenizer, prompts, first.settings.new_tokens)
+    return texts, [tokenizer.decode(p) for p in prompts[:len(texts)]], reference.texts[:len(texts)]
+
+
 def _run(args, cfg: DecodeConfig, loaded, stack: LayerStack, name: str, point, method, calibration: str | None,
          facts: dict, domain: str, prepared: list, shared: Shared, scores: dict) -> None:
     """One (point, domain): evaluate its tasks, write the run file and artifacts, log one MLflow run."""
@@ -141,9 +153,10 @@ def _run(args, cfg: DecodeConfig, loaded, stack: LayerStack, name: str, point, m
         }
         artifacts = args.artifacts / name / domain
         hist_png = save_figure(depth_histogram_figure(hist, stack.n_layers, rid), artifacts / "depth.png")
-        heat = atomic_write_text(artifacts / "heatmap.html",
-                                 heatmap_html(result.heatmap_texts(loaded.tokenizer, cfg.heatmap_texts),
-                                              stack.n_layers, rid))
+        texts, prompts, full = _heatmap_texts(stack, loaded.tokenizer, result, prepared, shared, cfg.heatmap_texts,
+                                              limit)
+        heat = atomic_write_text(artifacts / "heatmap.html", heatmap_html(texts, stack.n_layers, rid, prompts=prompts,
+                                                                          full_depth=full))
         run.log_metrics({f"quality.{k}": v for k, v in record["quality"].items()})
         run.log_metrics(runfile.interval_metrics(record["intervals"], prefix="quality."))
         run.log_metrics({f"cost.{k}": v for k, v in cost.items() if v is not None})

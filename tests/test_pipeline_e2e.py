@@ -39,11 +39,14 @@ def _params(model_dir: Path) -> dict:
         "estimators": {"topk": {"k": 64}, "lowrank": {"rank": 8}, "tokens": 256, "window": 32,
                        "readouts": ["logit", "tuned"]},
         "decode": {
-            "domains": {"stdlib-prose": ["perplexity", "fidelity"]},
+            "domains": {"stdlib-prose": ["perplexity", "agreement", "fidelity"]},
             "tasks": {"perplexity": {"tokens": 128, "window": 64, "prefix": 16},
+                      "agreement": {"prompts": 2, "prompt_tokens": 16, "new_tokens": 8},
                       "fidelity": {"prompts": 2, "prompt_tokens": 16, "new_tokens": 8}},
             "baselines": {"full": {"method": "full"}, "fixed-2-tuned": {"method": "fixed", "depth": 2,
-                                                                        "readout": "tuned"}},
+                                                                        "readout": "tuned"},
+                          "conf": {"method": "confidence", "threshold": [0.5, 3, 100], "probe_every": 1}},
+            "swept_prompts": 1, "speed_repeats": 2,
             "points": {"emad-m0": {"method": "emad", "margin": 0.0},
                        "emad-m0-tuned": {"method": "emad", "margin": 0.0, "readout": "tuned"}},
             "default_point": "emad-m0",
@@ -110,7 +113,12 @@ def test_repro_writes_every_output(repo):
     assert runs == sorted([
         "tiny--full--stdlib-prose.json", "tiny--fixed-2-tuned--stdlib-prose.json",
         "tiny--emad-m0--cal-stdlib-prose--stdlib-prose.json", "tiny--emad-m0-tuned--cal-stdlib-prose--stdlib-prose.json",
-        "tiny--backfill--cal-stdlib-prose--stdlib-prose.json", "tiny--ead-k2--stdlib-prose.json"])
+        "tiny--backfill--cal-stdlib-prose--stdlib-prose.json", "tiny--ead-k2--stdlib-prose.json",
+        *(f"tiny--conf_{v}--stdlib-prose.json" for v in ("0.5", "3", "100"))])
+    swept = [json.loads((repo / "reports/runs/tiny--baselines" / f"tiny--conf_{v}--stdlib-prose.json").read_text())
+             for v in ("0.5", "3", "100")]
+    assert [(r["curve"], r["knob"], r["value"]) for r in swept] == [("conf", "threshold", v) for v in (0.5, 3, 100)]
+    assert all(r["cost"]["reference_tokens_per_s"] > 0 and r["cost"]["speedup"] > 0 for r in swept)
     folders = {"full": "baselines", "fixed-2-tuned": "baselines", "emad-m0": "points--cal-stdlib-prose",
                "emad-m0-tuned": "points--cal-stdlib-prose", "backfill": "ablations--cal-stdlib-prose",
                "ead-k2": "related"}  # one folder per stage: every point of its kind, one run file per domain
@@ -137,11 +145,13 @@ def test_repro_writes_every_output(repo):
 def test_mlflow_holds_one_run_per_stage_execution(repo):
     runs = _mlflow_runs(repo)
     stages = runs["tags.dvc_stage"].value_counts().to_dict()
-    assert stages == {"fit_readouts": 1, "calibrate": 2, "smooth": 2, "fit_estimators": 2, "decode_baseline": 2,
+    assert stages == {"fit_readouts": 1, "calibrate": 2, "smooth": 2, "fit_estimators": 2, "decode_baseline": 5,
                       "decode": 2, "decode_ablation": 1, "decode_related": 1, "risk": 1, "aggregate": 1}
     parent = runs[runs["tags.dvc_stage"] == "aggregate"].iloc[0]["run_id"]
     nested = runs[runs["tags.mlflow.parentRunId"] == parent]
-    assert len(nested) == 6
+    assert len(nested) == 9
+    swept = runs[runs["tags.run_id"].str.contains("--conf_", na=False)]
+    assert sorted(swept["tags.run_id"]) == [f"tiny--conf_{v}--stdlib-prose" for v in ("0.5", "100", "3")]
     tuned = json.loads((repo / "reports/runs/tiny--points--cal-stdlib-prose"
                         / "tiny--emad-m0-tuned--cal-stdlib-prose--stdlib-prose.json").read_text())
     assert tuned["readout"] == "tuned" and tuned["method"]["readout"] == "tuned"
