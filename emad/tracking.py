@@ -159,7 +159,8 @@ def decode_params(record: dict[str, Any]) -> dict[str, str | float | int]:
     uniform ``family``, ``readout``, ``curve``, ``calibration``, ``domain``, ``model``, ``point``, ``kind``,
     ``knob`` and ``value`` (these win over an option of the same name). Only fields that are set: nothing is
     logged as None or empty. Conventions: ``knob`` is the swept option's name, or ``"none"`` for a point that is
-    not on a sweep, and then ``value`` is left out; ``curve`` is the sweep's base point, or the point itself when
+    not on a sweep, and then ``value`` is left out; ``calibration`` is ``"none"`` for a point without a profile
+    (baselines, related methods), so that every decode run has it and ``params.calibration = 'none'`` filters; ``curve`` is the sweep's base point, or the point itself when
     the record has none (a lone point is a curve of one), so colouring by ``curve`` always groups.
     """
     out: dict[str, str | float | int] = {}
@@ -174,6 +175,7 @@ def decode_params(record: dict[str, Any]) -> dict[str, str | float | int]:
             out[key] = _param_value(value)
     knob = record.get("knob")
     out["knob"] = str(knob) if _set(knob) else "none"
+    out.setdefault("calibration", "none")  # a point without a profile: filterable, as knob
     if _set(knob) and record.get("value") is not None:
         out["value"] = float(record["value"])
     else:
@@ -245,6 +247,14 @@ class Run:
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         clean = {metric_name(k): float(v) for k, v in metrics.items() if v is not None}
         self._mlflow.log_metrics(clean, step=step)
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        """Params (e.g. :func:`decode_params`), names made MLflow-safe; None values are not logged. A param already
+        logged in this run must keep its value (MLflow refuses a change)."""
+        clean = {metric_name(k): v for k, v in params.items() if v is not None}
+        items = list(clean.items())
+        for i in range(0, len(items), 100):  # MLflow's batch limit
+            self._mlflow.log_params(dict(items[i:i + 100]))
 
     def log_series(self, name: str, values: dict[int, float]) -> None:
         """One metric over steps (e.g. τ per layer with step = layer), sent in one batch."""
@@ -338,7 +348,7 @@ def stage_run(stage: str, params: dict, tags: dict[str, Any] | None = None,
             handle = Run(mlflow, run_id)
             handle.set_tags({"git_rev": git_rev(), "dvc_stage": stage, "params_hash": params_hash(params),
                              "host": socket.gethostname(), "pid": os.getpid(), **(tags or {})})
-            flat = flatten(params)
+            flat = {k: v for k, v in flatten(params).items() if v is not None}  # what is set, never a "None"
             for i in range(0, len(flat), 100):
                 mlflow.log_params(dict(list(flat.items())[i:i + 100]))
             mlflow.log_dict(params, "resolved_params.json")
