@@ -27,7 +27,10 @@ EXPERIMENT = os.environ.get("EMAD_MLFLOW_EXPERIMENT", "emad")
 
 # Shown on the experiment's page in the MLflow UI (tag ``mlflow.note.content``, Markdown).
 DESCRIPTION = """\
-**EMAD: entropy-guided adaptive-depth decoding.** One run per stage instance, named for what it is:
+**EMAD** (entropy-guided adaptive-depth decoding). Pareto view: filter `tags.dvc_stage LIKE 'decode%'`, Chart view,
+scatter x = `flops_ratio`, y = `quality.perplexity.perplexity`, colour by `family` (*Group by* param `family`).
+
+One run per stage instance, named for what it is:
 `fit_readouts <model> <source>`, `calibrate <model> <source> <readout>`,
 `smooth <model> <source> <readout>`, `fit_estimators <model> <source> <readout>`, `risk <model> <search> <calibration>`,
 the decode runs `decode <model> <point> <domain> cal <source>` (one per operating point × eval domain ×
@@ -39,12 +42,13 @@ code and config.
 **Decode runs** share params `family`, `readout`, `knob`, `value`, `curve`, `calibration`, `domain`, `model`, `point`,
 `kind` (plus the point's given options, e.g. `margin`) and metrics `flops_ratio`, `bytes_ratio`, `step_ratio`,
 `mean_depth`, `speedup`, `tokens_per_s`, `quality.<task>.<metric>` with its 95% interval `.lo` / `.hi` and size `.n`.
-`knob` is `none` (and `value` absent) for a point that is not part of a sweep.
+`knob` is `none` (and `value` absent) for a point that is not part of a sweep; `calibration` is `none` for a point
+without a profile (baselines, related methods).
 
 **The Pareto view:** search runs with `tags.dvc_stage LIKE 'decode%'` (add e.g. `and params.domain = 'stdlib-prose'`),
 select them all, press *Compare* (or open the *Chart* view), add a scatter plot with x = `flops_ratio` and
 y = `quality.perplexity.perplexity` (or any `quality.` metric), and colour by param `family` (or `curve`, to see each
-sweep as one line). Points left of and below full depth (`family` = `full`, `flops_ratio` = 1) beat it.
+sweep as one line; *Group by* in the runs table sets the colours). Points left of and below full depth (`family` = `full`, `flops_ratio` = 1) beat it.
 """
 
 
@@ -288,6 +292,7 @@ class Run:
 
 
 NOTE = "mlflow.note.content"  # the description the MLflow UI shows for an experiment or a run
+KIND = "mlflow.experimentKind"  # MLflow 3's UI: "custom_model_development" shows runs, charts, compare
 _OPENED: set[tuple[str, str]] = set()  # (store, experiment) made ready in this process
 
 
@@ -312,6 +317,8 @@ def _open(stage: str):
         experiment = mlflow.set_experiment(EXPERIMENT)
         if experiment.tags.get(NOTE) != DESCRIPTION:  # new store, or one made before this text: say what it holds
             mlflow.MlflowClient().set_experiment_tag(experiment.experiment_id, NOTE, DESCRIPTION)
+        if KIND not in experiment.tags:  # the UI opens on the runs table, not on the GenAI trace overview
+            mlflow.MlflowClient().set_experiment_tag(experiment.experiment_id, KIND, "custom_model_development")
     _OPENED.add((uri, EXPERIMENT))
     return mlflow
 

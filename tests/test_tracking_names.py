@@ -127,6 +127,7 @@ def test_a_store_made_through_stage_run_passes_check_store(store):
     note = experiment.tags[tracking.NOTE]
     assert note == tracking.DESCRIPTION
     assert "flops_ratio" in note and "quality.perplexity.perplexity" in note and "dvc_stage" in note
+    assert experiment.tags[tracking.KIND] == "custom_model_development"  # the UI opens on runs, not traces
     runs = {r.info.run_name: r for r in client.search_runs([experiment.experiment_id])}
     calibrate = runs["calibrate smollm2-135m stdlib-prose tuned"]
     assert calibrate.data.params == {"calibrate.window": "32"}  # the unset max_tokens is not a column of None
