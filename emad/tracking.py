@@ -276,7 +276,8 @@ class Run:
         self._mlflow.log_dict(data, name)
 
     def set_tags(self, tags: dict[str, Any]) -> None:
-        self._mlflow.set_tags({k: str(v) for k, v in tags.items()})
+        """Tags, names made MLflow-safe (``family.emad+tuned.c1`` → ``family.emad_tuned.c1``), values as text."""
+        self._mlflow.set_tags({metric_name(k): str(v) for k, v in tags.items()})
 
     def adopt(self, run_ids: list[str]) -> int:
         """Nest existing runs under this one in the MLflow UI (tag ``mlflow.parentRunId``); returns how many were

@@ -163,3 +163,15 @@ def test_the_description_reaches_a_store_made_before_it(store):
         pass
     note = mlflow.MlflowClient().get_experiment_by_name(tracking.EXPERIMENT).tags.get(tracking.NOTE)
     assert note == tracking.DESCRIPTION
+
+
+def test_tag_param_and_metric_names_are_made_safe(store):
+    import mlflow
+
+    with tracking.stage_run("aggregate", {}, run_name="aggregate") as run:
+        run.set_tags({"family.emad+tuned.tiny.c1": "fail"})
+        run.log_params({"a,b": 1, "unset": None})
+        run.log_metrics({"family.emad+tuned.tiny.c1_passed": 0.0})
+    found = mlflow.MlflowClient(tracking_uri=store).get_run(run.run_id).data
+    assert found.tags["family.emad_tuned.tiny.c1"] == "fail" and found.params == {"a_b": "1"}
+    assert found.metrics == {"family.emad_tuned.tiny.c1_passed": 0.0}
