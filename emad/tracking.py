@@ -25,6 +25,32 @@ from typing import Any
 
 EXPERIMENT = os.environ.get("EMAD_MLFLOW_EXPERIMENT", "emad")
 
+# Shown on the experiment's page in the MLflow UI (tag ``mlflow.note.content``, Markdown).
+DESCRIPTION = """\
+**EMAD** (entropy-guided adaptive-depth decoding). Pareto view: filter `tags.dvc_stage LIKE 'decode%'`, Chart view,
+scatter x = `flops_ratio`, y = `quality.perplexity.perplexity`, colour by `family` (*Group by* param `family`).
+
+One run per stage instance, named for what it is:
+`fit_readouts <model> <source>`, `calibrate <model> <source> <readout>`,
+`smooth <model> <source> <readout>`, `fit_estimators <model> <source> <readout>`, `risk <model> <search> <calibration>`,
+the decode runs `decode <model> <point> <domain> cal <source>` (one per operating point × eval domain ×
+calibration source), and one `aggregate` run that holds the
+figures, `report.md`, `metrics.json` and the verdict (metrics `<model>.c1_passed`, tags `<model>.c1` = pass / fail /
+unresolved), with the decode runs nested under it. Tag `dvc_stage` names the stage; `git_rev` and `params_hash` the
+code and config.
+
+**Decode runs** share params `family`, `readout`, `knob`, `value`, `curve`, `calibration`, `domain`, `model`, `point`,
+`kind` (plus the point's given options, e.g. `margin`) and metrics `flops_ratio`, `bytes_ratio`, `step_ratio`,
+`mean_depth`, `speedup`, `tokens_per_s`, `quality.<task>.<metric>` with its 95% interval `.lo` / `.hi` and size `.n`.
+`knob` is `none` (and `value` absent) for a point that is not part of a sweep; `calibration` is `none` for a point
+without a profile (baselines, related methods).
+
+**The Pareto view:** search runs with `tags.dvc_stage LIKE 'decode%'` (add e.g. `and params.domain = 'stdlib-prose'`),
+select them all, press *Compare* (or open the *Chart* view), add a scatter plot with x = `flops_ratio` and
+y = `quality.perplexity.perplexity` (or any `quality.` metric), and colour by param `family` (or `curve`, to see each
+sweep as one line; *Group by* in the runs table sets the colours). Points left of and below full depth (`family` = `full`, `flops_ratio` = 1) beat it.
+"""
+
 
 def repo_root(start: Path | None = None) -> Path:
     """The project root: the git top level of ``start`` (default cwd), seen through DVC's queue temp copies."""
@@ -88,6 +114,132 @@ def metric_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_\-. /]", "_", name)
 
 
+def label(spec: str | Path) -> str:
+    """The short name of a model or corpus spec for a run name: the last part of a folder path or hub id
+    (``data/models/smollm2-135m`` → ``smollm2-135m``)."""
+    return Path(str(spec).rstrip("/\\")).name or str(spec)
+
+
+def run_name(stage: str, *qualifiers: Any) -> str:
+    """A run's name: the stage, then what this instance is, space-separated (``calibrate smollm2-135m stdlib-prose
+    tuned``); empty and None qualifiers are left out."""
+    return " ".join([stage, *(str(q) for q in qualifiers if q not in (None, ""))])
+
+
+def profile_qualifiers(path: str | Path, readout: str) -> tuple[str, ...]:
+    """``(model, source, readout)`` of a file in a profile folder laid out as ``<model>/<source>/<readout>/``
+    (``data/profiles/smollm2-135m/stdlib-prose/tuned/profile.json``); ``(folder, readout)`` for any other layout."""
+    folders = Path(path).parent.parts
+    if len(folders) >= 3 and folders[-1] == readout:
+        return folders[-3], folders[-2], readout
+    return tuple(part for part in (Path(path).parent.name, readout) if part)
+
+
+# Stages with one instance per pipeline: their run name is the bare stage name.
+SINGLE_INSTANCE = frozenset({"aggregate", "prepare_model", "sample_corpus"})
+
+DECODE_COST = ("flops_ratio", "bytes_ratio", "step_ratio", "mean_depth", "speedup", "tokens_per_s")
+DECODE_FIELDS = ("family", "readout", "curve", "calibration", "domain", "model", "point", "kind")
+
+
+def _param_value(value: Any) -> str | float | int:
+    """A param value MLflow shows as written: numbers and strings as they are, booleans as ``true`` / ``false``,
+    anything else as compact JSON."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (int, float, str)):
+        return value
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def _set(value: Any) -> bool:
+    return value is not None and value != "" and value != [] and value != {}
+
+
+def decode_params(record: dict[str, Any]) -> dict[str, str | float | int]:
+    """Uniform MLflow params of one decode run, from its run record (:mod:`emad.evaluation.runfile`).
+
+    The point's given ``options`` (``method``, ``margin``, ``policy`` ...; nested values as JSON), then the
+    uniform ``family``, ``readout``, ``curve``, ``calibration``, ``domain``, ``model``, ``point``, ``kind``,
+    ``knob`` and ``value`` (these win over an option of the same name). Only fields that are set: nothing is
+    logged as None or empty. Conventions: ``knob`` is the swept option's name, or ``"none"`` for a point that is
+    not on a sweep, and then ``value`` is left out; ``calibration`` is ``"none"`` for a point without a profile
+    (baselines, related methods), so that every decode run has it and ``params.calibration = 'none'`` filters; ``curve`` is the sweep's base point, or the point itself when
+    the record has none (a lone point is a curve of one), so colouring by ``curve`` always groups.
+    """
+    out: dict[str, str | float | int] = {}
+    for key, value in (record.get("options") or {}).items():
+        if _set(value):
+            out[metric_name(str(key))] = _param_value(value)
+    for key in DECODE_FIELDS:
+        value = record.get(key)
+        if key == "curve" and not _set(value):
+            value = record.get("point")
+        if _set(value):
+            out[key] = _param_value(value)
+    knob = record.get("knob")
+    out["knob"] = str(knob) if _set(knob) else "none"
+    out.setdefault("calibration", "none")  # a point without a profile: filterable, as knob
+    if _set(knob) and record.get("value") is not None:
+        out["value"] = float(record["value"])
+    else:
+        out.pop("value", None)
+    return out
+
+
+def decode_run_name(record: dict[str, Any]) -> str:
+    """The MLflow run name of a decode run: ``decode <model> <point> <domain>``, then ``cal <source>`` when the
+    point was calibrated (``decode smollm2-135m emad-m05 stdlib-code cal stdlib-prose``)."""
+    calibration = record.get("calibration")
+    return run_name("decode", record.get("model"), record.get("point"), record.get("domain"),
+                    *(("cal", calibration) if _set(calibration) else ()))
+
+
+def _quality_name(metric: str) -> str:
+    """``quality.<task>.<metric>`` of a run file's quality key (``perplexity`` → ``quality.perplexity.perplexity``,
+    ``fidelity.token_agreement`` → ``quality.fidelity.token_agreement``)."""
+    from emad.evaluation.runfile import QUALITY
+
+    if metric in QUALITY:
+        task, key, _ = QUALITY[metric]
+    else:
+        task, _, key = metric.partition(".")
+        key = key or task
+    return metric_name(f"quality.{task}.{key}")
+
+
+def _number(value: Any) -> float | None:
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def decode_metrics(record: dict[str, Any]) -> dict[str, float]:
+    """Uniform MLflow metrics of one decode run, from its run record (:mod:`emad.evaluation.runfile`).
+
+    ``flops_ratio``, ``bytes_ratio``, ``step_ratio``, ``mean_depth``, ``speedup``, ``tokens_per_s`` from
+    ``cost`` (each only when present and a number); the other numbers of ``cost`` as ``cost.<key>``; every quality
+    metric as ``quality.<task>.<metric>`` with its 95% interval ``.lo`` / ``.hi`` and sample size ``.n`` (undefined
+    bounds left out). Names are MLflow-safe (:func:`metric_name`); no value is None.
+    """
+    cost = record.get("cost") or {}
+    out: dict[str, float] = {}
+    for key, value in cost.items():
+        number = _number(value)
+        if number is not None:
+            out[key if key in DECODE_COST else metric_name(f"cost.{key}")] = number
+    for metric, value in (record.get("quality") or {}).items():
+        number = _number(value)
+        if number is not None:
+            out[_quality_name(metric)] = number
+    for metric, interval in (record.get("intervals") or {}).items():
+        for part in ("lo", "hi", "n"):
+            number = _number((interval or {}).get(part))
+            if number is not None:
+                out[f"{_quality_name(metric)}.{part}"] = number
+    return out
+
+
 class Run:
     """A thin handle over the active MLflow run."""
 
@@ -99,6 +251,14 @@ class Run:
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         clean = {metric_name(k): float(v) for k, v in metrics.items() if v is not None}
         self._mlflow.log_metrics(clean, step=step)
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        """Params (e.g. :func:`decode_params`), names made MLflow-safe; None values are not logged. A param already
+        logged in this run must keep its value (MLflow refuses a change)."""
+        clean = {metric_name(k): v for k, v in params.items() if v is not None}
+        items = list(clean.items())
+        for i in range(0, len(items), 100):  # MLflow's batch limit
+            self._mlflow.log_params(dict(items[i:i + 100]))
 
     def log_series(self, name: str, values: dict[int, float]) -> None:
         """One metric over steps (e.g. τ per layer with step = layer), sent in one batch."""
@@ -116,7 +276,8 @@ class Run:
         self._mlflow.log_dict(data, name)
 
     def set_tags(self, tags: dict[str, Any]) -> None:
-        self._mlflow.set_tags({k: str(v) for k, v in tags.items()})
+        """Tags, names made MLflow-safe (``family.emad+tuned.c1`` → ``family.emad_tuned.c1``), values as text."""
+        self._mlflow.set_tags({metric_name(k): str(v) for k, v in tags.items()})
 
     def adopt(self, run_ids: list[str]) -> int:
         """Nest existing runs under this one in the MLflow UI (tag ``mlflow.parentRunId``); returns how many were
@@ -131,6 +292,8 @@ class Run:
         return found
 
 
+NOTE = "mlflow.note.content"  # the description the MLflow UI shows for an experiment or a run
+KIND = "mlflow.experimentKind"  # MLflow 3's UI: "custom_model_development" shows runs, charts, compare
 _OPENED: set[tuple[str, str]] = set()  # (store, experiment) made ready in this process
 
 
@@ -152,7 +315,11 @@ def _open(stage: str):
         if db is not None and mlflow.get_experiment_by_name(EXPERIMENT) is None:
             # artifacts beside the store, absolute: never under whatever the working directory happens to be
             mlflow.create_experiment(EXPERIMENT, artifact_location=(db.parent / "mlruns").resolve().as_uri())
-        mlflow.set_experiment(EXPERIMENT)
+        experiment = mlflow.set_experiment(EXPERIMENT)
+        if experiment.tags.get(NOTE) != DESCRIPTION:  # new store, or one made before this text: say what it holds
+            mlflow.MlflowClient().set_experiment_tag(experiment.experiment_id, NOTE, DESCRIPTION)
+        if KIND not in experiment.tags:  # the UI opens on the runs table, not on the GenAI trace overview
+            mlflow.MlflowClient().set_experiment_tag(experiment.experiment_id, KIND, "custom_model_development")
     _OPENED.add((uri, EXPERIMENT))
     return mlflow
 
@@ -189,7 +356,7 @@ def stage_run(stage: str, params: dict, tags: dict[str, Any] | None = None,
             handle = Run(mlflow, run_id)
             handle.set_tags({"git_rev": git_rev(), "dvc_stage": stage, "params_hash": params_hash(params),
                              "host": socket.gethostname(), "pid": os.getpid(), **(tags or {})})
-            flat = flatten(params)
+            flat = {k: v for k, v in flatten(params).items() if v is not None}  # what is set, never a "None"
             for i in range(0, len(flat), 100):
                 mlflow.log_params(dict(list(flat.items())[i:i + 100]))
             mlflow.log_dict(params, "resolved_params.json")

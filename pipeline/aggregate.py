@@ -63,6 +63,21 @@ def _readout_fits(folder: Path | None) -> dict[str, dict]:
             for p in sorted(folder.glob("*/*/metrics.json"))}
 
 
+def verdict_log(v, prefix: str) -> tuple[dict[str, float], dict[str, str]]:
+    """MLflow metrics and tags of one verdict (a :class:`emad.report.verdict.ModelVerdict`), names under
+    ``prefix`` (``smollm2-135m`` or ``family.emad.smollm2-135m``): ``c1_passed``, ``c2_passed``, ``c1_literal``
+    (1 = some point with the reduction degrades more than the tolerance), ``c1_flops_reduction`` and
+    ``c2_speedup`` of the deciding points; tags ``c1`` / ``c2`` (pass, fail or unresolved) and the deciding points
+    ``c1_point`` / ``c2_point``. Nothing undefined is logged."""
+    metrics = {"c1_passed": float(v.c1.passed), "c2_passed": float(v.c2.passed), "c1_literal": float(v.c1.literal),
+               "c1_flops_reduction": v.c1.deciding.reduction if v.c1.deciding else None,
+               "c2_speedup": v.c2.deciding.speedup if v.c2.deciding else None}
+    tags = {"c1": v.c1.outcome, "c2": v.c2.outcome, "c1_point": v.c1.deciding.label if v.c1.deciding else None,
+            "c2_point": v.c2.deciding.label if v.c2.deciding else None}
+    return ({f"{prefix}.{k}": float(x) for k, x in metrics.items() if x is not None},
+            {f"{prefix}.{k}": str(x) for k, x in tags.items() if x is not None})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=Path, required=True, help="folder of run files (reports/runs)")
@@ -105,14 +120,25 @@ def main(argv: list[str] | None = None) -> int:
     summary = metrics_summary(runs, verdicts)
 
     params = {"aggregate": cfg.model_dump(), "default_point": args.default_point, "runs": len(runs)}
-    with tracking.stage_run("aggregate", params) as run:
+    with tracking.stage_run("aggregate", params, run_name=tracking.run_name("aggregate")) as run:
         atomic_write_text(args.report, text)
         atomic_write_json(args.metrics, summary)
         for model, v in verdicts.items():
             run.log_dict(v.to_dict(), f"verdict/{model}.json")
-            run.log_metrics({f"{model}.c1_passed": float(v.c1.passed), f"{model}.c2_passed": float(v.c2.passed)})
-            run.set_tags({f"{model}.c1": v.c1.outcome, f"{model}.c2": v.c2.outcome})  # pass, fail or unresolved
-        for path in [entry["path"] for entry in index] + [str(args.figures / p.name) for p in summaries]:
+            metrics, tags = verdict_log(v, model)  # c1 / c2: pass, fail or unresolved
+            run.log_metrics(metrics)
+            run.set_tags(tags)
+        for family, per_model in others.items():
+            for model, v in per_model.items():
+                run.log_dict(v.to_dict(), f"verdict/family/{family}/{model}.json")
+                metrics, tags = verdict_log(v, f"family.{family}.{model}")
+                run.log_metrics(metrics)
+                run.set_tags(tags)
+        run.set_tags({tracking.NOTE: "\n\n".join(v.sentence().replace("\n", "\n\n") for v in verdicts.values())
+                      or "No verdict: no run of the methods in aggregate.methods."})
+        figures = [entry["path"] for entry in index] + [str(args.figures / p.name) for p in summaries]
+        run.log_metrics({"runs": len(runs), "figures": len(figures)})
+        for path in figures:
             run.log_artifact(path, "figures")
         run.log_artifact(args.report)
         run.log_artifact(args.metrics)

@@ -48,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     device, rank, world = distributed.join(cfg.device)
     params = {"calibrate": cfg.model_dump(), "model": args.model_dir, "corpus": str(args.corpus), "world_size": world,
               "readout": args.readout}
-    with tracking.stage_run("calibrate", params, {"corpus_manifest": corpus_hash}, enabled=rank == 0) as run:
+    name = tracking.run_name("calibrate", tracking.label(args.model_dir), tracking.label(args.corpus), args.readout)
+    with tracking.stage_run("calibrate", params, {"corpus_manifest": corpus_hash}, run_name=name,
+                            enabled=rank == 0) as run:
         loaded = load_model(args.model_dir, device=device, dtype=cfg.dtype)
         run.set_tags({"model_fingerprint": loaded.fingerprint.digest, "readout": args.readout})
         layers = resolve_probe_layers(cfg.probe_layers, loaded.fingerprint.n_layers)

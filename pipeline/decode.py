@@ -130,23 +130,24 @@ def _run(args, cfg: DecodeConfig, loaded, stack: LayerStack, name: str, point, m
     rid = runfile.run_id(args.model, name, domain, calibration)
     curve = cfg.curve_of(args.kind, name)
     limit = cfg.swept_prompts if cfg.is_swept(name) else None
-    params = {"decode": {"point": point.model_dump(),
-                         "tasks": {p.name: p.settings.model_dump() for p in prepared},
-                         "device": cfg.device, "dtype": cfg.dtype},
-              "run_id": rid, "model": args.model, "domain": domain, "calibration": calibration, "kind": args.kind}
+    head = {"run_id": rid, "model": args.model, "point": name, "kind": args.kind, "family": point.family,
+            "readout": point.readout, **curve.model_dump(), "options": point.options(), "calibration": calibration,
+            "domain": domain}
+    settings = {"tasks": {p.name: p.settings.model_dump() for p in prepared}, "free_prompts": limit,
+                "speed_repeats": cfg.speed_repeats, "unserved_tokens": cfg.unserved_tokens, "device": cfg.device,
+                "dtype": cfg.dtype}
     tags = {"model_fingerprint": loaded.fingerprint.digest, "run_id": rid, "family": point.family,
             "profile_fingerprint": facts["profile_fingerprint"] or "", "readout": point.readout}
     print(f"decode: {rid}: {', '.join(p.name for p in prepared)}", file=sys.stderr)
-    with tracking.stage_run(f"decode_{args.kind}" if args.kind != "point" else "decode", params, tags,
-                            run_name=rid) as run:
+    with tracking.stage_run(f"decode_{args.kind}" if args.kind != "point" else "decode", tracking.decode_params(head),
+                            tags, run_name=tracking.decode_run_name(head)) as run:
+        run.log_dict(settings, "decode_settings.json")
         result = evaluate(stack, loaded.tokenizer, method, prepared, shared, scores, limit)
         hist = result.depth_histogram()
         cost = {**result.cost(), **_speed(stack, loaded.tokenizer, method, prepared, limit, cfg.speed_repeats)}
         record = {
-            "run_id": rid, "model": args.model, "model_fingerprint": loaded.fingerprint.digest,
-            "n_layers": stack.n_layers, "point": name, "kind": args.kind, "family": point.family,
-            "readout": point.readout, **curve.model_dump(), "free_prompts": limit, "options": point.options(), "method": method.describe(),
-            "calibration": calibration, "domain": domain, **facts, "tasks": result.tasks,
+            **head, "model_fingerprint": loaded.fingerprint.digest, "n_layers": stack.n_layers,
+            "free_prompts": limit, "method": method.describe(), **facts, "tasks": result.tasks,
             "quality": runfile.quality_of(result.tasks), "intervals": runfile.intervals_of(result.tasks),
             "cost": cost,
             "depth_histogram": {str(d): n for d, n in hist.items()}, "mlflow_run_id": run.run_id,
@@ -157,11 +158,7 @@ def _run(args, cfg: DecodeConfig, loaded, stack: LayerStack, name: str, point, m
                                               limit)
         heat = atomic_write_text(artifacts / "heatmap.html", heatmap_html(texts, stack.n_layers, rid, prompts=prompts,
                                                                           full_depth=full))
-        run.log_metrics({f"quality.{k}": v for k, v in record["quality"].items()})
-        run.log_metrics(runfile.interval_metrics(record["intervals"], prefix="quality."))
-        run.log_metrics({f"cost.{k}": v for k, v in cost.items() if v is not None})
-        for task, metrics in result.tasks.items():
-            run.log_metrics({f"{task}.{k}": v for k, v in metrics.items() if isinstance(v, (int, float))})
+        run.log_metrics(tracking.decode_metrics(record))
         run.log_artifact(hist_png)
         run.log_artifact(heat)
         out = args.out / f"{rid}.json"

@@ -47,8 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         report = fit(stack, estimator, sample, cfg.holdout)
         fitted[name] = {"options": estimator.options(), **report}
     params = {"estimators": cfg.model_dump(), "profile": str(args.profile)}
+    name = tracking.run_name("fit_estimators", *tracking.profile_qualifiers(args.profile, profile.readout))
     with tracking.stage_run("fit_estimators", params, {"model_fingerprint": loaded.fingerprint.digest,
-                                                      "corpus_manifest": corpus_hash}) as run:
+                                                      "corpus_manifest": corpus_hash}, run_name=name) as run:
         save(args.out, fitted, loaded.fingerprint.as_dict(), profile.probe_layers)
         for name, entry in fitted.items():
             run.log_metrics({f"{name}.mae_raw": entry["mae_raw"]["all"], f"{name}.mae": entry["mae"]["all"]})

@@ -39,7 +39,9 @@ def main(argv: list[str] | None = None) -> int:
 
     device, rank, world = distributed.join(cfg.device)
     params = {"readouts": cfg.model_dump(), "model": args.model_dir, "corpus": str(args.corpus), "world_size": world}
-    with tracking.stage_run("fit_readouts", params, {"corpus_manifest": corpus_hash}, enabled=rank == 0) as run:
+    name = tracking.run_name("fit_readouts", tracking.label(args.model_dir), tracking.label(args.corpus))
+    with tracking.stage_run("fit_readouts", params, {"corpus_manifest": corpus_hash}, run_name=name,
+                            enabled=rank == 0) as run:
         loaded = load_model(args.model_dir, device=device, dtype=cfg.dtype)
         run.set_tags({"model_fingerprint": loaded.fingerprint.digest})
         bar = tqdm(unit="tok", desc=f"fit_readouts {args.corpus.name}", disable=rank != 0)

@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         profile = readout_path(args.profile, search.point_at(search.values[0]).readout)
         profile_hash = hashlib.sha256(profile.read_bytes()).hexdigest()[:16] if profile.is_file() else ""
         with tracking.stage_run("risk", params, {"model_fingerprint": loaded.fingerprint.digest,
-                                                 "profile_fingerprint": profile_hash}, run_name=rid) as run:
+                                                 "profile_fingerprint": profile_hash, "run_id": rid},
+                                run_name=tracking.run_name("risk", args.model, name, args.calibration)) as run:
             result = control(losses, search.knob, search.values, search.conservative, cfg.delta, cfg.epsilon,
                              len(held), cfg.loss)
             check = {}

@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     tags = {"model_fingerprint": ModelFingerprint(**profile.model).digest if profile.model else "",
             "corpus_manifest": profile.corpus}
     variants = smooth_variants(stats, cfg.statistic, cfg.min_count, cfg.isotonic)
-    with tracking.stage_run("smooth", params, tags) as run:
+    name = tracking.run_name("smooth", *tracking.profile_qualifiers(args.out, profile.readout))
+    with tracking.stage_run("smooth", params, tags, run_name=name) as run:
         profile.save(args.out)
         for variant, smoothed in variants.items():
             smoothed.save(variant_path(args.out, variant))

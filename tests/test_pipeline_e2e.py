@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.mlflow_checks import run_problems
 from tests.tiny import save_tiny_pretrained
 
 pytestmark = pytest.mark.heavy  # run by `make test-heavy` (and CI), not `make test`
@@ -147,6 +148,14 @@ def test_mlflow_holds_one_run_per_stage_execution(repo):
     stages = runs["tags.dvc_stage"].value_counts().to_dict()
     assert stages == {"fit_readouts": 1, "calibrate": 2, "smooth": 2, "fit_estimators": 2, "decode_baseline": 5,
                       "decode": 2, "decode_ablation": 1, "decode_related": 1, "risk": 1, "aggregate": 1}
+    names = dict(zip(runs["tags.mlflow.runName"], runs["tags.dvc_stage"]))
+    assert {"fit_readouts tiny stdlib-prose", "calibrate tiny stdlib-prose tuned", "smooth tiny stdlib-prose logit",
+            "fit_estimators tiny stdlib-prose tuned", "risk tiny margin stdlib-prose", "aggregate"} <= set(names)
+    problems = [p for _, run in runs.iterrows() if not run["tags.dvc_stage"].startswith("decode")
+                for p in run_problems(run["tags.mlflow.runName"], run["tags.dvc_stage"],
+                                      {k[len("params."):]: v for k, v in run.items()
+                                       if k.startswith("params.") and isinstance(v, str)}, {})]
+    assert not problems, problems  # decode runs: check_store once pipeline/decode.py logs decode_params/metrics
     parent = runs[runs["tags.dvc_stage"] == "aggregate"].iloc[0]["run_id"]
     nested = runs[runs["tags.mlflow.parentRunId"] == parent]
     assert len(nested) == 9
