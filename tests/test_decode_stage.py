@@ -100,9 +100,12 @@ def test_baseline_run_file_artifacts_and_mlflow(workspace, monkeypatch):
     mlflow.set_tracking_uri(f"sqlite:///{workspace / 'mlflow.db'}")
     runs = mlflow.search_runs(experiment_names=["emad"], filter_string="tags.run_id = 'tiny--full--toy'")
     assert record["mlflow_run_id"] in set(runs["run_id"])
-    assert runs.iloc[0]["metrics.cost.flops_ratio"] == pytest.approx(1.0)
-    assert runs.iloc[0]["metrics.quality.perplexity.lo"] == pytest.approx(ppl["lo"])
-    assert runs.iloc[0]["metrics.quality.perplexity.n"] == ppl["n"]
+    assert runs.iloc[0]["metrics.flops_ratio"] == pytest.approx(1.0)
+    assert runs.iloc[0]["metrics.quality.perplexity.perplexity.lo"] == pytest.approx(ppl["lo"])
+    assert runs.iloc[0]["metrics.quality.perplexity.perplexity.n"] == ppl["n"]
+    assert runs.iloc[0]["tags.mlflow.runName"] == "decode tiny full toy"
+    assert {"params.family", "params.knob", "params.calibration", "params.domain"} <= set(runs.columns)
+    assert not [c for c in runs.columns if c.startswith("params.") and runs.iloc[0][c] == "None"]
 
 
 def test_point_and_ablation_runs_carry_profile_factors(workspace, monkeypatch):
@@ -234,7 +237,7 @@ def test_a_swept_stage_writes_one_run_per_value_each_timed_against_full_depth_he
     assert flops == sorted(flops, reverse=True) and flops[0] > flops[-1]
     mlflow.set_tracking_uri(f"sqlite:///{workspace / 'mlflow.db'}")
     names = {r.info.run_name for r in mlflow.search_runs(experiment_names=["emad"], output_format="list")}
-    assert {r["run_id"] for r in records} <= names
+    assert {f"decode tiny {r['point']} toy" for r in records} <= names
 
 
 def test_ablation_and_related_tasks_narrow_their_kind_only():
