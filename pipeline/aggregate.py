@@ -1,4 +1,5 @@
-"""Stage ``aggregate``: run files → metrics.json, Pareto data and figures, verdict, tables and report.md.
+"""Stage ``aggregate``: run files → metrics.json (headline numbers), details.json (every run and curve), Pareto
+data and figures, verdict, tables and report.md.
 
 Reads only the run files (never MLflow), so runs restored from DVC's run cache count. Logs one MLflow run that
 carries every figure and the report, with the decode runs nested under it.
@@ -19,11 +20,11 @@ from emad.params import load_section
 from emad.report import (
     Thresholds,
     ablation_tables,
-    domain_shift_table,
     family_verdicts,
     metrics_summary,
     pareto_data,
     report_markdown,
+    run_details,
     verdict,
     write_domain_shift_figure,
     write_overview_figure,
@@ -85,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--readouts", type=Path, help="folder of fitted readouts (data/readouts: <model>/<source>/"
                         "metrics.json)")
     parser.add_argument("--default-point", required=True, help="the EMAD point the ablations vary")
-    parser.add_argument("--metrics", type=Path, required=True, help="metrics.json to write")
+    parser.add_argument("--metrics", type=Path, required=True, help="metrics.json to write (headline numbers)")
+    parser.add_argument("--details", type=Path, required=True, help="details.json to write (every run and curve)")
     parser.add_argument("--pareto", type=Path, required=True, help="folder for dvc plots data")
     parser.add_argument("--figures", type=Path, required=True, help="folder for Pareto PNGs")
     parser.add_argument("--report", type=Path, required=True, help="report.md to write")
@@ -95,8 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = runfile.load_all(args.runs)
     verdicts = verdict(runs, tuple(cfg.methods), **cfg.thresholds())
     others = family_verdicts(runs, **cfg.thresholds())
-    tables = {"domain_shift": domain_shift_table(runs),
-              "ablations": ablation_tables(runs, default_point=args.default_point)
+    tables = {"ablations": ablation_tables(runs, default_point=args.default_point)
               if any(r["point"] == args.default_point for r in runs) else {},
               "risk": _risk_results(args.risk)}
     series = pareto_data(runs)
@@ -117,12 +118,14 @@ def main(argv: list[str] | None = None) -> int:
         entry["path"] = str(args.figures / Path(entry["path"]).name)
     text = report_markdown(runs, verdicts, tables, index, family_verdicts=others, relative_to=args.report.parent,
                            readout_fits=_readout_fits(args.readouts))
-    summary = metrics_summary(runs, verdicts)
+    summary = metrics_summary(runs, verdicts, others)
+    details = run_details(runs, verdicts, others)
 
     params = {"aggregate": cfg.model_dump(), "default_point": args.default_point, "runs": len(runs)}
     with tracking.stage_run("aggregate", params, run_name=tracking.run_name("aggregate")) as run:
         atomic_write_text(args.report, text)
         atomic_write_json(args.metrics, summary)
+        atomic_write_json(args.details, details)
         for model, v in verdicts.items():
             run.log_dict(v.to_dict(), f"verdict/{model}.json")
             metrics, tags = verdict_log(v, model)  # c1 / c2: pass, fail or unresolved
@@ -142,11 +145,12 @@ def main(argv: list[str] | None = None) -> int:
             run.log_artifact(path, "figures")
         run.log_artifact(args.report)
         run.log_artifact(args.metrics)
+        run.log_artifact(args.details)
         nested = run.adopt(sorted({r["mlflow_run_id"] for r in runs if r.get("mlflow_run_id")}))
         run.set_tags({"decode_runs": len(runs), "decode_runs_in_store": nested})
     for model, v in verdicts.items():
         print(f"aggregate: {model}: {v.sentence()}")
-    print(f"aggregate: {len(runs)} runs -> {args.report}, {args.metrics}, {len(index)} figures")
+    print(f"aggregate: {len(runs)} runs -> {args.report}, {args.metrics}, {args.details}, {len(index)} figures")
     return 0
 
 

@@ -21,6 +21,7 @@ from emad.report import (
     oracle_flops_ratio,
     pareto_data,
     report_markdown,
+    run_details,
     verdict,
     write_pareto_figures,
 )
@@ -307,11 +308,13 @@ def test_report_markdown_and_metrics(tmp_path):
     assert "MLflow runs: `abc`, `def`" in md
     assert "### m · code" in md and "`dvc repro`" in md and "`make mlflow`" in md
     assert "| fixed | m | fail |" in md
-    metrics = metrics_summary(runs, verdicts)
-    assert metrics["m"]["verdict"] == {"c1": True, "c2": True, "c1_outcome": "pass", "c2_outcome": "pass",
+    details = run_details(runs, verdicts)["models"]
+    assert details["m"]["verdict"] == {"c1": True, "c2": True, "c1_outcome": "pass", "c2_outcome": "pass",
                                        "c1_literal": False}
-    assert metrics["m"]["best"]["c1_point"] == "emad-a@prose"
-    assert metrics["m"]["runs"]["emad-a@prose"]["code"]["flops_ratio"] == 0.8
+    assert details["m"]["best"]["c1_point"] == "emad-a@prose"
+    assert details["m"]["runs"]["emad-a@prose"]["code"]["flops_ratio"] == 0.8
+    metrics = metrics_summary(runs, verdicts)
+    assert metrics["m"]["emad"]["c1"] == "pass" and metrics["m"]["fixed"]["c1"] == "fail"
     json.dumps(metrics)
 
 
@@ -363,7 +366,8 @@ def test_c1_and_c2_are_unresolved_when_no_candidate_is_shown_either_way(tmp_path
     md = report_markdown(runs, verdict(runs), {}, [])
     assert "**C1 unresolved.**" in md and "**C2 unresolved.**" in md and "Checks of emad-open" in md
     assert "falsified only when no such point is met or unresolved" in md
-    assert metrics_summary(runs, verdict(runs))["m"]["verdict"]["c1_outcome"] == "unresolved"
+    assert run_details(runs, verdict(runs))["models"]["m"]["verdict"]["c1_outcome"] == "unresolved"
+    assert metrics_summary(runs, verdict(runs))["m"]["emad"]["c1"] == "unresolved"
     json.dumps(v.to_dict())
 
 
@@ -394,5 +398,5 @@ def test_results_table_shows_intervals_and_sample_sizes():
     iv = runs[0]["intervals"]["perplexity"]
     assert iv["n"] == 50 and iv["lo"] < 10.0 < iv["hi"]
     assert f"10.000 [{iv['lo']:.3f}, {iv['hi']:.3f}] n=50" in md
-    metrics = metrics_summary(runs, verdict(runs))["m"]["runs"]["full"]["code"]
+    metrics = run_details(runs, verdict(runs))["models"]["m"]["runs"]["full"]["code"]
     assert metrics["perplexity.n"] == 50 and metrics["perplexity.lo"] < 10.0 < metrics["perplexity.hi"]

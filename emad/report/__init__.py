@@ -7,15 +7,27 @@ data, a matplotlib figure or text; nothing here reads run files or knows about r
     series = pareto_data(runs)                         # dvc plots data: series.plot_rows() per series.name
     verdicts = verdict(runs)                           # {model: ModelVerdict} for EMAD
     others = family_verdicts(runs)                     # {family: {model: ModelVerdict}}
-    tables = {"domain_shift": domain_shift_table(runs),
-              "ablations": ablation_tables(runs, default_point="emad-m05")}
+    tables = {"ablations": ablation_tables(runs, default_point="emad-m05")}
     index = write_pareto_figures(series, "reports/figures")
     write_overview_figure(series, "reports/figures/overview.png")          # perplexity vs FLOPs, per domain
     write_domain_shift_figure(series, "reports/figures/domain-shift.png")  # in-domain vs shifted calibration
     text = report_markdown(runs, verdicts, tables, index, family_verdicts=others, relative_to="reports")
-    metrics = metrics_summary(runs, verdicts)
+    metrics = metrics_summary(runs, verdicts, others)   # headline numbers: reports/metrics.json
+    details = run_details(runs, verdicts, others)      # every run and curve: reports/details.json
+    curves = model_curves(others)                      # each family's swept points read at equal FLOPs
 """
 
+from emad.report.envelopes import (
+    AtFlops,
+    CurvePoint,
+    FamilyCurve,
+    at_flops,
+    domain_curves,
+    domain_shift_curves,
+    envelope,
+    largest_reduction,
+    model_curves,
+)
 from emad.report.figures import (
     domain_shift_figure,
     overview_figure,
@@ -34,7 +46,7 @@ from emad.report.pareto import (
     point_label,
     speedup,
 )
-from emad.report.render import metrics_summary, report_markdown
+from emad.report.render import metrics_summary, report_markdown, run_details
 from emad.report.tables import (
     ablation_markdown,
     ablation_tables,
@@ -54,6 +66,8 @@ from emad.report.verdict import (
 )
 
 __all__ = [
+    "AtFlops", "FamilyCurve", "CurvePoint", "at_flops", "domain_curves", "domain_shift_curves", "envelope",
+    "largest_reduction", "model_curves", "run_details",
     "C1Result", "C2Result", "Check", "ModelVerdict", "ParetoSeries", "PointAssessment", "Thresholds",
     "ablation_markdown", "ablation_tables", "baselines", "domain_shift_markdown", "domain_shift_table",
     "family_verdicts", "frontier", "metrics_summary", "model_verdict", "oracle_bounds", "oracle_flops_ratio",

@@ -118,3 +118,16 @@ def build_check(domain: str, metric: str, point_run: dict, full_run: dict, toler
                      method=f"undefined: no per-unit samples in {', '.join(missing)}", state=UNRESOLVED)
     return Check(domain, metric, full, value, change, tolerance, relative, iv.lo, iv.hi, iv.n, iv.method,
                  tolerance_state(iv, tolerance))
+
+
+def combined_state(checks: list[Check]) -> str:
+    """The state of a set of checks: ``violated`` if one is, ``met`` if every one is (or there are none), else
+    ``unresolved``."""
+    states = {c.state for c in checks}
+    return VIOLATED if VIOLATED in states else UNRESOLVED if UNRESOLVED in states else MET
+
+
+def tolerance_used(checks: list[Check]) -> float | None:
+    """The largest ``change / tolerance`` among ``checks`` (1 = at the tolerance, above 1 beyond it, ≤ 0 no
+    worse than full depth); None without checks."""
+    return max((c.severity for c in checks), default=None)

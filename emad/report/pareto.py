@@ -1,7 +1,10 @@
 """Pareto frontiers of quality against cost, the speed-up against the full-depth run, and the oracle bound.
 
 Every function reads run records in the ``emad-run`` format (see :mod:`emad.evaluation.runfile`). The baseline of a run is
-the ``full`` run of the same model and domain; its speed-up is ``tokens_per_s / tokens_per_s(full)``.
+the ``full`` run of the same model and domain. The speed-up of a run is its own ``cost.speedup`` when the decode stage
+measured one (against a full-depth reference generated in the same process, alternating, medians), else
+``tokens_per_s / tokens_per_s(full)`` against the full run's file. Rows of a sweep carry its ``curve`` (the base point
+name; equal to ``point`` when unswept), ``knob`` and ``value`` (None when unswept), beside ``readout`` and ``domain``.
 """
 
 from __future__ import annotations
@@ -50,7 +53,15 @@ def baselines(runs: Iterable[dict[str, Any]]) -> dict[tuple[str, str], dict[str,
 
 
 def speedup(run: dict[str, Any], base: dict[str, Any] | None) -> float | None:
-    """``tokens_per_s`` of ``run`` over that of its full-depth ``base``; None when either is missing or zero."""
+    """The speed-up of ``run`` against full depth.
+
+    The run's own ``cost.speedup`` when present and finite (measured against a full-depth reference in the same
+    process, so machine load cancels); else ``tokens_per_s`` of ``run`` over that of its full-depth ``base``;
+    None when neither is available (no own speed-up, and ``base`` or a tokens/s missing or zero).
+    """
+    own = run.get("cost", {}).get("speedup")
+    if _finite(own) and own > 0:
+        return float(own)
     if base is None:
         return None
     tps, ref = run.get("cost", {}).get("tokens_per_s"), base.get("cost", {}).get("tokens_per_s")
@@ -129,8 +140,9 @@ class ParetoSeries:
     """One model × domain × quality metric: every run as a row, with frontier flags and the oracle bound.
 
     Attributes:
-        rows: one dict per run (``run_id, point, family, calibration, flops_ratio, bytes_ratio, speedup,
-            tokens_per_s, quality, on_frontier_flops, on_frontier_speed, mlflow_run_id``), sorted by
+        rows: one dict per run (``run_id, point, curve, knob, value, family, readout, calibration, domain,
+            flops_ratio, bytes_ratio, speedup, tokens_per_s, quality, on_frontier_flops, on_frontier_speed,
+            mlflow_run_id``; ``curve`` etc. None when the run file lacks them), sorted by
             descending ``flops_ratio`` then run id — the data file of a ``dvc plots`` definition.
         full_quality: the metric of the full-depth run (None when there is none).
         oracle: ``{calibration source: oracle FLOPs ratio}`` for the model (see :func:`oracle_flops_ratio`).
@@ -157,8 +169,8 @@ class ParetoSeries:
 
     def plot_rows(self) -> list[dict[str, Any]]:
         """``rows`` plus one row per oracle bound (family ``oracle``, at the full-depth quality)."""
-        extra = [{"run_id": None, "point": f"oracle@{cal}", "family": "oracle", "calibration": cal,
-                  "flops_ratio": ratio, "bytes_ratio": None, "speedup": None, "tokens_per_s": None,
+        extra = [{"run_id": None, "point": f"oracle@{cal}", "curve": None, "knob": None, "value": None,
+                  "family": "oracle", "readout": None, "calibration": cal, "domain": self.domain, "flops_ratio": ratio, "bytes_ratio": None, "speedup": None, "tokens_per_s": None,
                   "quality": self.full_quality, "on_frontier_flops": False, "on_frontier_speed": False,
                   "mlflow_run_id": None} for cal, ratio in self.oracle.items()]
         return self.rows + extra
@@ -169,8 +181,9 @@ class ParetoSeries:
 
 def _row(run: dict[str, Any], metric: str, base: dict[str, Any] | None) -> dict[str, Any]:
     cost = run.get("cost", {})
-    return {"run_id": run["run_id"], "point": point_label(run), "family": run.get("family"),
-            "calibration": run.get("calibration"), "flops_ratio": cost.get("flops_ratio"),
+    return {"run_id": run["run_id"], "point": point_label(run), "curve": run.get("curve"), "knob": run.get("knob"),
+            "value": run.get("value"), "family": run.get("family"), "readout": run.get("readout"),
+            "calibration": run.get("calibration"), "domain": run.get("domain"), "flops_ratio": cost.get("flops_ratio"),
             "bytes_ratio": cost.get("bytes_ratio"), "speedup": speedup(run, base),
             "tokens_per_s": cost.get("tokens_per_s"), "quality": run["quality"][metric],
             "on_frontier_flops": False, "on_frontier_speed": False, "mlflow_run_id": run.get("mlflow_run_id")}
@@ -192,8 +205,9 @@ def _series(model: str, domain: str, metric: str, runs: list[dict], base: dict |
 def pareto_data(runs: Sequence[dict[str, Any]]) -> list[ParetoSeries]:
     """One :class:`ParetoSeries` per (model, domain, quality metric) present in ``runs``, sorted by name.
 
-    Speed-ups need the full-depth run of the model × domain; without one they are None (and no point is on
-    the speed frontier), while the FLOPs frontier is still drawn.
+    Speed-ups are the runs' own ``cost.speedup`` where measured, else need the full-depth run of the model ×
+    domain; without either they are None (and such a point is not on the speed frontier), while the FLOPs
+    frontier is still drawn.
 
     Raises:
         ValueError: empty ``runs``, or two full runs for one model × domain.

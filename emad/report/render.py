@@ -1,4 +1,5 @@
-"""reports/report.md and reports/metrics.json from runs, verdicts, tables and the figures index.
+"""reports/report.md, reports/metrics.json (headline numbers) and the per-run detail file from runs, verdicts, tables
+and the figures index.
 
 The output depends only on the inputs (no timestamps, sorted keys), so an unchanged run set gives an unchanged
 report.
@@ -8,24 +9,33 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from emad.report.envelopes import FamilyCurve, domain_curves, domain_shift_curves, model_curves
 from emad.report.pareto import FULL, baselines, point_label, speedup
 from emad.report.readouts import readouts_markdown
 from emad.report.tables import (
+    CURVE_NOTE,
     ablation_markdown,
+    curves_markdown,
+    domain_curves_markdown,
     domain_shift_markdown,
     fmt,
     fmt_quality,
     markdown_table,
     risk_markdown,
+    shift_curves_markdown,
 )
 from emad.report.verdict import ModelVerdict, PointAssessment
+from emad.report.verdict import family_verdicts as judge_families
 
 REPRODUCE = ("`dvc repro` rebuilds every stage from params.yaml (only what changed reruns); `make mlflow` opens "
-             "the MLflow UI on the logged runs; `dvc metrics show` and `dvc plots show` read reports/metrics.json "
-             "and reports/pareto/.")
+             "the MLflow UI on the logged runs; `dvc metrics show` reads the headline numbers in "
+             "reports/metrics.json (per model and family: C1, C2, quality at the target FLOPs, largest reduction "
+             "within tolerance), reports/details.json holds every run's numbers and the curves, and "
+             "`dvc plots show` reads reports/pareto/.")
 
 
 UNCERTAINTY_RULE = (
@@ -158,6 +168,25 @@ RISK_NOTE = ("Each search tests a method's knob from the value that exits least 
              "the chosen value is then run on fresh prompts.")
 
 
+def _outcomes(family_verdicts: Mapping[str, Mapping[str, ModelVerdict]]) -> dict[tuple[str, str], tuple[str, str]]:
+    return {(m, f): (v.c1.outcome, v.c2.outcome) for f, per in family_verdicts.items() for m, v in per.items()}
+
+
+SHIFT_NOTE = ("Each profile-based family's curve on one domain, calibrated on that domain (in-domain) and on another "
+              "(shifted), both read on their envelopes at the same FLOPs ratios: tolerance used in-domain → shifted "
+              "(shifted − in-domain); – where a curve does not reach the ratio.")
+
+
+def curves_sections(family_verdicts: Mapping[str, Mapping[str, ModelVerdict]]) -> list[str]:
+    """The report's curve sections: every family at the target FLOPs (on the model, then per domain and
+    calibration source), and the domain shift of the curves at equal FLOPs."""
+    per_domain = domain_curves(family_verdicts)
+    return ["## Curves at equal FLOPs", CURVE_NOTE,
+            curves_markdown(model_curves(family_verdicts), _outcomes(family_verdicts)),
+            "### Per domain and calibration source", domain_curves_markdown(per_domain),
+            "## Domain shift", SHIFT_NOTE, shift_curves_markdown(domain_shift_curves(per_domain))]
+
+
 def report_markdown(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, ModelVerdict],
                     tables: Mapping[str, Any], figures_index: Sequence[dict[str, Any]], *,
                     family_verdicts: Mapping[str, Mapping[str, ModelVerdict]] | None = None,
@@ -177,10 +206,13 @@ def report_markdown(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, Model
              verdict_markdown(verdicts)]
     if family_verdicts:
         parts += ["## Every family against the same criteria", baselines_markdown(family_verdicts)]
+        parts += curves_sections(family_verdicts)
     parts += ["## Results per model and domain",
-              "Speed-up = tokens/s over the full-depth run of the same model and domain.", results_markdown(runs)]
+              "Speed-up = the run's own speed-up against a full-depth reference generated in the same process "
+              "where measured, else tokens/s over the full-depth run of the same model and domain.",
+              results_markdown(runs)]
     if "domain_shift" in tables:
-        parts += ["## Domain shift", domain_shift_markdown(tables["domain_shift"])]
+        parts += ["## Domain shift per operating point", domain_shift_markdown(tables["domain_shift"])]
     if "ablations" in tables:
         parts += ["## Ablations", ablation_markdown(tables["ablations"])]
     if readout_fits:
@@ -211,17 +243,61 @@ def _best(v: ModelVerdict) -> dict[str, Any]:
                    "c2_point": c2.label if c2 else None, "speedup": c2.speedup if c2 else None})
 
 
-def metrics_summary(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, ModelVerdict]) -> dict[str, Any]:
-    """reports/metrics.json: ``{model: {verdict, best, runs: {point: {domain: metrics}}}}``, no nulls.
+def _families(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, ModelVerdict],
+              family_verdicts: Mapping[str, Mapping[str, ModelVerdict]] | None) -> dict[str, dict[str, ModelVerdict]]:
+    """Every family judged alone, plus the judged method under its joined name when it spans several families."""
+    if family_verdicts is None:
+        thr = next(iter(verdicts.values())).thresholds if verdicts else None
+        family_verdicts = judge_families(runs, **(asdict(thr) if thr else {}))
+    out = {f: dict(per) for f, per in family_verdicts.items()}
+    for model, v in verdicts.items():
+        out.setdefault("/".join(v.methods), {}).setdefault(model, v)
+    return out
 
-    ``verdict``: ``c1``, ``c2`` (True = passes), their outcomes ``c1_outcome``, ``c2_outcome`` (``pass``,
-    ``fail`` = falsified, ``unresolved`` at this sample size) and ``c1_literal`` (the literal reading); ``best``:
-    the deciding points with the FLOPs reduction (C1) and speed-up (C2); ``runs``: FLOPs and bytes ratios,
-    speed-up, mean depth and quality metrics per operating point and domain, each metric with its 95% interval
-    and sample size (``<metric>.lo``, ``.hi``, ``.n``; left out when undefined).
+
+def _headline(curve: FamilyCurve, v: ModelVerdict) -> dict[str, Any]:
+    ppl = curve.at(curve.target, "perplexity").value if "perplexity" in curve.metrics else None
+    ok = curve.largest_ok
+    return _clean({"c1": v.c1.outcome, "c2": v.c2.outcome, "tolerance_used_at_target": curve.at_target.value,
+                   "perplexity_at_target": ppl, "max_reduction": ok.reduction if ok else None})
+
+
+def metrics_summary(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, ModelVerdict],
+                    family_verdicts: Mapping[str, Mapping[str, ModelVerdict]] | None = None) -> dict[str, Any]:
+    """reports/metrics.json, headline numbers only: ``{model: {family: headline}}``, no nulls.
+
+    A headline (:mod:`emad.report.envelopes`, read on the family's curve over the model's domains): ``c1``, ``c2``
+    (``pass``, ``fail`` = falsified, ``unresolved`` at this sample size); ``tolerance_used_at_target`` (the
+    largest change / tolerance over the checks, 1 = at the tolerance) and ``perplexity_at_target`` (relative
+    rise, worst domain) at the FLOPs ratio 1 − ``min_flops_reduction``, interpolated on the envelope (left out
+    when the curve does not reach it); ``max_reduction``: the largest FLOPs reduction of a point with no check
+    violated (left out when there is none). Families are those of ``family_verdicts`` (judged alone; computed
+    from ``runs`` with the thresholds of ``verdicts`` when None) plus the judged method of ``verdicts`` under its
+    joined name (``emad/emad+tuned``) when it spans several. The per-run detail is :func:`run_details`.
+    """
+    families = _families(runs, verdicts, family_verdicts)
+    curves = {(c.model, c.family): c for c in model_curves(families)}
+    out: dict[str, Any] = {}
+    for family, per in sorted(families.items()):
+        for model, v in sorted(per.items()):
+            out.setdefault(model, {})[family] = _headline(curves[(model, family)], v)
+    return {m: dict(sorted(per.items())) for m, per in sorted(out.items())}
+
+
+def run_details(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, ModelVerdict],
+                family_verdicts: Mapping[str, Mapping[str, ModelVerdict]] | None = None) -> dict[str, Any]:
+    """The detail file beside metrics.json (reports/details.json; not DVC metrics): ``{"models": {model:
+    {verdict, best, runs}}, "curves": [...], "domain_curves": [...], "domain_shift": [...]}``.
+
+    Per model: ``verdict``: ``c1``, ``c2`` (True = passes), ``c1_outcome``, ``c2_outcome`` and ``c1_literal``
+    of the judged method; ``best``: its deciding points with the FLOPs reduction (C1) and speed-up (C2);
+    ``runs``: FLOPs and bytes ratios, speed-up, mean depth and quality metrics per operating point and domain,
+    each metric with its 95% interval and sample size (``<metric>.lo``, ``.hi``, ``.n``; left out when
+    undefined), no nulls. ``curves`` / ``domain_curves``: :meth:`emad.report.envelopes.FamilyCurve.to_dict` on the model
+    and per domain × calibration source; ``domain_shift``: :func:`emad.report.envelopes.domain_shift_curves`.
     """
     base = baselines(runs)
-    out: dict[str, Any] = {}
+    models: dict[str, Any] = {}
     for model in sorted({r["model"] for r in runs}):
         per_point: dict[str, dict[str, Any]] = {}
         for r in sorted((r for r in runs if r["model"] == model), key=lambda r: r["run_id"]):
@@ -233,5 +309,8 @@ def metrics_summary(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, Model
                                 "c2_outcome": v.c2.outcome, "c1_literal": v.c1.literal}
             entry["best"] = _best(v)
         entry["runs"] = dict(sorted(per_point.items()))
-        out[model] = entry
-    return out
+        models[model] = entry
+    families = _families(runs, verdicts, family_verdicts)
+    per_domain = domain_curves(families)
+    return {"models": models, "curves": [c.to_dict() for c in model_curves(families)],
+            "domain_curves": [c.to_dict() for c in per_domain], "domain_shift": domain_shift_curves(per_domain)}

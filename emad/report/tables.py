@@ -8,6 +8,11 @@ such as perplexity, absolute for the others, as in the verdict; ``vs_full_ci``: 
 on that domain (calibration source == domain), the change against it (``vs_in_domain``: savings as a plain
 difference, this cell minus the in-domain cell; metrics relative / absolute as in ``vs_full``).
 
+FamilyCurve tables (:mod:`emad.report.envelopes`) — per model × family (and per calibration source × domain): the
+tolerance used and the perplexity change read at the target FLOPs ratio on the family's envelope, the measured
+points on either side, and the largest FLOPs reduction within tolerance; the domain-shift comparison of curves
+calibrated in-domain and shifted at equal FLOPs.
+
 Ablation tables — the runs of the default operating point and every run whose ``factors`` differ from the
 default's in exactly one key (same model, domain and calibration source). One table per varied factor; its rows
 are the default plus each variant, each with the factor value, quality metrics (and their ``intervals``),
@@ -16,10 +21,11 @@ are the default plus each variant, each with the factor value, quality metrics (
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from emad.report.checks import change_of
+from emad.report.envelopes import TOLERANCE_USED, AtFlops, CurvePoint, FamilyCurve
 from emad.report.pareto import baselines, higher_is_better, speedup
 
 _MISSING = object()
@@ -237,3 +243,93 @@ def risk_markdown(results: Sequence[dict[str, Any]]) -> str:
                      f"{fresh} | {holds} | {flops} | `{r.get('mlflow_run_id') or '-'}` |")
     notes = [f"- {r['model']} · {r['search']}: {r['guarantee']}." for r in results]
     return "\n".join(lines) + "\n\n" + "\n".join(notes)
+
+
+# --- curves ---------------------------------------------------------------------------------------------------
+
+def fmt_degradation(metric: str, value: float | None) -> str:
+    """A curve's degradation (positive = worse) in the units of :func:`fmt_change`; the tolerance used as ``0.42``."""
+    if value is None:
+        return "–"
+    if metric == TOLERANCE_USED:
+        return fmt(value, ".2f")
+    return fmt_change(metric, -value if higher_is_better(metric) else value)
+
+
+def _pt(p: CurvePoint, metric: str = TOLERANCE_USED) -> str:
+    return f"{p.label} ({p.reduction:.1%}: {fmt_degradation(metric, p.value)})"
+
+
+def fmt_between(at: AtFlops, metric: str = TOLERANCE_USED) -> str:
+    """The measured envelope points beside a reading: ``a (12.0%: 0.30) · b (18.0%: 0.80)`` (cheaper first)."""
+    if at.cheaper is None:
+        return "not reached" + (f"; cheapest {_pt(at.costlier, metric)}" if at.costlier else "")
+    if at.costlier is None:
+        return f"{_pt(at.cheaper, metric)}, flat above"
+    if at.costlier is at.cheaper:
+        return f"at {_pt(at.cheaper, metric)}"
+    return f"{_pt(at.cheaper, metric)} · {_pt(at.costlier, metric)}"
+
+
+def fmt_largest(p: CurvePoint | None) -> str:
+    return "none" if p is None else f"{p.reduction:.1%} ({p.label}, {p.state})"
+
+
+def _curve_cells(c: FamilyCurve) -> list[str]:
+    at = c.at_target
+    ppl = c.at(c.target, "perplexity") if "perplexity" in c.metrics else None
+    return [fmt_degradation(TOLERANCE_USED, at.value), fmt_between(at),
+            fmt_degradation("perplexity", ppl.value) if ppl else "–", fmt_largest(c.largest_ok)]
+
+
+CURVE_NOTE = ("Read on each family's lower frontier (its monotone envelope: points no other point of the family "
+              "beats on FLOPs and quality, joined by straight lines, flat above the costliest; undefined below the "
+              "cheapest). Tolerance used = the largest change/tolerance over the checks (1 = at the tolerance); "
+              "beside it the measured points on either side (FLOPs reduction: tolerance used). Largest reduction "
+              "within tolerance: the measured point with most FLOPs saved and no check violated (met or unresolved).")
+
+
+def curves_markdown(curves: Sequence[FamilyCurve], outcomes: Mapping[tuple[str, str], tuple[str, str]] | None = None) -> str:
+    """One row per model × family (curves on the model): C1 and C2 (``outcomes[(model, family)]``), the tolerance
+    used and perplexity change at the target FLOPs, the points beside it, the largest reduction within tolerance."""
+    if not curves:
+        return "_No curves._"
+    target = curves[0].target
+    rows = [[c.model, c.family, str(len(c.points)), *(outcomes or {}).get((c.model, c.family), ("–", "–")),
+             *_curve_cells(c)] for c in curves]
+    return markdown_table(["model", "family", "points", "C1", "C2", f"tolerance used at {1 - target:.0%} fewer FLOPs",
+                           "measured beside it", "perplexity", "largest reduction within tolerance"], rows)
+
+
+def domain_curves_markdown(curves: Sequence[FamilyCurve]) -> str:
+    """One row per model × family × calibration source × domain (the curves on one domain)."""
+    if not curves:
+        return "_No curves._"
+    target = curves[0].target
+    rows = [[c.model, c.family, c.calibration or "–", c.domain or "–", *_curve_cells(c)] for c in curves]
+    return markdown_table(["model", "family", "calibration", "domain",
+                           f"tolerance used at {1 - target:.0%} fewer FLOPs", "measured beside it", "perplexity",
+                           "largest reduction within tolerance"], rows)
+
+
+def _shift_reading(cell: dict[str, Any]) -> str:
+    a, b, d = cell["in_domain"], cell["shifted"], cell["difference"]
+    if a is None and b is None:
+        return "–"
+    return f"{fmt(a, '.2f')} → {fmt(b, '.2f')}" + (f" ({d:+.2f})" if d is not None else "")
+
+
+def shift_curves_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """One row per shifted curve: the tolerance used in-domain → shifted (difference) at each common FLOPs ratio,
+    and the largest reductions within tolerance."""
+    if not rows:
+        return "_No curve calibrated on one domain and evaluated on another._"
+    ratios = [c["flops_ratio"] for c in rows[0]["at"]]
+    body = []
+    for r in rows:
+        ok = r["largest_ok"]
+        body.append([r["model"], r["family"], r["domain"], r["calibration"]]
+                    + [_shift_reading(c) for c in r["at"]]
+                    + [f"{fmt(ok['in_domain'], '.1%')} → {fmt(ok['shifted'], '.1%')}"])
+    return markdown_table(["model", "family", "domain", "calibrated on"] + [f"FLOPs {x:g}" for x in ratios]
+                          + ["largest reduction within tolerance"], body)

@@ -6,7 +6,9 @@
 - FLOPs reduction of a point: ``1 − Σ_d tokens_d · flops_ratio_d / Σ_d tokens_d`` — token-weighted over its
   domains (``cost.tokens``; an unweighted mean when a run lacks a token count).
 - Speed-up of a point: time the full-depth runs would take for the point's tokens over the time the point took,
-  ``Σ_d (tokens_d / tps_full_d) / Σ_d (tokens_d / tps_d)`` — one wall-clock ratio on the same workload.
+  ``Σ_d (tokens_d / tps_full_d) / Σ_d (tokens_d / tps_d)`` — one wall-clock ratio on the same workload. Where a run
+  measured its own speed-up against a full-depth reference in the same process (``cost.speedup``), its
+  ``tps_full_d`` is that reference, ``tps_d / speedup_d``; else the full run's file gives it.
 - Tolerances, per domain and quality metric present in the full run: a lower-better metric (perplexity) may rise
   by ``ppl_rel_tol`` relative; a higher-better one (accuracies in [0, 1]) may drop by ``acc_abs_tol`` absolute.
   Each check (:mod:`emad.report.checks`) is ``met`` (the change's paired 95% interval lies within the tolerance),
@@ -26,12 +28,13 @@ Comparisons allow a slack of 1e-9 so that values exactly at a threshold pass.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from emad.evaluation.intervals import MET, UNRESOLVED, VIOLATED
-from emad.report.checks import Check, build_check
+from emad.report.checks import Check, build_check, combined_state
 from emad.report.pareto import FULL, baselines, higher_is_better, point_label
 
 EPS = 1e-9
@@ -65,6 +68,10 @@ class PointAssessment:
     flops_ratio: float
     speedup: float | None
     checks: list[Check] = field(default_factory=list)
+    flops_by_domain: dict[str, float] = field(default_factory=dict)
+    curve: str | None = None
+    knob: str | None = None
+    value: float | None = None
 
     @property
     def reduction(self) -> float:
@@ -73,8 +80,7 @@ class PointAssessment:
     @property
     def state(self) -> str:
         """``violated`` if a check is, ``met`` if every check is, else ``unresolved``."""
-        states = {c.state for c in self.checks}
-        return VIOLATED if VIOLATED in states else UNRESOLVED if UNRESOLVED in states else MET
+        return combined_state(self.checks)
 
     @property
     def within_tolerance(self) -> bool:
@@ -90,7 +96,9 @@ class PointAssessment:
         worst = self.worst
         return {"label": self.label, "point": self.point, "calibration": self.calibration, "family": self.family,
                 "domains": self.domains, "run_ids": self.run_ids, "mlflow_run_ids": self.mlflow_run_ids,
+                "curve": self.curve, "knob": self.knob, "value": self.value,
                 "flops_ratio": self.flops_ratio, "flops_reduction": self.reduction, "speedup": self.speedup,
+                "flops_by_domain": self.flops_by_domain,
                 "state": self.state, "within_tolerance": self.within_tolerance,
                 "worst": worst.describe() if worst else None,
                 "checks": [c.to_dict() for c in self.checks]}
@@ -207,9 +215,17 @@ def _token_weights(runs: Sequence[dict]) -> list[float]:
     return [1.0] * len(runs)
 
 
+def _reference_tps(run: dict, base: dict) -> float:
+    """Full-depth tokens/s to compare ``run`` with: its in-process reference when it measured its own speed-up."""
+    own = run.get("cost", {}).get("speedup")
+    if isinstance(own, int | float) and not isinstance(own, bool) and math.isfinite(own) and own > 0:
+        return run["cost"]["tokens_per_s"] / own
+    return base["cost"]["tokens_per_s"]
+
+
 def _aggregate_speedup(runs: Sequence[dict], bases: Sequence[dict], weights: Sequence[float]) -> float | None:
     try:
-        full_time = sum(w / b["cost"]["tokens_per_s"] for w, b in zip(weights, bases))
+        full_time = sum(w / _reference_tps(r, b) for w, r, b in zip(weights, runs, bases))
         time = sum(w / r["cost"]["tokens_per_s"] for w, r in zip(weights, runs))
     except (KeyError, TypeError, ZeroDivisionError):
         return None
@@ -228,7 +244,9 @@ def assess_point(runs: Sequence[dict], base: dict[tuple[str, str], dict], thr: T
     return PointAssessment(point_label(first), first["point"], first.get("calibration"),
                            "/".join(sorted({r["family"] for r in runs})), [r["domain"] for r in runs],
                            [r["run_id"] for r in runs], [r["mlflow_run_id"] for r in runs if r.get("mlflow_run_id")],
-                           flops, _aggregate_speedup(runs, bases, weights), checks)
+                           flops, _aggregate_speedup(runs, bases, weights), checks,
+                           {r["domain"]: r["cost"]["flops_ratio"] for r in runs}, first.get("curve"),
+                           first.get("knob"), first.get("value"))
 
 
 def _by_reduction(points: list[PointAssessment]) -> list[PointAssessment]:
