@@ -131,6 +131,8 @@ def test_related_runs_report_their_statistics(workspace, monkeypatch):
     assert 0 <= ead["cost"]["large_token_share"] <= 1 and set(ead["depth_histogram"]) <= {"2", "4"}
     assert ead["cost"]["ead_tokens"] == ead["cost"]["large_tokens"] + ead["cost"]["small_tokens"]
     assert spec["tasks"]["fidelity"]["exact_match"] == 1.0  # lossless
+    if not list((workspace / "runs" / "baseline-full").glob("*.json")):  # this test alone: make the full run here
+        assert _decode(workspace, "baseline", "full", monkeypatch) == 0
     assert spec["tasks"]["perplexity"]["perplexity"] == pytest.approx(
         _record(workspace, "baseline-full")["tasks"]["perplexity"]["perplexity"], rel=1e-5)
     assert 0 <= spec["cost"]["acceptance_rate"] <= 1 and spec["cost"]["target_passes_per_token"] <= 1
