@@ -26,9 +26,10 @@ from emad.decode.score import _check_length
 from emad.decode.step import Method, as_method, elapsed, left_pad, positions_of
 from emad.decode.strategy import Strategy
 from emad.engine.cost import CostModel
+from emad.engine.entropy import readout_summary
 from emad.engine.stack import LayerStack
 from emad.exits.criteria import Criterion
-from emad.exits.estimators import Estimate
+from emad.exits.estimators import Estimate, Exact
 
 
 def sweep_refusal(method) -> str | None:
@@ -173,6 +174,10 @@ class _Shared:
         base = (key, _estimator_key(estimator))
         if not estimator.stateful:
             memo = base + (probe,)
+            if memo not in self._estimates and isinstance(estimator, Exact):  # its logits are the exit readout's
+                logits = self.readout(key, probe)
+                entropy, _, max_prob = readout_summary(logits)
+                self._estimates[memo] = Estimate(entropy, max_prob, logits)
             if memo not in self._estimates:
                 self._estimates[memo] = estimator.estimate(self.views[key][0], self.states_at[probe], probe,
                                                            torch.arange(n, device=self.positions.device))
