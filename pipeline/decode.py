@@ -103,13 +103,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _speed(stack, tokenizer, method, prepared: list, limit: int | None, repeats: int) -> dict:
-    """The point's speed-up against full depth, timed here on the prompts of its first generating task."""
-    for p in prepared:
-        found = p.task.speed_prompts(p.data, p.settings)
-        if found:
-            return measure_speedup(stack, tokenizer, method, found[0][:limit], found[1], repeats)
-    return measure_speedup(stack, tokenizer, method, [], 0, 0)
+def _speed(stack, tokenizer, method, prepared: list, result, limit: int | None, repeats: int) -> dict:
+    """The point's speed-up against full depth, timed here on the prompts of a task that has them; the point's
+    own generation of them, when a task just made one (fidelity), is the first sample."""
+    found = [(p, p.task.speed_prompts(p.data, p.settings)) for p in prepared]
+    found = sorted([(p, f) for p, f in found if f], key=lambda pf: not result.generated.get(pf[0].name))
+    if not found:
+        return measure_speedup(stack, tokenizer, method, [], 0, 0)
+    p, (prompts, new_tokens) = found[0]
+    prompts = prompts[:limit]
+    made = next((g for g in result.generated.get(p.name, []) if len(g.token_ids) == len(prompts)), None)
+    return measure_speedup(stack, tokenizer, method, prompts, new_tokens, repeats, made)
 
 
 def _heatmap_texts(stack, tokenizer, result, prepared: list, shared: Shared, n: int, limit: int | None):
@@ -144,7 +148,7 @@ def _run(args, cfg: DecodeConfig, loaded, stack: LayerStack, name: str, point, m
         run.log_dict(settings, "decode_settings.json")
         result = evaluate(stack, loaded.tokenizer, method, prepared, shared, scores, limit)
         hist = result.depth_histogram()
-        cost = {**result.cost(), **_speed(stack, loaded.tokenizer, method, prepared, limit, cfg.speed_repeats)}
+        cost = {**result.cost(), **_speed(stack, loaded.tokenizer, method, prepared, result, limit, cfg.speed_repeats)}
         record = {
             **head, "model_fingerprint": loaded.fingerprint.digest, "n_layers": stack.n_layers,
             "free_prompts": limit, "method": method.describe(), **facts, "tasks": result.tasks,

@@ -35,6 +35,7 @@ class Evaluation:
 
     tasks: dict[str, dict]
     outputs: list[Generation | Scored] = field(default_factory=list)
+    generated: dict[str, list[Generation]] = field(default_factory=dict)  # task -> the generations it made
 
     def generations(self) -> list[Generation]:
         return [o for o in self.outputs if isinstance(o, Generation)]
@@ -168,6 +169,7 @@ def evaluate(stack: LayerStack, tokenizer, method: Method, prepared: list[Prepar
     """
     result, shared, scores = Evaluation(tasks={}), shared or Shared(), scores or {}
     for p in prepared:
+        start = len(result.outputs)
         if p.name in scores:
             result.outputs.extend(s for row in scores[p.name] for s in row)
             result.tasks[p.name] = p.task.reduce(stack, tokenizer, method, p.data, p.settings, scores[p.name],
@@ -175,4 +177,5 @@ def evaluate(stack: LayerStack, tokenizer, method: Method, prepared: list[Prepar
         else:
             result.tasks[p.name] = p.task.run(stack, tokenizer, method, p.data, p.settings, result.outputs, shared,
                                               limit)
+        result.generated[p.name] = [o for o in result.outputs[start:] if isinstance(o, Generation)]
     return result

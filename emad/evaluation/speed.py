@@ -21,8 +21,11 @@ def _tokens_per_s(out: Generation) -> float:
 
 
 def measure_speedup(stack, tokenizer, method, prompts: Sequence[Sequence[int]], new_tokens: int,
-                    repeats: int) -> dict[str, float | int | None]:
+                    repeats: int, made: Generation | None = None) -> dict[str, float | int | None]:
     """Generate ``prompts`` ``repeats`` times under ``method`` and at full depth, alternating which goes first.
+
+    ``made``: the method's generation of these prompts that was just timed (e.g. by the fidelity task): it is the
+    first repeat's own sample, followed by a full-depth generation, so that it is not made again.
 
     Returns:
         ``speedup`` (median of the per-repeat ratios method tokens/s ÷ full-depth tokens/s), the medians
@@ -35,10 +38,11 @@ def measure_speedup(stack, tokenizer, method, prompts: Sequence[Sequence[int]], 
     before = os.getloadavg()[0]
     own, ref = [], []
     full = Full()
+    first = made is not None  # the method went first in repeat 0
     for r in range(repeats):
-        for m in ((full, method) if r % 2 == 0 else (method, full)):
-            tps = _tokens_per_s(generate(stack, tokenizer, prompts, m, new_tokens))
-            (ref if m is full else own).append(tps)
+        for m in ((method, full) if (r % 2 == 0) == first else (full, method)):
+            out = made if (m is method and r == 0 and first) else generate(stack, tokenizer, prompts, m, new_tokens)
+            (ref if m is full else own).append(_tokens_per_s(out))
     return {"speedup": statistics.median(a / b for a, b in zip(own, ref)),
             "speed_tokens_per_s": statistics.median(own), "reference_tokens_per_s": statistics.median(ref),
             "speed_repeats": repeats, "load_avg": max(before, os.getloadavg()[0])}
