@@ -16,14 +16,10 @@ from emad.decode.sweep import Sweep, score_sweep, sweep_refusal
 from emad.engine.stack import LayerStack
 from emad.exits.criteria import Confidence, Contrastive, Emad, Fixed, Full, SoftmaxResponse
 from emad.exits.estimators import LowRank, Prune, TopK
-from emad.exits.readouts import TunedLens
 from emad.exits.strata import Strata
 from emad.methods import STRATEGIES
+from tests.test_readouts import random_lens
 from tests.tiny import VOCAB, random_prompts, tiny_model
-
-D = 64
-FINGERPRINT = {"spec": "tiny", "model_type": "llama", "n_layers": 4, "hidden_size": D, "vocab_size": VOCAB,
-               "tokenizer_sha256": "0"}
 
 
 @pytest.fixture(scope="module")
@@ -31,21 +27,11 @@ def stack():
     return LayerStack(tiny_model("llama"))
 
 
-def _lens(scale: float = 0.3, seed: int = 5) -> TunedLens:
-    lens = TunedLens.identity([1, 2, 3], D, FINGERPRINT, None, seed)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for t in lens.translators.values():
-            for p in t.parameters():
-                p.copy_(torch.randn(p.shape, generator=g) * scale / p.shape[-1] ** 0.5)
-    return lens
-
-
 @pytest.fixture(scope="module")
 def profiles(stack):
     """A profile per strata variant and readout (the tuned one calibrated through the lens)."""
     out = {}
-    for readout, lens in (("logit", None), ("tuned", _lens())):
+    for readout, lens in (("logit", None), ("tuned", random_lens())):
         view = stack.with_readout(lens)
         stats = calibrate(view, windows(random_prompts(12, [24], seed=11), 24), [1, 2, 3, 4],
                           Strata(position_edges=(8,), confidence_edges=(0.3,)), batch_size=4)
@@ -114,7 +100,7 @@ def _assert_same(got, want, name: str) -> None:
 
 @pytest.mark.parametrize("readout", ["logit", "tuned"])
 def test_every_method_of_a_sweep_equals_its_own_scoring(stack, profiles, readout):
-    lens = None if readout == "logit" else _lens()
+    lens = None if readout == "logit" else random_lens()
     methods = _family_methods(profiles, readout, lens)
     prompt, continuations = _cases()
     together = score_sweep(stack, prompt, continuations, list(methods.values()))
@@ -131,7 +117,7 @@ def test_sweep_equals_token_by_token_generation_semantics(stack, profiles):
     """The reference of parallel scoring: one decode step per token (the generator's own code path)."""
     methods = {"emad": Method(Emad(profiles["logit", "both"], 0.25)), "conf": Method(Confidence(3.0, probe_every=1)),
                "softmax-prune": Method(SoftmaxResponse(0.05, probe_every=1), estimator=Prune(40, "decay", 6)),
-               "contrastive-tuned": Method(Contrastive(0.3, alpha=0.2, probe_every=1), readout=_lens())}
+               "contrastive-tuned": Method(Contrastive(0.3, alpha=0.2, probe_every=1), readout=random_lens())}
     prompt, continuations = _cases()
     together = score_sweep(stack, prompt, continuations, list(methods.values()))
     for (name, method), got in zip(methods.items(), together):
@@ -140,7 +126,7 @@ def test_sweep_equals_token_by_token_generation_semantics(stack, profiles):
 
 
 def test_order_and_company_do_not_change_a_result(stack, profiles):
-    lens = _lens()
+    lens = random_lens()
     methods = list(_family_methods(profiles, "tuned", lens).values())[::7]
     methods += list(_family_methods(profiles, "logit", None).values())[::5]
     prompt, continuations = _cases()
