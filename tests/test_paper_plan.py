@@ -270,7 +270,7 @@ def _stops_at_decoding(stage, name: str, argv, mp) -> None:
 def check_decode(raw, argv, mp):
     import pipeline.decode as stage
 
-    _stops_at_decoding(stage, "evaluate", argv, mp)
+    _stops_at_decoding(stage, "score_all", argv, mp)  # the teacher-forced pass of every point comes first
 
 
 def check_risk(raw, argv, mp):
