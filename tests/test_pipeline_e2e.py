@@ -47,7 +47,7 @@ def _params(model_dir: Path) -> dict:
             "baselines": {"full": {"method": "full"}, "fixed-2-tuned": {"method": "fixed", "depth": 2,
                                                                         "readout": "tuned"},
                           "conf": {"method": "confidence", "threshold": [0.5, 3, 100], "probe_every": 1}},
-            "swept_prompts": 1, "speed_repeats": 2,
+            "swept_prompts": 1, "speed_repeats": 2, "unserved_tokens": 64,
             "points": {"emad-m0": {"method": "emad", "margin": 0.0},
                        "emad-m0-tuned": {"method": "emad", "margin": 0.0, "readout": "tuned"}},
             "default_point": "emad-m0",
