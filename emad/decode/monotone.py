@@ -24,35 +24,49 @@ from emad.exits.estimators import Estimate
 
 
 class StateSource(Protocol):
-    """Hidden states, estimates and readouts of a continuation's first ``running`` positions at a probe.
+    """Hidden states, estimates and exit scores of a continuation's positions at a probe.
 
     Attributes:
         positions: ``[m]`` position ids of the continuation's positions (criteria stratify by them).
+        memo: what criteria derive from a probe's readout, shared by every method that reads the same states
+            (a dict keyed by the criterion, layer included), or None when nothing is shared.
     """
 
     positions: torch.Tensor
+    memo: dict | None
 
     def states(self, probe: int, running: int) -> torch.Tensor:
         """``[running, d]`` hidden states after layer ``probe`` (1-based); probes are asked in ascending order."""
 
     def estimate(self, k: int, probe: int, running: int) -> Estimate:
-        """The method's estimate at its ``k``-th probe for positions ``[0, running)``."""
+        """The method's estimate at its ``k``-th probe for positions ``[0, n)``, ``n >= running`` (a source that
+        holds every position's state may give them all: criteria decide per row)."""
 
-    def readout(self, probe: int, lo: int, hi: int) -> torch.Tensor:
-        """``[hi - lo, V]`` logits of positions ``[lo, hi)`` read out at ``probe``."""
+    def exit_scores(self, probe: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions ``[lo, hi)`` read out at ``probe``: each target's log-probability ``[hi - lo]`` (float32) and
+        whether it is the argmax ``[hi - lo]`` (:func:`target_scores`)."""
+
+
+def target_scores(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of each row's target under ``log_softmax(logits)`` (fp32) and whether it is the row's argmax:
+    ``[n, V]``, ``[n]`` → ``[n]`` float32, ``[n]`` bool."""
+    logprob = torch.log_softmax(logits.float(), -1).gather(-1, targets[:, None])[:, 0]
+    return logprob, logits.argmax(-1) == targets
 
 
 @dataclass
 class Exits:
-    """Where each of ``m`` positions exited and what it cost beyond its layers.
+    """Where each of ``m`` positions exited, how it scored its target there, and what it cost beyond its layers.
 
     Attributes:
-        logits: ``[m, V]`` the exit readout of each position.
+        logprob: ``[m]`` the target's log-probability under the exit readout (float32).
+        greedy: ``[m]`` whether the target is the exit readout's argmax.
         depth: ``[m]`` its exit layer.
         charged: ``[m]`` FLOPs of its probes and exit readout (float64).
     """
 
-    logits: torch.Tensor
+    logprob: torch.Tensor
+    greedy: torch.Tensor
     depth: torch.Tensor
     charged: torch.Tensor
 
@@ -65,9 +79,10 @@ def estimated_probes(criterion, n_layers: int) -> list[int]:
     return [p for k, p in enumerate(probes[:-1]) if criterion.wants_estimate(k, p)]
 
 
-def monotone_exits(method, source: StateSource, m: int, n_layers: int, vocab_size: int, cost: CostModel,
-                   dtype: torch.dtype, device: torch.device) -> Exits:
-    """Exits of ``m`` continuation positions under ``method`` (monotone policy), from ``source``.
+def monotone_exits(method, source: StateSource, targets: torch.Tensor, n_layers: int, cost: CostModel,
+                   dtype: torch.dtype) -> Exits:
+    """Exits of the continuation positions predicting ``targets`` ``[m]`` under ``method`` (monotone policy), from
+    ``source``.
 
     Costs are charged as generation charges them: a probe for each position evaluated at that probe (later
     positions are capped by the first that passes, so the probe is paid up to it), and a readout for each exit
@@ -77,7 +92,9 @@ def monotone_exits(method, source: StateSource, m: int, n_layers: int, vocab_siz
     probes = criterion.probes(n_layers)
     estimated = set(estimated_probes(criterion, n_layers))
     probe_flops, _ = estimator.probe_cost(cost)
-    exit_logits = torch.empty(m, vocab_size, dtype=dtype, device=device)
+    m, device = len(targets), targets.device
+    logprob = torch.zeros(m, dtype=torch.float32)
+    greedy = torch.zeros(m, dtype=torch.bool)
     depth = torch.zeros(m, dtype=torch.long)
     charged = torch.zeros(m, dtype=torch.float64)
     first_conf = torch.ones(m, device=device)
@@ -86,18 +103,18 @@ def monotone_exits(method, source: StateSource, m: int, n_layers: int, vocab_siz
     for k, probe in enumerate(probes):
         if running == 0:
             break
-        h = source.states(probe, running)  # [running, d]
+        source.states(probe, running)
         first, passer = running, None  # first: the first position that passes here; passer: its exit logits
         if probe in estimated:
             est = source.estimate(k, probe, running)
+            n = len(est.entropy)  # rows evaluated (>= running; only the first running count)
             if k == 0:
-                first_conf[:running] = est.max_prob.float()
-            rows = torch.arange(running, device=device)
-            view = ProbeView(probe, est.entropy, source.positions[:running], first_conf[:running],
-                             est.logits, rows)
+                first_conf[:n] = est.max_prob.float()
+            view = ProbeView(probe, est.entropy, source.positions[:n], first_conf[:n], est.logits,
+                             torch.arange(n, device=device), source.memo)
             criterion.observe(view)
             if probe >= criterion.min_exit_layer:
-                hits = criterion.exits(view).nonzero()
+                hits = criterion.exits(view)[:running].nonzero()
                 first = int(hits[0]) if len(hits) else running
             upto = min(first + 1, running)  # the positions this probe was paid for (later ones are capped)
             charged[:upto] += (est.cost[0][:upto] if est.cost is not None else probe_flops) + cost.translation(probe)[0]
@@ -109,15 +126,16 @@ def monotone_exits(method, source: StateSource, m: int, n_layers: int, vocab_siz
         if first < running:
             capped = first
             if passer is not None:  # the passer reads its token from the probe; later positions are capped
-                exit_logits[first] = passer.to(dtype)
+                row_logprob, row_greedy = target_scores(passer.to(dtype)[None], targets[first:first + 1])
+                logprob[first], greedy[first] = row_logprob[0].cpu(), row_greedy[0].cpu()
                 capped = first + 1
             if capped < running:
-                exit_logits[capped:running] = source.readout(probe, capped, running).to(dtype)
+                row_logprob, row_greedy = source.exit_scores(probe, capped, running)
+                logprob[capped:running], greedy[capped:running] = row_logprob.cpu(), row_greedy.cpu()
                 charged[capped:running] += cost.readout_at(probe)[0]
             depth[first:running] = probe
-        del h
         running = first
-    return Exits(exit_logits, depth, charged)
+    return Exits(logprob, greedy, depth, charged)
 
 
 def scored_from_exits(continuation: Sequence[int], first_logits: torch.Tensor, depth0: int, exits: Exits | None,
@@ -131,9 +149,8 @@ def scored_from_exits(continuation: Sequence[int], first_logits: torch.Tensor, d
     if exits is None:  # a one-token continuation is read out of the prompt alone
         return Scored(logprobs, [depth0], flops, full, greedy=greedy)
     m = len(continuation) - 1
-    targets = torch.tensor(continuation[1:], device=exits.logits.device)[:, None]
-    logprobs += torch.log_softmax(exits.logits.float(), -1).gather(-1, targets)[:, 0].tolist()
-    greedy += (exits.logits.argmax(-1) == targets[:, 0]).tolist()
+    logprobs += exits.logprob.tolist()
+    greedy += exits.greedy.tolist()
     keys = torch.arange(n_prompt + 1, n_prompt + m + 1)  # [m] keys each attends (earlier positions ran as deep)
     depth = exits.depth.tolist()
     # every term is a whole number of FLOPs below 2^53, so these sums are exact in any order

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from emad.decode.monotone import monotone_exits, scored_from_exits
+from emad.decode.monotone import monotone_exits, scored_from_exits, target_scores
 from emad.decode.results import Scored
 from emad.decode.step import (
     ContextLengthError,
@@ -164,7 +164,8 @@ class _Incremental:
         m = len(continuation) - 1
         x = torch.tensor([list(continuation[:-1])], dtype=torch.long, device=stack.device)  # [1, m] inputs
         self.positions = torch.arange(n_prompt, n_prompt + m, device=stack.device)  # [m]
-        self.stack, self.cache, self.estimator = stack, cache, estimator
+        self.targets = torch.tensor(list(continuation[1:]), dtype=torch.long, device=stack.device)  # [m]
+        self.stack, self.cache, self.estimator, self.memo = stack, cache, estimator, None
         self.slots = cache.allocate(torch.ones_like(x, dtype=torch.bool))
         self.h = stack.embed(x, self.positions[None])  # [1, m, d]
         self.done = 0
@@ -180,8 +181,8 @@ class _Incremental:
     def estimate(self, k: int, probe: int, running: int):
         return self.estimator.estimate(self.stack, self.h[0], probe, torch.arange(running, device=self.stack.device))
 
-    def readout(self, probe: int, lo: int, hi: int) -> torch.Tensor:
-        return self.stack.readout(self.h[0, lo:hi], probe)
+    def exit_scores(self, probe: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return target_scores(self.stack.readout(self.h[0, lo:hi], probe), self.targets[lo:hi])
 
 
 def _score_monotone(stack: LayerStack, shared: _Prompt, continuation: Sequence[int], method: Method) -> Scored:
@@ -195,6 +196,5 @@ def _score_monotone(stack: LayerStack, shared: _Prompt, continuation: Sequence[i
     exits = None
     if len(continuation) > 1:
         source = _Incremental(stack, cache, continuation, shared.length, method.estimator)
-        exits = monotone_exits(method, source, len(continuation) - 1, stack.n_layers, stack.vocab_size, cost,
-                               stack.dtype, stack.device)
+        exits = monotone_exits(method, source, source.targets, stack.n_layers, cost, stack.dtype)
     return scored_from_exits(continuation, shared.logits, shared.depth, exits, cost, shared.length)

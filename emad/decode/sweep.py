@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from emad.decode.monotone import estimated_probes, monotone_exits, scored_from_exits
+from emad.decode.monotone import estimated_probes, monotone_exits, scored_from_exits, target_scores
 from emad.decode.results import Scored
 from emad.decode.score import _check_length
 from emad.decode.step import Method, as_method, elapsed, left_pad, positions_of
@@ -44,9 +44,12 @@ def sweep_refusal(method) -> str | None:
     return None
 
 
+LOGIT = ("logit", "")
+
+
 def _readout_key(method: Method) -> tuple[str, str]:
     readout = method.readout
-    return ("logit", "") if readout is None or not readout.layers else (readout.name, readout.digest)
+    return LOGIT if readout is None or not readout.layers else (readout.name, readout.digest)
 
 
 def _estimator_key(estimator) -> tuple:
@@ -128,13 +131,14 @@ class Sweep:
                 x = torch.tensor([list(continuation[:-1])], dtype=torch.long, device=stack.device)  # [1, m]
                 positions = torch.arange(n_prompt, n_prompt + x.shape[1], device=stack.device)  # [m]
                 states = self._run(cache, x, positions[None], cache.allocate(torch.ones_like(x, dtype=torch.bool)))
-                shared = _Shared({layer: h[0] for layer, h in states.items()}, positions, self._views)
+                targets = torch.tensor(list(continuation[1:]), dtype=torch.long, device=stack.device)  # [m]
+                shared = _Shared({layer: h[0] for layer, h in states.items()}, positions, targets, self._views)
             for j, (method, key, depth0) in enumerate(zip(self.methods, self.keys, self.depth0)):
                 view, cost = self._views[key]
                 exits = None
                 if shared is not None:
-                    exits = monotone_exits(method, shared.bind(method, key), len(continuation) - 1, stack.n_layers,
-                                           stack.vocab_size, cost, stack.dtype, stack.device)
+                    exits = monotone_exits(method, shared.bind(method, key), shared.targets, stack.n_layers, cost,
+                                           stack.dtype)
                 out[j].append(scored_from_exits(continuation, first[key, depth0], depth0, exits, cost, n_prompt))
         seconds = elapsed(stack.device, started) / (len(self.methods) * len(continuations))
         for row in out:
@@ -154,16 +158,21 @@ class Sweep:
 
 
 class _Shared:
-    """The shared full-depth states of one continuation, with estimates and readouts over all its positions
-    memoised per (readout, estimator) and handed to each method sliced to its running prefix."""
+    """The shared full-depth states of one continuation, with estimates, readouts and exit scores over all its
+    positions memoised per (readout, estimator) and handed whole to each method (criteria decide per row; a method
+    reads the rows of its running prefix)."""
 
-    def __init__(self, states: dict[int, torch.Tensor], positions: torch.Tensor, views: dict):
-        self.states_at, self.positions, self.views = states, positions, views
+    def __init__(self, states: dict[int, torch.Tensor], positions: torch.Tensor, targets: torch.Tensor,
+                 views: dict):
+        self.states_at, self.positions, self.targets, self.views = states, positions, targets, views
         self._estimates: dict[tuple, Estimate] = {}
         self._readouts: dict[tuple, torch.Tensor] = {}
+        self._scores: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._memos: dict[tuple, dict] = {}
 
     def bind(self, method: Method, key: tuple) -> _MethodSource:
-        return _MethodSource(self, method, key)
+        memo = self._memos.setdefault((key, _estimator_key(method.estimator)), {})
+        return _MethodSource(self, method, key, memo)
 
     def estimates(self, method: Method, key: tuple, probe: int) -> Estimate:
         """The method's estimate at ``probe`` over all positions (a stateful estimator runs its whole sequence of
@@ -173,7 +182,7 @@ class _Shared:
         sequence = tuple(estimated_probes(method.criterion, self.views[key][0].n_layers))
         base = (key, _estimator_key(estimator))
         if not estimator.stateful:
-            memo = base + (probe,)
+            memo = (self.canonical(key, probe), *base[1:], probe)
             if memo not in self._estimates and isinstance(estimator, Exact):  # its logits are the exit readout's
                 logits = self.readout(key, probe)
                 entropy, _, max_prob = readout_summary(logits)
@@ -190,30 +199,42 @@ class _Shared:
                     self.views[key][0], self.states_at[layer], layer, torch.arange(n, device=self.positions.device))
         return self._estimates[memo]
 
+    def canonical(self, key: tuple, probe: int) -> tuple:
+        """The readout key at ``probe``: readouts without a translator there read out as the logit lens."""
+        lens = self.views[key][0].lens
+        return LOGIT if lens is None or probe not in lens.layers else key
+
     def readout(self, key: tuple, probe: int) -> torch.Tensor:
-        if (key, probe) not in self._readouts:
-            self._readouts[key, probe] = self.views[key][0].readout(self.states_at[probe], probe)  # [m, V]
-        return self._readouts[key, probe]
+        memo = self.canonical(key, probe), probe
+        if memo not in self._readouts:
+            self._readouts[memo] = self.views[key][0].readout(self.states_at[probe], probe)  # [m, V]
+        return self._readouts[memo]
+
+    def exit_scores(self, key: tuple, probe: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every position's target log-probability and greedy hit when read out at ``probe`` (``[m]`` each)."""
+        memo = self.canonical(key, probe), probe
+        if memo not in self._scores:
+            self._scores[memo] = target_scores(self.readout(key, probe), self.targets)
+        return self._scores[memo]
 
 
 class _MethodSource:
-    """One method's view of the shared states: its running prefix of states, estimates and readouts."""
+    """One method's view of the shared states: every position's states and estimates, its running prefix's exit
+    scores, and the memo it shares with the methods that read the same (readout, estimator)."""
 
-    def __init__(self, shared: _Shared, method: Method, key: tuple):
-        self.shared, self.method, self.key = shared, method, key
+    def __init__(self, shared: _Shared, method: Method, key: tuple, memo: dict):
+        self.shared, self.method, self.key, self.memo = shared, method, key, memo
         self.positions = shared.positions
 
     def states(self, probe: int, running: int) -> torch.Tensor:
         return self.shared.states_at[probe][:running]
 
     def estimate(self, k: int, probe: int, running: int) -> Estimate:
-        est = self.shared.estimates(self.method, self.key, probe)
-        cost = None if est.cost is None else (est.cost[0][:running], est.cost[1][:running])
-        logits = None if est.logits is None else est.logits[:running]
-        return Estimate(est.entropy[:running], est.max_prob[:running], logits, cost)
+        return self.shared.estimates(self.method, self.key, probe)
 
-    def readout(self, probe: int, lo: int, hi: int) -> torch.Tensor:
-        return self.shared.readout(self.key, probe)[lo:hi]
+    def exit_scores(self, probe: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        logprob, greedy = self.shared.exit_scores(self.key, probe)
+        return logprob[lo:hi], greedy[lo:hi]
 
 
 def score_sweep(stack: LayerStack, prompt: Sequence[int], continuations: Sequence[Sequence[int]],

@@ -17,17 +17,24 @@ from __future__ import annotations
 import torch
 
 
+def entropy_of(p: torch.Tensor) -> torch.Tensor:
+    """Entropy ``-Σ p log p`` (nats, ``0 log 0 = 0``) of probabilities ``[..., V]`` → ``[...]``."""
+    return -torch.special.xlogy(p, p).sum(-1)
+
+
 def jsd(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
     """Jensen–Shannon divergence (nats) between distributions given as log-probabilities ``[..., V]`` → ``[...]``.
 
     ``-inf`` entries (zero probability) are allowed on either side.
     """
     p, q = logp.exp(), logq.exp()
-    m = 0.5 * (p + q)
-    logm = m.clamp_min(torch.finfo(m.dtype).tiny).log()
-    kl_p = torch.where(p > 0, p * (logp - logm), torch.zeros_like(p)).sum(-1)
-    kl_q = torch.where(q > 0, q * (logq - logm), torch.zeros_like(q)).sum(-1)
-    return (0.5 * (kl_p + kl_q)).clamp_min(0.0)
+    return jsd_probs(p, q, entropy_of(p), entropy_of(q))
+
+
+def jsd_probs(p: torch.Tensor, q: torch.Tensor, h_p: torch.Tensor, h_q: torch.Tensor) -> torch.Tensor:
+    """Jensen–Shannon divergence from probabilities ``[..., V]`` and their entropies ``[...]`` (broadcast):
+    ``H((p + q)/2) − (H(p) + H(q))/2`` → ``[...]``, clamped at 0."""
+    return (entropy_of((p + q).mul_(0.5)) - 0.5 * (h_p + h_q)).clamp_min(0.0)
 
 
 def choose_amateur(logp: torch.Tensor, candidates: torch.Tensor, layer: int, layers: list[int],
@@ -42,7 +49,12 @@ def choose_amateur(logp: torch.Tensor, candidates: torch.Tensor, layer: int, lay
     Returns:
         ``[a]`` long.
     """
-    scores = jsd(logp[None], candidates)  # [C, a]
+    p, q = logp.exp(), candidates.exp()
+    return amateur_of(jsd_probs(p[None], q, entropy_of(p)[None], entropy_of(q)), layer, layers, distance_discount)
+
+
+def amateur_of(scores: torch.Tensor, layer: int, layers: list[int], distance_discount: float) -> torch.Tensor:
+    """Each row's amateur from the JSDs ``[C, a]`` of the candidate ``layers``: the largest discounted one → ``[a]``."""
     distance = torch.tensor([layer - m for m in layers], dtype=scores.dtype, device=scores.device)[:, None]
     return (scores / (1 + distance_discount * distance)).argmax(0)
 

@@ -15,7 +15,14 @@ from typing import ClassVar
 
 import torch
 
-from emad.exits.contrastive import choose_amateur, contrastive_logprobs, plausibility_alpha
+from emad.exits.contrastive import (
+    amateur_of,
+    choose_amateur,
+    contrastive_logprobs,
+    entropy_of,
+    jsd_probs,
+    plausibility_alpha,
+)
 from emad.registry import Registry
 
 
@@ -31,6 +38,8 @@ class ProbeView:
         logits: ``[a, V]`` the probe's readout when the estimator gave one (``-inf`` outside a pruned
             vocabulary), else None.
         rows: ``[a]`` which rows of the step these are (for criteria that remember earlier probes of a token).
+        memo: what criteria derive from the readouts (keyed by what they compute, layer included), shared by
+            every method that reads the same states of the same rows at every probe (a sweep), or None.
     """
 
     layer: int
@@ -39,6 +48,15 @@ class ProbeView:
     first_confidence: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     rows: torch.Tensor | None = None
+    memo: dict | None = None
+
+    def shared(self, key: tuple, compute):
+        """``compute()``, or the value a method reading the same states already computed under ``key``."""
+        if self.memo is None:
+            return compute()
+        if key not in self.memo:
+            self.memo[key] = compute()
+        return self.memo[key]
 
 
 class Criterion:
@@ -286,7 +304,8 @@ class SoftmaxResponse(Criterion):
         return _every(self.probe_every, n_layers)
 
     def exits(self, view: ProbeView) -> torch.Tensor:
-        return top2_gap(view.logits) >= self.layer_thresholds.get(view.layer, self.threshold)
+        gap = view.shared(("top2_gap", view.layer), lambda: top2_gap(view.logits))  # [a]
+        return gap >= self.layer_thresholds.get(view.layer, self.threshold)
 
     def describe(self) -> dict:
         out = {"method": self.name, "threshold": self.threshold, "probe_every": self.probe_every,
@@ -349,19 +368,50 @@ class Contrastive(Criterion):
 
     def begin(self, batch_size: int) -> None:
         self._history: dict[int, torch.Tensor] = {}  # layer -> [B, V] log-probabilities of earlier probes
+        self._seen: list[int] = []  # layers observed for this token (the history when it lives in a memo)
         self._batch = batch_size
-        self._cache: tuple[int, torch.Tensor] | None = None
+        self._cache: tuple | None = None  # (layer, contrast [a, V], its max probability [a])
 
     def wants_estimate(self, k: int, layer: int) -> bool:
         return True  # every probe's readout is a candidate amateur
 
     def observe(self, view: ProbeView) -> None:
+        if view.memo is not None:  # the memo holds every probe's log-probabilities of the same rows
+            self._seen.append(view.layer)
+            key = ("contrast", view.layer, self.alpha, self.alpha_rate, self.distance_discount, self.weight,
+                   tuple(self._seen))
+            contrast = view.shared(key, lambda: self._contrast_shared(view))
+            top = None if contrast is None else view.shared(key + ("top",), lambda: contrast.max(-1).values.exp())
+            self._cache = (view.layer, contrast, top)
+            return
         logp = torch.log_softmax(view.logits.float(), dim=-1)  # [a, V]
         rows = view.rows if view.rows is not None else torch.arange(len(logp), device=logp.device)
-        self._cache = (view.layer, self._contrast(view.layer, logp, rows))
+        contrast = self._contrast(view.layer, logp, rows)
+        self._cache = (view.layer, contrast, None if contrast is None else contrast.max(-1).values.exp())
         store = self._history.setdefault(view.layer, logp.new_full((max(self._batch, int(rows.max()) + 1),
                                                                     logp.shape[-1]), float("nan")))
         store[rows] = logp
+
+    def _contrast_shared(self, view: ProbeView) -> torch.Tensor | None:
+        """:meth:`_contrast` with the history read from the memo (every row of every earlier probe), where each
+        probe's log-probabilities, probabilities and entropies are computed once for every method."""
+        def probs(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+            def compute():
+                p = view.memo[("logp", layer)].exp()  # [a, V]
+                return p, entropy_of(p)
+            return view.shared(("probs", layer), compute)
+        logp = view.shared(("logp", view.layer), lambda: torch.log_softmax(view.logits.float(), dim=-1))  # [a, V]
+        earlier = self._seen[:-1]
+        if not earlier:
+            return None
+        p, h_p = probs(view.layer)
+        scores = torch.stack([jsd_probs(p, q, h_p, h_q) for q, h_q in map(probs, earlier)])  # [C, a]
+        pick = amateur_of(scores, view.layer, earlier, self.distance_discount)  # [a]
+        amateur = torch.empty_like(logp)  # [a, V] each row's amateur log-probabilities
+        for c, m in enumerate(earlier):
+            rows = pick == c
+            amateur[rows] = view.memo[("logp", m)][rows]
+        return self._contrast_with(view.layer, logp, amateur)
 
     def _contrast(self, layer: int, logp: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
         """Contrastive log-probabilities ``[a, V]`` against each row's amateur, or None at the first probe."""
@@ -370,15 +420,17 @@ class Contrastive(Criterion):
             return None
         candidates = torch.stack([self._history[m][rows] for m in layers])  # [C, a, V]
         pick = choose_amateur(logp, candidates, layer, layers, self.distance_discount)  # [a]
-        amateur = candidates[pick, torch.arange(len(rows), device=logp.device)]  # [a, V]
+        return self._contrast_with(layer, logp, candidates[pick, torch.arange(len(rows), device=logp.device)])
+
+    def _contrast_with(self, layer: int, logp: torch.Tensor, amateur: torch.Tensor) -> torch.Tensor:
         alpha = plausibility_alpha(self.alpha, self.alpha_rate, layer, logp.max(-1).values.exp())
         return contrastive_logprobs(logp, amateur, alpha, self.weight)
 
     def exits(self, view: ProbeView) -> torch.Tensor:
-        contrast = self._cache[1] if self._cache and self._cache[0] == view.layer else None
-        if contrast is None:
+        top = self._cache[2] if self._cache and self._cache[0] == view.layer else None  # [a] contrast max prob
+        if top is None:
             return torch.zeros(len(view.entropy), dtype=torch.bool, device=view.entropy.device)
-        return contrast.max(-1).values.exp() >= self.threshold
+        return top >= self.threshold
 
     def exit_logits(self, view: ProbeView) -> torch.Tensor | None:
         contrast = self._cache[1] if self._cache and self._cache[0] == view.layer else None
