@@ -1,12 +1,15 @@
-"""Stages ``decode_baseline``, ``decode``, ``decode_ablation`` and ``decode_related``: every operating point of one
-kind (or the ``--point`` given) on each of its eval domains, in one process (the model is loaded once).
+"""Stages ``decode``, ``decode_ablation`` and ``decode_related``: every operating point of the kinds given (or the
+``--point`` given) on each of their eval domains, in one process (the model is loaded once).
 
-The domains are those of the kind in params (``decode.domains`` for baselines and points,
+``decode`` runs the baselines and the points together, each point once per calibration source (``--calibration``,
+default ``calibrate.sources``: the domain-shift matrix), so that one sweep pass per domain scores the teacher-forced
+tasks of all of them (the readouts they share are computed once). Kinds run together must have the same domains
+and tasks. The domains are those of the kinds in params (``decode.domains`` for baselines and points,
 ``decode.ablation_domains`` and ``decode.related_domains``, narrowed to ``ablation_tasks`` / ``related_tasks``), or
-the ``--domain`` given. Per (point, domain) it writes the run file ``<out>/<run-id>.json`` (read by ``aggregate``),
-a depth histogram PNG and a token-depth heat map HTML in ``<artifacts>/<point>/<domain>/``, and logs one MLflow
-run with the same content. Every point's method is built and every domain's tasks are loaded before any decoding,
-so bad input fails first.
+the ``--domain`` given. Per (point, calibration, domain) it writes the run file ``<out>/<run-id>.json`` (read by
+``aggregate``), a depth histogram PNG and a token-depth heat map HTML in
+``<artifacts>/<point>[--cal-<source>]/<domain>/``, and logs one MLflow run with the same content. Every point's
+method is built and every domain's tasks are loaded before any decoding, so bad input fails first.
 
 Per domain, the teacher-forced tasks (perplexity, agreement, cloze, choice ...) of every point are scored first,
 together (:func:`emad.evaluation.evaluate.score_all`: one sweep pass serves every point it can serve exactly);
@@ -19,23 +22,34 @@ from __future__ import annotations
 import argparse
 import hashlib
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
 from emad import tracking
+from emad.calibration.config import CalibrateConfig
 from emad.engine.models import load_model
 from emad.engine.stack import LayerStack
 from emad.evaluation import runfile
 from emad.evaluation.config import DecodeConfig
 from emad.evaluation.evaluate import evaluate, prepare, score_all
-from emad.evaluation.operating_point import build_method, model_loader, profile_file, readout_path
+from emad.evaluation.operating_point import (
+    PointConfig,
+    build_method,
+    model_loader,
+    profile_file,
+    readout_path,
+)
 from emad.evaluation.speed import measure_speedup
 from emad.io import atomic_write_text
 from emad.params import load_section
 from emad.report.heatmap import heatmap_html
 from emad.report.plots import depth_histogram_figure, save_figure
 from emad.tasks.registry import Shared
+
+KINDS = ["baseline", "point", "ablation", "related"]
+STAGES = {"baseline": "decode", "point": "decode", "ablation": "decode_ablation", "related": "decode_related"}
 
 
 def _profile_facts(path: Path | None, method) -> dict:
@@ -49,21 +63,42 @@ def _profile_facts(path: Path | None, method) -> dict:
             "oracle": {str(layer): share for layer, share in zip(profile.probe_layers, profile.oracle)}}
 
 
+@dataclass
+class Job:
+    """One operating point with one calibration source's profile (None without a profile), ready to run."""
+
+    kind: str
+    name: str
+    point: PointConfig
+    calibration: str | None
+    method: object = None
+    facts: dict = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        """Unique within a call: the point's name, with its calibration when it has one."""
+        return self.name if self.calibration is None else f"{self.name}--cal-{self.calibration}"
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kind", choices=["baseline", "point", "ablation", "related"], required=True,
-                        help="which table of the decode section names the points")
-    parser.add_argument("--point", action="append", help="an operating point (or ablation) of that table; repeat "
+    parser.add_argument("--kind", action="append", choices=KINDS, required=True,
+                        help="which table of the decode section names the points; repeat for several (they must "
+                        "run the same domains and tasks)")
+    parser.add_argument("--point", action="append", help="an operating point (or ablation) of those tables; repeat "
                         "for several; default: every one")
     parser.add_argument("--model", required=True, help="model name (as in params.yaml models)")
     parser.add_argument("--model-dir", required=True, help="prepared model folder")
     parser.add_argument("--domain", action="append", help="an eval domain (a key of decode.domains); repeat for "
-                        "several; default: every domain of the kind in params")
+                        "several; default: every domain of the kinds in params")
     parser.add_argument("--corpora", type=Path, help="folder of sampled corpora, one <domain>/ each (text tasks)")
-    parser.add_argument("--calibration", help="calibration source of the profiles")
-    parser.add_argument("--profile", help="profile.json (points and ablations); {readout} in the path is replaced "
-                        "by each point's readout")
-    parser.add_argument("--readouts", type=Path, help="readouts.safetensors (stage fit_readouts) for readout: tuned")
+    parser.add_argument("--calibration", action="append", help="a calibration source of the points' profiles; "
+                        "repeat for several (each point runs with each); default: calibrate.sources")
+    parser.add_argument("--profile", help="profile.json (points and ablations); {readout} and {calibration} in the "
+                        "path are replaced by each point's readout and calibration source")
+    parser.add_argument("--readouts", help="readouts.safetensors (stage fit_readouts) for readout: tuned; {source} "
+                        "in the path is replaced by the point's calibration source, or --readout-source without one")
+    parser.add_argument("--readout-source", help="the source whose readouts serve points without a calibration")
     parser.add_argument("--out", type=Path, required=True, help="folder for the run files (one per point x domain)")
     parser.add_argument("--artifacts", type=Path, required=True,
                         help="folder for the histograms and heat maps (a <point>/<domain>/ each)")
@@ -71,35 +106,80 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _selected(cfg: DecodeConfig, kinds: list[str], chosen: list[str] | None) -> list[tuple[str, str]]:
+    """(kind, name) of every point the call runs: ``chosen`` (a sweep's name stands for its points), or all."""
+    out = []
+    for c in chosen or [None]:
+        found = []
+        for kind in kinds:
+            try:
+                found += [(kind, name) for name in cfg.select(kind, None if c is None else [c])]
+            except ValueError:
+                continue
+        if not found:
+            valid = ", ".join(n for kind in kinds for n in cfg.names_of(kind)) or "none"
+            raise ValueError(f"--point {c!r}: not a {' or '.join(kinds)} point or sweep; valid: {valid}")
+        out += [f for f in found if f not in out]
+    return out
+
+
+def _domains(cfg: DecodeConfig, kinds: list[str], chosen: list[str] | None) -> list[str]:
+    """The domains every kind runs (kinds run together must agree on domains and tasks)."""
+    domains = {kind: cfg.domains_of(kind, chosen) for kind in kinds}
+    first = kinds[0]
+    for kind in kinds[1:]:
+        if domains[kind] != domains[first] or any(cfg.tasks_of(kind, d) != cfg.tasks_of(first, d)
+                                                  for d in domains[first]):
+            raise ValueError(f"--kind {first} and --kind {kind} run different domains or tasks; run them in "
+                             f"separate calls")
+    return domains[first]
+
+
+def _readouts(args: argparse.Namespace, calibration: str | None) -> Path | None:
+    """The readouts file of a point calibrated on ``calibration`` (None: of --readout-source)."""
+    if args.readouts is None or "{source}" not in args.readouts:
+        return None if args.readouts is None else Path(args.readouts)
+    source = calibration or args.readout_source
+    if source is None:
+        raise ValueError("--readouts has {source} in its path: give --readout-source for points without a "
+                         "calibration")
+    return Path(args.readouts.replace("{source}", source))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = load_section("decode", DecodeConfig, args.params)
-    names = cfg.select(args.kind, args.point)
-    points = {name: cfg.point(args.kind, name) for name in names}
-    domains = cfg.domains_of(args.kind, args.domain)
-    needy = [name for name, point in points.items() if point.needs_profile]
-    if needy and (args.profile is None or args.calibration is None):
-        raise ValueError(f"{', '.join(needy)} ({points[needy[0]].method}) need --profile and --calibration")
+    kinds = list(dict.fromkeys(args.kind))
+    selected = _selected(cfg, kinds, args.point)
+    domains = _domains(cfg, kinds, args.domain)
+    points = {(kind, name): cfg.point(kind, name) for kind, name in selected}
+    needy = {name: point for (_, name), point in points.items() if point.needs_profile}
+    if needy and args.profile is None:
+        raise ValueError(f"{', '.join(needy)} ({next(iter(needy.values())).method}) need --profile")
+    calibrations = args.calibration or (load_section("calibrate", CalibrateConfig, args.params).sources
+                                        if needy else [])
+    jobs = [Job(kind, name, point, cal) for (kind, name), point in points.items()
+            for cal in (calibrations if point.needs_profile else [None])]
     loaded = load_model(args.model_dir, device=cfg.device, dtype=cfg.dtype)
     stack = LayerStack(loaded.model)
-    built = {}  # name -> (method, calibration, profile facts): every method checked before any decoding
-    for name, point in points.items():
-        profile_path = readout_path(args.profile, point.readout) if point.needs_profile else None
-        method = build_method(point, stack.n_layers, loaded.fingerprint.as_dict(), profile_path,
-                              load=model_loader(cfg.device, cfg.dtype), readouts_path=args.readouts)
-        method.bind(stack, loaded.tokenizer)  # one method for every domain, as for every task of a domain
-        facts = _profile_facts(profile_file(profile_path, point.strata) if profile_path else None, method)
-        built[name] = method, (args.calibration if profile_path else None), facts
-    prepared = {d: prepare(cfg.tasks_of(args.kind, d), cfg.tasks, args.corpora / d if args.corpora else None,
+    for job in jobs:  # every method checked before any decoding
+        template = args.profile.replace("{calibration}", job.calibration) if job.calibration else None
+        profile_path = readout_path(template, job.point.readout)
+        job.method = build_method(job.point, stack.n_layers, loaded.fingerprint.as_dict(), profile_path,
+                                  load=model_loader(cfg.device, cfg.dtype),
+                                  readouts_path=_readouts(args, job.calibration))
+        job.method.bind(stack, loaded.tokenizer)  # one method for every domain, as for every task of a domain
+        job.facts = _profile_facts(profile_file(profile_path, job.point.strata) if profile_path else None,
+                                   job.method)
+    prepared = {d: prepare(cfg.tasks_of(kinds[0], d), cfg.tasks, args.corpora / d if args.corpora else None,
                            loaded.tokenizer) for d in domains}
     for domain in domains:
         shared = Shared()
-        print(f"decode: {domain}: teacher-forced tasks of {len(built)} points", file=sys.stderr)
-        scores = score_all(stack, loaded.tokenizer, {name: b[0] for name, b in built.items()}, prepared[domain],
+        print(f"decode: {domain}: teacher-forced tasks of {len(jobs)} points", file=sys.stderr)
+        scores = score_all(stack, loaded.tokenizer, {job.label: job.method for job in jobs}, prepared[domain],
                            shared, cfg.unserved_tokens)
-        for name, (method, calibration, facts) in tqdm(built.items(), desc=domain, unit="point"):
-            _run(args, cfg, loaded, stack, name, points[name], method, calibration, facts, domain, prepared[domain],
-                 shared, scores.pop(name))
+        for job in tqdm(jobs, desc=domain, unit="point"):
+            _run(args, cfg, loaded, stack, job, domain, prepared[domain], shared, scores.pop(job.label))
     return 0
 
 
@@ -128,13 +208,14 @@ def _heatmap_texts(stack, tokenizer, result, prepared: list, shared: Shared, n: 
     return texts, [tokenizer.decode(p) for p in prompts[:len(texts)]], reference.texts[:len(texts)]
 
 
-def _run(args, cfg: DecodeConfig, loaded, stack: LayerStack, name: str, point, method, calibration: str | None,
-         facts: dict, domain: str, prepared: list, shared: Shared, scores: dict) -> None:
-    """One (point, domain): evaluate its tasks, write the run file and artifacts, log one MLflow run."""
+def _run(args, cfg: DecodeConfig, loaded, stack: LayerStack, job: Job, domain: str, prepared: list, shared: Shared,
+         scores: dict) -> None:
+    """One (point, calibration, domain): evaluate its tasks, write the run file and artifacts, log one MLflow run."""
+    name, point, method, calibration, facts = job.name, job.point, job.method, job.calibration, job.facts
     rid = runfile.run_id(args.model, name, domain, calibration)
-    curve = cfg.curve_of(args.kind, name)
+    curve = cfg.curve_of(job.kind, name)
     limit = cfg.swept_prompts if cfg.is_swept(name) else None
-    head = {"run_id": rid, "model": args.model, "point": name, "kind": args.kind, "family": point.family,
+    head = {"run_id": rid, "model": args.model, "point": name, "kind": job.kind, "family": point.family,
             "readout": point.readout, **curve.model_dump(), "options": point.options(), "calibration": calibration,
             "domain": domain}
     settings = {"tasks": {p.name: p.settings.model_dump() for p in prepared}, "free_prompts": limit,
@@ -143,7 +224,7 @@ def _run(args, cfg: DecodeConfig, loaded, stack: LayerStack, name: str, point, m
     tags = {"model_fingerprint": loaded.fingerprint.digest, "run_id": rid, "family": point.family,
             "profile_fingerprint": facts["profile_fingerprint"] or "", "readout": point.readout}
     print(f"decode: {rid}: {', '.join(p.name for p in prepared)}", file=sys.stderr)
-    with tracking.stage_run(f"decode_{args.kind}" if args.kind != "point" else "decode", tracking.decode_params(head),
+    with tracking.stage_run(STAGES[job.kind], tracking.decode_params(head),
                             tags, run_name=tracking.decode_run_name(head)) as run:
         run.log_dict(settings, "decode_settings.json")
         result = evaluate(stack, loaded.tokenizer, method, prepared, shared, scores, limit)
@@ -156,7 +237,7 @@ def _run(args, cfg: DecodeConfig, loaded, stack: LayerStack, name: str, point, m
             "cost": cost,
             "depth_histogram": {str(d): n for d, n in hist.items()}, "mlflow_run_id": run.run_id,
         }
-        artifacts = args.artifacts / name / domain
+        artifacts = args.artifacts / job.label / domain
         hist_png = save_figure(depth_histogram_figure(hist, stack.n_layers, rid), artifacts / "depth.png")
         texts, prompts, full = _heatmap_texts(stack, loaded.tokenizer, result, prepared, shared, cfg.heatmap_texts,
                                               limit)

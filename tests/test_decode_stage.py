@@ -64,7 +64,8 @@ def _decode(root: Path, kind: str, point: str, monkeypatch, **extra) -> int:
     import pipeline.decode as stage
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
-    args = ["--kind", kind, "--point", point, "--model", "tiny", "--model-dir", str(root / "model"),
+    args = ["--kind", kind, *(a for k in extra.pop("kinds", []) for a in ("--kind", k)), "--point", point,
+            "--model", "tiny", "--model-dir", str(root / "model"),
             "--domain", extra.pop("domain", "toy"), "--corpora", str(root / "corpora"),
             "--out", str(root / extra.pop("runs", "runs") / f"{kind}-{point}"),
             "--artifacts", str(root / "art"),
@@ -119,6 +120,50 @@ def test_point_and_ablation_runs_carry_profile_factors(workspace, monkeypatch):
     assert {k for k, v in ablation["factors"].items() if point["factors"][k] != v} == {"policy"}
     assert set(point["oracle"]) == {"1", "2", "3", "4"} and len(point["profile_fingerprint"]) == 16
     assert point["options"]["strata"] == "none"
+
+
+def test_baselines_and_points_of_every_calibration_share_one_pass(workspace, monkeypatch):
+    """The decode stage: baselines and points together, each point with each calibration source's profile, the
+    teacher-forced tasks of all of them scored by one call per domain; each run as the point's own call writes it."""
+    import shutil
+
+    import pipeline.decode as stage
+
+    for cal in ("a", "b"):
+        shutil.copytree(variant_path(workspace / "profile.json", "none").parent, workspace / "cals" / cal / "strata",
+                        dirs_exist_ok=True)
+        shutil.copy(workspace / "profile.json", workspace / "cals" / cal / "profile.json")
+    scored = []
+    real = stage.score_all
+    monkeypatch.setattr(stage, "score_all", lambda stack, tok, methods, *rest: scored.append(sorted(methods))
+                        or real(stack, tok, methods, *rest))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{workspace / 'mlflow.db'}")
+    common = ["--model", "tiny", "--model-dir", str(workspace / "model"), "--corpora", str(workspace / "corpora"),
+              "--artifacts", str(workspace / "art-both"), "--params", str(workspace / "params.yaml")]
+    assert stage.main(["--kind", "baseline", "--kind", "point", "--point", "full", "--point", "emad-m0",
+                       "--calibration", "a", "--calibration", "b",
+                       "--profile", str(workspace / "cals" / "{calibration}" / "profile.json"),
+                       "--out", str(workspace / "runs" / "both"), *common]) == 0
+    assert scored == [["emad-m0--cal-a", "emad-m0--cal-b", "full"]]
+    runs = {p.stem: runfile.load(p) for p in (workspace / "runs" / "both").glob("*.json")}
+    assert sorted(runs) == ["tiny--emad-m0--cal-a--toy", "tiny--emad-m0--cal-b--toy", "tiny--full--toy"]
+    assert (workspace / "art-both" / "emad-m0--cal-b" / "toy" / "heatmap.html").is_file()
+    assert stage.main(["--kind", "point", "--point", "emad-m0", "--calibration", "a",
+                       "--profile", str(workspace / "cals" / "a" / "profile.json"),
+                       "--out", str(workspace / "runs" / "alone"), *common]) == 0
+    alone = runfile.load(workspace / "runs" / "alone" / "tiny--emad-m0--cal-a--toy.json")
+    both = runs["tiny--emad-m0--cal-a--toy"]
+    assert both["tasks"]["perplexity"]["perplexity"] == alone["tasks"]["perplexity"]["perplexity"]
+    assert both["cost"]["flops_ratio"] == alone["cost"]["flops_ratio"]
+    assert both["depth_histogram"] == alone["depth_histogram"]
+
+
+def test_kinds_with_other_domains_or_tasks_are_refused_together(workspace, monkeypatch, tmp_path):
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"decode": {**DECODE, "related_tasks": ["perplexity"]}}))
+    with pytest.raises(ValueError, match="--kind baseline and --kind related run different domains or tasks"):
+        _decode(workspace, "baseline", "full", monkeypatch, params=params, kinds=["related"], runs="mixed")
+    assert not (workspace / "mixed").exists()
 
 
 def test_related_runs_report_their_statistics(workspace, monkeypatch):

@@ -1,6 +1,6 @@
 """EAD: the switching rule on scripted entropies, exact catch-up (self pair ≡ separate truncated model ≡ teacher
-forcing at each token's model), scoring ≡ generation, counted catch-up work, strategies through ``generate``,
-and errors a user can act on."""
+forcing at each token's model), scoring ≡ generation, the self pair's one-pass scoring ≡ its token-by-token
+scoring, counted catch-up work, strategies through ``generate``, and errors a user can act on."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import math
 import pytest
 
 from emad.decode import Sampling, generate, score, score_adaptive
+from emad.decode.step import reading
 from emad.engine.stack import LayerStack
 from emad.exits.criteria import Full
 from emad.methods import EAD, STRATEGIES, ModelPair, SelfPair, Switcher
+from tests.test_readouts import random_lens
 from tests.tiny import TinyTokenizer, VocabTokenizer, random_prompts, tiny_model
 
 TOK = TinyTokenizer()
@@ -143,6 +145,107 @@ def test_scoring_replays_generation():
     assert scored.flops == pytest.approx(sum(out.flops[0]))
     assert scored.full_flops == pytest.approx(sum(out.full_flops[0]))
     assert all(scored.greedy)  # greedy generation: every token is its readout's argmax
+
+
+# ---------------------------------------------------------------------------------------------- one-pass scoring
+def _one_pass_equals_stepwise(stack: LayerStack, method: EAD, prompt: list[int], continuation: list[int]):
+    """Score through ``score_adaptive`` (the self pair's one-pass path) and token by token; assert they agree and
+    return the one-pass record."""
+    view = reading(stack, method)
+    fast = method.teacher_forced(view, prompt, continuation)
+    slow = method.teacher_forced(view, prompt, continuation, stepwise=True)
+    assert fast.ids == slow.ids == continuation
+    rule = method.switcher  # a mean within rounding of τ could turn either way: keep the tests off that edge
+    replay = Switcher(rule.tau, rule.window, rule.d_min, rule.start)
+    means = [replay.observe(e[d]) or replay.mean for e, d in zip(slow.entropies, slow.depths)]
+    assert min(abs(m - rule.tau) for m in means) > 1e-4, "τ is within rounding of a rolling mean: pick another"
+    assert fast.depths == slow.depths and fast.reasons == slow.reasons and fast.greedy == slow.greedy
+    assert fast.logprobs == pytest.approx(slow.logprobs, abs=1e-5, rel=0)
+    assert [e[d] for e, d in zip(fast.entropies, fast.depths)] == pytest.approx(
+        [e[d] for e, d in zip(slow.entropies, slow.depths)], abs=1e-5, rel=0)
+    # costs: the same charges in the same order, so exactly equal floats
+    assert fast.flops == slow.flops and fast.bytes == slow.bytes
+    assert fast.full_flops == slow.full_flops and fast.full_bytes == slow.full_bytes
+    assert (fast.extra_flops, fast.extra_token_layers, fast.extra_events) == (
+        slow.extra_flops, slow.extra_token_layers, slow.extra_events)
+    assert fast.stats == slow.stats and fast.finish == slow.finish
+    scored = score_adaptive(stack, prompt, continuation, method)
+    assert scored.depths == slow.depths and scored.greedy == slow.greedy
+    assert scored.logprobs == pytest.approx(slow.logprobs, abs=1e-5, rel=0)
+    assert scored.flops == sum(slow.flops) and scored.full_flops == sum(slow.full_flops)
+    return fast
+
+
+def _taus(stack: LayerStack, prompt: list[int], continuation: list[int], k: int) -> list[float]:
+    """τ from "always small" to "always large": ±1e9 and (nudged off the entropies and their means) the quartiles
+    of the entropies both models see along the continuation."""
+    seen = []
+    for tau, start in ((1e9, "small"), (-1e9, "large")):
+        row = _ead(SelfPair(k), tau, d_min=1, start=start).teacher_forced(stack, prompt, continuation)
+        seen += [h for e in row.entropies for h in e.values()]
+    seen = sorted(seen)
+    return [1e9, *(seen[i] + 3e-3 for i in (len(seen) // 4, len(seen) // 2, 3 * len(seen) // 4)), -1e9]
+
+
+@pytest.mark.parametrize("start", ["small", "large"])
+@pytest.mark.parametrize("window, d_min", [(1, 1), (2, 3), (4, 2), (3, 10)])
+def test_self_pair_one_pass_scoring_equals_token_by_token(window, d_min, start):
+    stack = LayerStack(tiny_model("llama"))
+    prompt, continuation = random_prompts(2, [7, NEW], seed=31)
+    rows = [_one_pass_equals_stepwise(stack, _ead(SelfPair(2), tau, window, d_min, start), prompt, continuation)
+            for tau in _taus(stack, prompt, continuation, 2)]
+    held = min(d_min, NEW)  # the start model's tokens before it may hand over
+    assert rows[0].reasons == [start] * held + ["small"] * (NEW - held)  # τ = 1e9: the small model, once allowed
+    assert rows[-1].reasons == [start] * held + ["large"] * (NEW - held)  # τ = -1e9: the large model
+    assert any(0 < r.reasons.count("small") < NEW and r.stats["switches"] > 0 for r in rows[1:-1])
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gpt2", "gemma3_text"])
+def test_self_pair_one_pass_scoring_switches_both_ways(arch):
+    """Several continuations (random and generated), at a τ where the models take turns: the one-pass scores
+    equal the token-by-token ones, and the switcher really moved both ways."""
+    stack = LayerStack(tiny_model(arch))
+    prompt, *randoms = random_prompts(4, [6, 30, 18, 25], seed=32)
+    tau = _switching_tau(stack, prompt) + 3e-3  # off the entropy it is
+    generated = generate(stack, TOK, [prompt], _ead(SelfPair(2), tau), NEW, eos_token_ids=[]).token_ids[0]
+    ups = downs = 0
+    for continuation in [generated, *randoms]:
+        for window, d_min in ((2, 3), (1, 1)):
+            row = _one_pass_equals_stepwise(stack, _ead(SelfPair(2), tau, window, d_min), prompt, continuation)
+            turns = list(zip(row.reasons, row.reasons[1:]))
+            ups += turns.count(("small", "large"))
+            downs += turns.count(("large", "small"))
+            assert row.stats["switches"] - sum(a != b for a, b in turns) in (0, 1)  # the last token may turn too
+    assert ups > 0 and downs > 0
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_self_pair_one_pass_scoring_reads_out_through_the_tuned_readout(k):
+    """The ``readout: tuned`` point: readouts at k go through the translator in both paths (and it matters)."""
+    stack = LayerStack(tiny_model("llama"))
+    prompt, continuation = random_prompts(2, [5, 20], seed=33)
+    lens, switches = random_lens(), 0.0
+    for window, d_min, start in ((2, 2, "small"), (1, 1, "large")):
+        for tau in _taus(stack.with_readout(lens), prompt, continuation, k):
+            method = _ead(SelfPair(k), tau, window, d_min, start)
+            method.readout = lens
+            switches += _one_pass_equals_stepwise(stack, method, prompt, continuation).stats["switches"]
+    assert switches > 0
+    logit = _ead(SelfPair(k), 1e9, d_min=1).teacher_forced(stack, prompt, continuation)
+    tuned = _ead(SelfPair(k), 1e9, d_min=1).teacher_forced(stack.with_readout(lens), prompt, continuation)
+    assert tuned.logprobs != pytest.approx(logit.logprobs, abs=1e-3)
+    assert sum(tuned.flops) > sum(logit.flops)  # the translator is charged
+
+
+def test_model_pair_scores_token_by_token():
+    stack = LayerStack(tiny_model("llama"))
+    small = LayerStack(tiny_model("llama", n_layers=2))
+    prompt, continuation = random_prompts(2, [6, 16], seed=34)
+    tau = _switching_tau(stack, prompt) + 3e-3
+    ours = _ead(SelfPair(2), tau).teacher_forced(stack, prompt, continuation)
+    theirs = _ead(ModelPair(small), tau).teacher_forced(stack, prompt, continuation)
+    assert theirs.depths == ours.depths and theirs.logprobs == pytest.approx(ours.logprobs, abs=1e-5)
+    assert theirs.stats == ours.stats
 
 
 def test_sampling_is_seeded_and_rows_are_independent():

@@ -116,15 +116,15 @@ def test_repro_writes_every_output(repo):
         "tiny--emad-m0--cal-stdlib-prose--stdlib-prose.json", "tiny--emad-m0-tuned--cal-stdlib-prose--stdlib-prose.json",
         "tiny--backfill--cal-stdlib-prose--stdlib-prose.json", "tiny--ead-k2--stdlib-prose.json",
         *(f"tiny--conf_{v}--stdlib-prose.json" for v in ("0.5", "3", "100"))])
-    swept = [json.loads((repo / "reports/runs/tiny--baselines" / f"tiny--conf_{v}--stdlib-prose.json").read_text())
+    swept = [json.loads((repo / "reports/runs/tiny--decode" / f"tiny--conf_{v}--stdlib-prose.json").read_text())
              for v in ("0.5", "3", "100")]
     assert [(r["curve"], r["knob"], r["value"]) for r in swept] == [("conf", "threshold", v) for v in (0.5, 3, 100)]
     assert all(r["cost"]["reference_tokens_per_s"] > 0 and r["cost"]["speedup"] > 0 for r in swept)
-    folders = {"full": "baselines", "fixed-2-tuned": "baselines", "emad-m0": "points--cal-stdlib-prose",
-               "emad-m0-tuned": "points--cal-stdlib-prose", "backfill": "ablations--cal-stdlib-prose",
-               "ead-k2": "related"}  # one folder per stage: every point of its kind, one run file per domain
+    folders = {"full": "decode", "fixed-2-tuned": "decode", "emad-m0--cal-stdlib-prose": "decode",
+               "emad-m0-tuned--cal-stdlib-prose": "decode", "backfill--cal-stdlib-prose": "ablations--cal-stdlib-prose",
+               "ead-k2": "related"}  # one folder per stage: every point of its kinds, one run file per domain
     for point, folder in folders.items():
-        (run,) = (repo / "reports" / "runs" / f"tiny--{folder}").glob(f"tiny--{point}--*stdlib-prose.json")
+        (run,) = (repo / "reports" / "runs" / f"tiny--{folder}").glob(f"tiny--{point}--stdlib-prose.json")
         assert (repo / "reports" / "artifacts" / f"tiny--{folder}" / point / "stdlib-prose" / "heatmap.html").is_file()
     for path in ("data/profiles/tiny/stdlib-prose/logit/profile.json", "data/profiles/tiny/stdlib-prose/tuned/profile.json",
                  "data/profiles/tiny/stdlib-prose/tuned/estimators.json", "reports/profiles/tiny-stdlib-prose-tuned.png",
@@ -146,8 +146,8 @@ def test_repro_writes_every_output(repo):
 def test_mlflow_holds_one_run_per_stage_execution(repo):
     runs = _mlflow_runs(repo)
     stages = runs["tags.dvc_stage"].value_counts().to_dict()
-    assert stages == {"fit_readouts": 1, "calibrate": 2, "smooth": 2, "fit_estimators": 2, "decode_baseline": 5,
-                      "decode": 2, "decode_ablation": 1, "decode_related": 1, "risk": 1, "aggregate": 1}
+    assert stages == {"fit_readouts": 1, "calibrate": 2, "smooth": 2, "fit_estimators": 2, "decode": 7,
+                      "decode_ablation": 1, "decode_related": 1, "risk": 1, "aggregate": 1}
     names = dict(zip(runs["tags.mlflow.runName"], runs["tags.dvc_stage"]))
     assert {"fit_readouts tiny stdlib-prose", "calibrate tiny stdlib-prose tuned", "smooth tiny stdlib-prose logit",
             "fit_estimators tiny stdlib-prose tuned", "risk tiny margin stdlib-prose", "aggregate"} <= set(names)
@@ -157,7 +157,7 @@ def test_mlflow_holds_one_run_per_stage_execution(repo):
     assert len(nested) == 9
     swept = runs[runs["tags.run_id"].str.contains("--conf_", na=False)]
     assert sorted(swept["tags.run_id"]) == [f"tiny--conf_{v}--stdlib-prose" for v in ("0.5", "100", "3")]
-    tuned = json.loads((repo / "reports/runs/tiny--points--cal-stdlib-prose"
+    tuned = json.loads((repo / "reports/runs/tiny--decode"
                         / "tiny--emad-m0-tuned--cal-stdlib-prose--stdlib-prose.json").read_text())
     assert tuned["readout"] == "tuned" and tuned["method"]["readout"] == "tuned"
 
@@ -184,9 +184,9 @@ def test_queued_two_job_sweep_keeps_every_mlflow_run(repo):
     assert "Failed" not in status, _sh(repo, "dvc", "queue", "logs", status.split()[0]) if status else status
     runs = _mlflow_runs(repo).iloc[: len(_mlflow_runs(repo)) - before]
     per_stage = runs["tags.dvc_stage"].value_counts().to_dict()
-    # each experiment reruns the EMAD points (emad-m0 and emad-m0-tuned), the ablations built on emad-m0, and the
-    # aggregate
-    assert per_stage == {"decode": 4, "decode_ablation": 2, "aggregate": 2}, per_stage
+    # each experiment reruns the decode stage (its 7 runs: the baselines beside the EMAD points, scored in one pass),
+    # the ablations built on emad-m0, and the aggregate
+    assert per_stage == {"decode": 14, "decode_ablation": 2, "aggregate": 2}, per_stage
     decode = runs[runs["tags.dvc_stage"] == "decode"]
     margins = sorted(float(m) for m in decode[decode["tags.run_id"].str.contains("--emad-m0--")]
                      ["params.margin"])

@@ -45,6 +45,7 @@ from emad.methods.common import (
     pass_cost,
     to_generation,
 )
+from emad.methods.ead_score import charge_self_pair, replay_self_pair
 
 SIDES = ("small", "large")
 
@@ -170,21 +171,17 @@ class SelfPair(Pair):
 
     def advance(self, side, seq) -> Advance:
         first, q = self.cache.n_slots, len(seq) - self.cache.n_slots
+        L = self.target.n_layers
+        charged = charge_self_pair(self.cost, self.k, L, side, self.upper, first, q)
         h = feed(self.target, self.cache, seq, self.k)  # [1, q, d]
         if side == "small":
             self.pending.append(h)
-            flops, bytes_ = pass_cost(self.cost, 0, self.k, first, q, 1)
-            return Advance(self.target.readout(h[0, -1], self.k), self.k, flops, bytes_)
-        lower = pass_cost(self.cost, 0, self.k, first, q, 0)
+            return Advance(self.target.readout(h[0, -1], self.k), self.k, *charged)
         h = torch.cat([*self.pending, h], dim=1)  # [1, missed + q, d]: slots upper..first+q-1
-        missed, L = first - self.upper, self.target.n_layers
         pos = torch.arange(self.upper, first + q, device=self.target.device)[None]
         h = self.target.run(h, self.k, L, self.cache, pos, slice(self.upper, first + q))
-        upper = pass_cost(self.cost, self.k, L, self.upper, missed + q, 1)
-        catchup = pass_cost(self.cost, self.k, L, self.upper, missed, 0)[0]
         self.upper, self.pending = first + q, []
-        return Advance(self.target.readout(h[0, -1]), L, lower[0] + upper[0], lower[1] + upper[1], catchup,
-                       float(missed * (L - self.k)))
+        return Advance(self.target.readout(h[0, -1]), L, *charged)
 
     def describe(self) -> dict:
         return {"pair": "self", "small_layers": self.k}
@@ -237,7 +234,8 @@ class EAD(Strategy):
     """Entropy adaptive decoding with a :class:`Pair` and a :class:`Switcher` (see the module docstring).
 
     Generation is batch 1 per row (rows run one after another). Scoring replays the same loop with the given
-    tokens, so the model that predicts each token is the one generation would have used.
+    tokens, so the model that predicts each token is the one generation would have used; with a
+    :class:`SelfPair` from one full-depth pass (:mod:`emad.methods.ead_score`), otherwise token by token.
     """
 
     name = "ead"
@@ -349,12 +347,27 @@ class EAD(Strategy):
         return to_generation(rows, tokenizer, stop_strings, self.describe(), elapsed(stack.device, started))
 
     @torch.inference_mode()
-    def score(self, stack, prompt, continuation) -> Scored:
+    def teacher_forced(self, stack: LayerStack, prompt: Sequence[int], continuation: Sequence[int],
+                       stepwise: bool = False) -> RowRecord:
+        """The record of this strategy forced through ``continuation`` after ``prompt`` (``stack`` reads out
+        through the strategy's readout).
+
+        A :class:`SelfPair` replays the loop from one full-depth pass
+        (:func:`~emad.methods.ead_score.replay_self_pair`: the same record up to float rounding); ``stepwise``
+        (always, for a :class:`ModelPair`) runs the loop token by token instead, the reference.
+        """
         self.bind(stack, None)
         if not prompt or not continuation:
             raise ValueError("score_adaptive needs a non-empty prompt and continuation")
-        forced = iter([int(t) for t in continuation])
-        row = self._run(stack, [int(t) for t in prompt], len(continuation), lambda _: next(forced), lambda _: None)
+        prompt, continuation = [int(t) for t in prompt], [int(t) for t in continuation]
+        if isinstance(self.pair, SelfPair) and not stepwise:
+            check_context(self.pair.stacks(stack), len(prompt), len(continuation))
+            return replay_self_pair(stack, self.pair.k, self.switcher, prompt, continuation)
+        forced = iter(continuation)
+        return self._run(stack, prompt, len(continuation), lambda _: next(forced), lambda _: None)
+
+    def score(self, stack, prompt, continuation) -> Scored:
+        row = self.teacher_forced(stack, prompt, continuation)
         return Scored(row.logprobs, row.depths, sum(row.flops), sum(row.full_flops), greedy=row.greedy)
 
 
