@@ -1,0 +1,75 @@
+"""EAD (self pair) teacher-forced scoring: one full-depth pass replayed vs the token-by-token loop, on perplexity
+windows of SmolLM2.
+
+Both sides score the same windows (prompt + continuation, as the perplexity task does) for each τ and give the
+same records (depths, costs and switches identical, log-probabilities within 1e-4: checked); they run alternately
+in one process and the medians are compared. Writes reports/bench/ead_score.json: per τ, the seconds of each side,
+their ratio, and the share of tokens the large model produced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import alternate, environment, write  # noqa: E402
+
+from emad.corpus import build_source  # noqa: E402
+from emad.engine.models import load_model  # noqa: E402
+from emad.engine.stack import LayerStack  # noqa: E402
+from emad.methods.ead import EAD  # noqa: E402
+from emad.tasks.perplexity import perplexity_requests  # noqa: E402
+
+
+def records(stack, strategy, requests, stepwise: bool):
+    return [strategy.teacher_forced(stack, p, c, stepwise=stepwise) for p, cs in requests for c in cs]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--tokens", type=int, default=192, help="scored perplexity tokens")
+    parser.add_argument("--window", type=int, default=96)
+    parser.add_argument("--prefix", type=int, default=32)
+    parser.add_argument("--small-layers", type=int, default=21)
+    parser.add_argument("--taus", type=float, nargs="+", default=[0.25, 0.5, 1.0, 2.0])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--device", default="auto")
+    args = parser.parse_args(argv)
+    loaded = load_model(args.model, device=args.device, dtype="float32")
+    stack = LayerStack(loaded.model)
+    text = "\n\n".join(d.text for d in build_source("stdlib-prose").documents())
+    ids = loaded.tokenizer(text[:100_000])["input_ids"][: args.tokens + args.prefix * (args.tokens // 64 + 1)]
+    requests = perplexity_requests([ids], args.window, args.prefix)
+    scored_tokens = sum(len(c) for _, cs in requests for c in cs)
+    results = []
+    for tau in args.taus:
+        strategy = EAD.from_options(tau=tau, small_layers=args.small_layers)
+        strategy.bind(stack, loaded.tokenizer)
+        fast, slow = records(stack, strategy, requests, False), records(stack, strategy, requests, True)
+        for a, b in zip(fast, slow):
+            assert a.depths == b.depths and a.flops == b.flops and a.stats == b.stats, "one pass differs"
+            assert max(abs(p - q) for p, q in zip(a.logprobs, b.logprobs)) < 1e-4
+        t = alternate({"token_by_token": lambda s=strategy: records(stack, s, requests, True),
+                       "one_pass": lambda s=strategy: records(stack, s, requests, False)}, args.reps, stack.device)
+        large = sum(r.stats["large_tokens"] for r in fast) / scored_tokens
+        results.append({"tau": tau, "token_by_token_s": t["token_by_token"], "one_pass_s": t["one_pass"],
+                        "one_pass_over_token_by_token": t["one_pass"] / t["token_by_token"],
+                        "large_token_share": large,
+                        "switches": sum(r.stats["switches"] for r in fast)})
+        print(f"tau={tau}: token by token {t['token_by_token']:.2f} s, one pass {t['one_pass']:.2f} s "
+              f"(ratio {t['one_pass'] / t['token_by_token']:.3f}; large-model share {large:.2f})")
+    write("ead_score", {"model": args.model, "scored_tokens": scored_tokens, "windows": len(requests),
+                        "window": args.window, "prefix": args.prefix, "small_layers": args.small_layers,
+                        "reps": args.reps, "environment": environment(stack.device, stack.dtype),
+                        "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    with torch.inference_mode():
+        sys.exit(main())
