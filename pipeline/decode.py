@@ -116,7 +116,7 @@ def _selected(cfg: DecodeConfig, kinds: list[str], chosen: list[str] | None) -> 
                 found += [(kind, name) for name in cfg.select(kind, None if c is None else [c])]
             except ValueError:
                 continue
-        if not found:
+        if not found and c is not None:
             valid = ", ".join(n for kind in kinds for n in cfg.names_of(kind)) or "none"
             raise ValueError(f"--point {c!r}: not a {' or '.join(kinds)} point or sweep; valid: {valid}")
         out += [f for f in found if f not in out]
