@@ -16,14 +16,12 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import alternate, environment, write  # noqa: E402
+from common import alternate, environment, prose_windows, write  # noqa: E402
 
-from emad.corpus import build_source  # noqa: E402
 from emad.decode import Method, Sweep, score_continuations  # noqa: E402
 from emad.engine.models import load_model  # noqa: E402
 from emad.engine.stack import LayerStack  # noqa: E402
 from emad.exits.criteria import Confidence  # noqa: E402
-from emad.tasks.perplexity import perplexity_requests  # noqa: E402
 
 
 def methods(n: int) -> list[Method]:
@@ -53,9 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     loaded = load_model(args.model, device=args.device, dtype="float32")
     stack = LayerStack(loaded.model)
-    text = "\n\n".join(d.text for d in build_source("stdlib-prose").documents())
-    ids = loaded.tokenizer(text[:100_000])["input_ids"][: args.tokens + args.prefix * (args.tokens // 64 + 1)]
-    requests = perplexity_requests([ids], args.window, args.prefix)
+    requests = prose_windows(loaded.tokenizer, args.tokens, args.window, args.prefix)
     scored_tokens = sum(len(c) for _, cs in requests for c in cs)
     results = []
     for n in args.sizes:

@@ -67,6 +67,17 @@ def write(name: str, result: dict) -> Path:
     return path
 
 
+def prose_windows(tokenizer, tokens: int, window: int, prefix: int) -> list:
+    """Perplexity requests (prompt, [continuation]) over stdlib-prose's first text: ``tokens`` scored tokens in
+    windows of ``window`` with a ``prefix``-token prompt each, as the perplexity task cuts them."""
+    from emad.corpus import build_source
+    from emad.tasks.perplexity import perplexity_requests
+
+    text = "\n\n".join(d.text for d in build_source("stdlib-prose").documents())
+    ids = tokenizer(text[:100_000])["input_ids"][: tokens + prefix * (tokens // 64 + 1)]
+    return perplexity_requests([ids], window, prefix)
+
+
 @torch.inference_mode()
 def decode_step_layer(stack, layer: int, reps: int, context: int = 128) -> tuple[float, torch.Tensor]:
     """Median seconds of running decoder layer ``layer`` (1-based) for one new token over ``context`` keys, and a
