@@ -1,0 +1,97 @@
+"""The identity of a run's curve: which (model, method, readout, estimator, calibration, domain) it belongs to.
+
+One value type, built once (from a point's config in the decode stage, or from a run record when reading run files
+back) and used everywhere a curve or a family is named: run ids, artifact folders, MLflow params, Pareto rows,
+figure legends and the verdict. Nothing else builds or parses these strings.
+
+- ``family``: the method as reports group it, marked with its readout unless ``logit`` (``emad``, ``emad+tuned``).
+- ``profile``: the profile a run reads (``<source>`` or ``<source>+<readout>``), the key of an oracle bound.
+- ``label``: how a legend names the curve (``emad+tuned (cal stdlib-prose)``).
+- ``folder``: the artifact folder of a point under it (``<point>--cal-<source>``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+LOGIT = "logit"
+
+
+def family_of(method: str, readout: str = LOGIT) -> str:
+    """``emad`` for the logit readout, ``emad+tuned`` for another: the name verdicts and figures group by."""
+    return method if readout == LOGIT else f"{method}+{readout}"
+
+
+def split_family(family: str) -> tuple[str, str]:
+    """``("emad", "tuned")`` for ``"emad+tuned"``, ``("emad", "logit")`` for ``"emad"`` (inverse of
+    :func:`family_of`)."""
+    method, _, readout = family.partition("+")
+    return method, readout or LOGIT
+
+
+def point_folder(point: str, calibration: str | None) -> str:
+    """A point's artifact folder name: ``<point>`` or ``<point>--cal-<source>`` (unique per decode call)."""
+    return point if calibration is None else f"{point}--cal-{calibration}"
+
+
+def run_id(model: str, point: str, domain: str, calibration: str | None) -> str:
+    """``<model>--<point>[--cal-<source>]--<domain>``: unique per run, stable across reruns."""
+    return f"{model}--{point_folder(point, calibration)}--{domain}"
+
+
+def point_label(point: str, calibration: str | None) -> str:
+    """An operating point as one string: ``<point>`` or ``<point>@<calibration source>``."""
+    return f"{point}@{calibration}" if calibration else point
+
+
+@dataclass(frozen=True, order=True)
+class CurveId:
+    """Which curve a run sits on. ``calibration`` is None for methods without a profile, ``domain`` None for a
+    curve over every domain of the model, ``estimator`` None for methods without one."""
+
+    model: str
+    method: str
+    readout: str = LOGIT
+    estimator: str | None = None
+    calibration: str | None = None
+    domain: str | None = None
+
+    @classmethod
+    def of_run(cls, run: dict[str, Any]) -> CurveId:
+        """The curve of a run record (``emad-run`` file or :class:`~emad.evaluation.record.RunRecord` dict)."""
+        method, readout = split_family(run.get("family") or "?")
+        estimator = (run.get("options") or {}).get("estimator")
+        return cls(run.get("model") or "?", method, run.get("readout") or readout, estimator,
+                   run.get("calibration"), run.get("domain"))
+
+    @property
+    def family(self) -> str:
+        return family_of(self.method, self.readout)
+
+    @property
+    def profile(self) -> str | None:
+        """``<source>`` (logit readout) or ``<source>+<readout>``: the profile the curve's points read; None
+        without a calibration."""
+        if self.calibration is None:
+            return None
+        return self.calibration if self.readout == LOGIT else f"{self.calibration}+{self.readout}"
+
+    @property
+    def in_domain(self) -> bool:
+        """True when calibrated on the domain it is evaluated on, or without calibration (no profile)."""
+        return self.calibration is None or self.domain is None or self.calibration == self.domain
+
+    @property
+    def label(self) -> str:
+        """``emad+tuned`` or ``emad+tuned (cal stdlib-prose)``: the curve's name in legends and tables."""
+        return self.family if self.calibration is None else f"{self.family} (cal {self.calibration})"
+
+    def on(self, domain: str | None) -> CurveId:
+        """The same curve on another domain (None: over every domain)."""
+        return replace(self, domain=domain)
+
+
+def profile_in_domain(profile: str | None, domain: str) -> bool:
+    """True when a profile key (:attr:`CurveId.profile`) was calibrated on ``domain``, or there is none."""
+    return not profile or split_family(profile)[0] == domain
