@@ -15,6 +15,7 @@ from pydantic import AfterValidator, RootModel, StringConstraints
 from emad.calibration.config import CalibrateConfig, EstimatorsConfig, ReadoutsConfig, SmoothConfig
 from emad.config import ConfigError, Section, read_params, validate_section
 from emad.corpus.config import CorpusConfig
+from emad.engine.idle import parse_idle_spec
 from emad.evaluation.config import DecodeConfig
 from emad.evaluation.risk_config import RiskConfig
 from emad.report.config import AggregateConfig
@@ -28,11 +29,12 @@ NAME = r"^[A-Za-z0-9_-]+$"  # DVC addresses params by dotted keys: names may not
 def _spec(value: str) -> str:
     if not value.strip():
         raise ValueError("a model spec must be an embedded alias, a local folder or a hub id, not empty")
+    parse_idle_spec(value)  # a +idle<N> suffix must carry a positive integer
     return value
 
 
 class ModelsConfig(RootModel[dict[Annotated[str, StringConstraints(pattern=NAME)], Annotated[str, AfterValidator(_spec)]]]):
-    """The ``models`` section: name → spec (embedded alias, local folder or hub id)."""
+    """The ``models`` section: name → spec (embedded alias, local folder or hub id, optionally ``+idle<N>``)."""
 
 
 def sections() -> dict[str, type[Section] | type[RootModel]]:

@@ -35,6 +35,8 @@ class Adapter:
         cache_kwarg: name of the keyword through which a layer receives its cache.
         sliding_window: the layer's attention window (None = full attention).
         qkv: names of the attention input projections inside a layer (their cost is a K/V copy's cost).
+        out_proj: dotted names of the projections whose outputs a layer adds to the residual stream (attention
+            output, MLP down projection): zeroed, they make the layer an identity (:mod:`emad.engine.idle`).
     """
 
     base: str
@@ -45,6 +47,7 @@ class Adapter:
     cache_kwarg: str = "past_key_values"
     sliding_window: Callable[[Any, int], int | None] = lambda config, idx: None
     qkv: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
+    out_proj: tuple[str, ...] = ("self_attn.o_proj", "mlp.down_proj")
 
 
 def _embed_tokens(attr: str) -> EmbedFn:
@@ -101,11 +104,13 @@ ADAPTERS: dict[str, Adapter] = {
     "gpt_neox": Adapter(
         base="gpt_neox", layers="layers", final_norm=("final_layer_norm",),
         embed=_embed_tokens("embed_in"), rotary=_rope, cache_kwarg="layer_past", qkv=("query_key_value",),
+        out_proj=("attention.dense", "mlp.dense_4h_to_h"),
     ),
-    "gpt2": Adapter(base="transformer", layers="h", final_norm=("ln_f",), embed=_embed_gpt2, qkv=("c_attn",)),
+    "gpt2": Adapter(base="transformer", layers="h", final_norm=("ln_f",), embed=_embed_gpt2, qkv=("c_attn",),
+                    out_proj=("attn.c_proj", "mlp.c_proj")),
     "opt": Adapter(
         base="model.decoder", layers="layers", final_norm=("final_layer_norm", "project_out"),
-        embed=_embed_opt,
+        embed=_embed_opt, out_proj=("self_attn.out_proj", "fc2"),
     ),
 }
 

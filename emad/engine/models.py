@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from emad.engine.idle import append_idle_layers, parse_idle_spec
+
 if TYPE_CHECKING:  # importing these eagerly costs ~1 s of transformers' lazy imports
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -168,7 +170,8 @@ def load_model(spec: str, *, device: str = "auto", dtype: str = "auto") -> Loade
     An embedded alias is converted to safetensors under model_cache_dir() on first use.
 
     Args:
-        spec: folder path, a ``.gguf`` file, a key of EMBEDDED (e.g. "smollm2-135m"), or a hub id ("org/name").
+        spec: folder path, a ``.gguf`` file, a key of EMBEDDED (e.g. "smollm2-135m"), or a hub id ("org/name");
+            any of them followed by ``+idle<N>`` appends N idle layers (:mod:`emad.engine.idle`).
         device: "auto" (cuda if available, else cpu) or a torch device string.
         dtype: "auto" (float32 on CPU, bfloat16 on CUDA), "float32", "bfloat16" or "float16".
 
@@ -182,6 +185,11 @@ def load_model(spec: str, *, device: str = "auto", dtype: str = "auto") -> Loade
     """
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
+    idle = parse_idle_spec(spec)
+    if idle is not None:  # the base model with idle layers appended (emad.engine.idle)
+        base = load_model(idle[0], device=device, dtype=dtype)
+        model = append_idle_layers(base.model, idle[1])
+        return LoadedModel(model, base.tokenizer, fingerprint(spec, model, base.tokenizer), dev, torch_dtype)
     folder = Path(spec).expanduser()
     if spec in EMBEDDED:
         source, name = convert_embedded(spec, model_cache_dir() / spec), spec

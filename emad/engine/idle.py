@@ -1,0 +1,72 @@
+"""Idle layers: a model with known redundant depth, the positive control of the verdict.
+
+The spec ``<base spec>+idle<N>`` (``smollm2-135m+idle30``) names the base model with N layers appended, each a copy
+of its last layer whose output projections (the adapter row's ``out_proj``: attention output and MLP down
+projection, weights and biases) are zero. Such a layer adds exactly zero to the residual stream, so the grown
+model's full-depth output equals the base model's bit for bit, and exiting after the base's L layers is lossless
+while it skips N of the L + N layers.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from emad.engine.adapters import adapter_for
+
+_SPEC = re.compile(r"^(?P<base>.+)\+idle(?P<count>[^+]*)$")
+
+
+class IdleSpecError(ValueError):
+    """A ``+idle<N>`` spec whose count is not a positive integer."""
+
+
+def parse_idle_spec(spec: str) -> tuple[str, int] | None:
+    """``(base spec, N)`` of ``<base>+idle<N>``; None for a spec without the suffix.
+
+    Raises:
+        IdleSpecError: N is not a positive integer (``+idle0``, ``+idle-3``, ``+idle2.5``, ``+idle``).
+    """
+    match = _SPEC.match(spec)
+    if match is None:
+        return None
+    count = match["count"]
+    if not count.isdigit() or int(count) <= 0:
+        raise IdleSpecError(f"model spec {spec!r}: the idle-layer count after '+idle' must be a positive integer "
+                            f"(e.g. {match['base']}+idle30); got {count!r}")
+    return match["base"], int(count)
+
+
+@torch.no_grad()
+def append_idle_layers(model: torch.nn.Module, n: int) -> torch.nn.Module:
+    """A new model: ``model`` with ``n`` idle layers appended (copies of its last layer, output projections zero).
+
+    The config's layer count (and ``layer_types``, when it has one) grows by ``n``; every other weight is the
+    base model's. The result is in eval mode on the base model's device and dtype.
+    """
+    if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+        raise IdleSpecError(f"the idle-layer count must be a positive integer; got {n!r}")
+    adapter = adapter_for(model.config.model_type)
+    config = model.config.__class__.from_dict(model.config.to_dict())
+    n_base = config.num_hidden_layers
+    config.num_hidden_layers = n_base + n
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = list(config.layer_types) + [config.layer_types[-1]] * n
+    config._attn_implementation = model.config._attn_implementation
+    param = next(model.parameters())
+    grown = AutoModelForCausalLM.from_config(config, dtype=param.dtype)
+    missing, unexpected = grown.load_state_dict(model.state_dict(), strict=False)
+    layers = getattr(grown.get_submodule(adapter.base), adapter.layers)
+    new = {f"{adapter.base}.{adapter.layers}.{i}." for i in range(n_base, n_base + n)}
+    if unexpected or any(not any(k.startswith(p) for p in new) for k in missing):
+        raise RuntimeError(f"appending idle layers left weights unmatched: missing {missing[:3]}, "
+                           f"unexpected {unexpected[:3]}")
+    for layer in layers[n_base:]:
+        layer.load_state_dict(layers[n_base - 1].state_dict())
+        for name in adapter.out_proj:
+            for weight in layer.get_submodule(name).parameters(recurse=False):
+                weight.zero_()
+    grown.generation_config = model.generation_config
+    return grown.to(param.device).eval()
