@@ -92,6 +92,21 @@ class Evaluation:
         return texts
 
 
+def heatmap_inputs(stack: LayerStack, tokenizer, result: Evaluation, prepared: list[Prepared], shared: Shared,
+                   n: int, limit: int | None = None) -> tuple[list, list[str] | None, list[str] | None]:
+    """The heat map's texts (:meth:`Evaluation.heatmap_texts`), and beside them their prompts and full-depth
+    continuations when the first free-running task judges its generations against full depth (its generations
+    come first in ``result``; :meth:`~emad.tasks.registry.Task.full_depth_reference`), else None and None."""
+    texts = result.heatmap_texts(tokenizer, n)
+    first = next((p for p in prepared if not p.task.teacher_forced), None)
+    found = (first.task.full_depth_reference(stack, tokenizer, first.data, first.settings, shared, limit)
+             if first is not None and texts else None)
+    if found is None:
+        return texts, None, None
+    prompts, reference = found
+    return texts, [tokenizer.decode(p) for p in prompts[:len(texts)]], reference.texts[:len(texts)]
+
+
 # Rates a strategy's counts give (numerator, denominator), reported when the denominator was counted.
 STAT_RATES = {
     "acceptance_rate": ("accepted", "drafted"),
