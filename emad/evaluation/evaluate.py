@@ -3,6 +3,7 @@
 :func:`prepare` loads every task's data (all bad input fails here, before any decoding); :func:`evaluate` runs
 them and sums what the decode loop reported: FLOPs over every generated and scored token, bytes over generated
 tokens, decoding speed over generated tokens only (scoring is a parallel pass and would flatter the number).
+:func:`heatmap_inputs` picks the texts a run's token-depth heat map shows.
 """
 
 from __future__ import annotations

@@ -1,37 +1,15 @@
 """Run files: one JSON per (model, operating point, calibration source, domain) evaluation, in ``reports/runs/``.
 
 The decode stage writes them; the aggregate stage reads only them (never MLflow), so runs restored from DVC's
-run cache still count. Format ``emad-run`` version 1::
+run cache still count. Format ``emad-run`` version 1: ``{"format": "emad-run", "version": 1, ...}`` followed by
+the fields of :class:`emad.evaluation.record.RunRecord`, in its order; this module reads and writes the files.
 
-    {"format": "emad-run", "version": 1,
-     "run_id": "smollm2-135m--emad-m05--cal-stdlib-prose--stdlib-code",
-     "model": "smollm2-135m", "model_fingerprint": "<digest>", "n_layers": 30,
-     "point": "emad-m05",                       # name in params.yaml decode.points
-     "family": "emad",                          # the criterion: full, fixed, confidence, emad, ...
-     "options": {"method": "emad", "margin": 0.5, "policy": "monotone", "estimator": "exact", ...},
-     "factors": {"margin": 0.5, "policy": "monotone", "estimator": "exact", "probe_every": 3,
-                 "strata": "none"},            # what ablation tables vary (emad points only, else {})
-     "calibration": "stdlib-prose" | null,      # profile's calibration source (null: no profile)
-     "profile_fingerprint": "<sha256[:16]>" | null,
-     "domain": "stdlib-code",
-     "tasks": {"perplexity": {"perplexity": 12.3, ...,
-                              "samples": {"perplexity": [[nll, tokens], ...]}},   # per-unit values
-               "fidelity": {...}, ...},
-     "quality": {"perplexity": 12.3, "fidelity.token_agreement": 0.97, ...},   # one number per quality metric
-     "intervals": {"perplexity": {"lo": 11.8, "hi": 12.9, "n": 11, "method": "bootstrap-bca"}, ...},
-     "cost": {"flops_ratio": 0.8, "step_ratio": 0.9, "bytes_ratio": 0.85, "mean_depth": 24.1, "backfill_share": 0.0,
-              "policy_events": 0, "tokens": 4096, "seconds": 40.2, "tokens_per_s": 101.9},
-     "depth_histogram": {"3": 10, "30": 4086},  # tokens per exit depth (generated and scored)
-     "oracle": {"3": 0.05, ...} | null,         # share of calibration tokens per oracle depth (profile)
-     "mlflow_run_id": "<id>" | null}
-
-The typed record behind this format is :class:`emad.evaluation.record.RunRecord` (its fields are the keys above);
-this module reads and writes the files. Quality metrics, their direction and tolerance live in
-:data:`emad.evaluation.metrics.METRICS`: perplexity is lower-better (relative tolerance in the verdict), every
-other metric higher-better in [0, 1] (absolute tolerance, in points = 0.01). Each carries its 95% interval and
-sample size in ``intervals`` (:mod:`emad.evaluation.intervals`: lo/hi null when undefined), from the per-unit
-``samples`` its task returned; the samples stay in the run file so that the verdict can pair a point with the
-full-depth run unit by unit. Run files without samples (older ones) read as undefined intervals.
+Quality metrics, their direction and tolerance live in :data:`emad.evaluation.metrics.METRICS` (perplexity:
+lower-better, relative tolerance; every other metric: higher-better in [0, 1], absolute tolerance in points =
+0.01). Each carries its 95% interval and sample size in ``intervals`` (:mod:`emad.evaluation.intervals`: lo/hi null
+when undefined), from the per-unit ``samples`` its task returned; the samples stay in the run file so that the
+verdict can pair a point with the full-depth run unit by unit. Run files without samples (older ones) read as
+undefined intervals.
 """
 
 from __future__ import annotations
