@@ -75,6 +75,7 @@ def test_the_record_gives_its_mlflow_tags_and_name():
     assert record.mlflow_tags() == {"model_fingerprint": "abc", "run_id": "m--full--prose", "family": "full",
                                     "profile_fingerprint": "", "readout": "logit"}
     assert record.mlflow_run_name() == "decode m full prose"
+    assert record.curve_id.family == "full" and record.curve_id.domain == "prose"
 
 
 def test_a_registered_metric_reaches_the_run_file_mlflow_and_the_aggregate(toy_metric, tmp_path, monkeypatch):

@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from emad.evaluation import runfile
+from emad.evaluation.identity import CurveId
 from emad.evaluation.metrics import intervals_of, mlflow_name, quality_of
 from emad.tracking import metric_name, run_name
 
@@ -62,6 +63,11 @@ class RunRecord(BaseModel):
         return self.model_copy(update={
             "tasks": tasks, "quality": quality_of(tasks), "intervals": intervals_of(tasks), "cost": cost,
             "depth_histogram": {str(d): n for d, n in depth_histogram.items()}, "mlflow_run_id": mlflow_run_id})
+
+    @property
+    def curve_id(self) -> CurveId:
+        """The curve this run sits on."""
+        return CurveId.of_run(self.model_dump())
 
     # --- the run file ---------------------------------------------------------------------------------------
 
