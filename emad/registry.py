@@ -23,13 +23,26 @@ class Registry(Generic[T]):
         """Class decorator registering ``cls`` under ``name``; a second registration of a name is an error."""
 
         def decorate(cls: type[T]) -> type[T]:
-            if name in self._entries:
-                raise ValueError(f"{self.kind} {name!r} is already registered")
-            self._entries[name] = cls
+            self.add(name, cls)
             cls.name = name
             return cls
 
         return decorate
+
+    def add(self, name: str, entry) -> None:
+        """Registers ``entry`` (a class, or a value such as a metric's description) under a new ``name``."""
+        if name in self._entries:
+            raise ValueError(f"{self.kind} {name!r} is already registered")
+        self._entries[name] = entry
+
+    def remove(self, name: str) -> None:
+        """Forgets ``name`` (a test's temporary entry); raises ``KeyError`` listing the valid names."""
+        self.get(name)
+        del self._entries[name]
+
+    def values(self) -> list:
+        """Registered entries in the order they were registered."""
+        return list(self._entries.values())
 
     def get(self, name: str) -> type[T]:
         """The class registered as ``name``; raises ``KeyError`` listing the valid names."""

@@ -138,107 +138,6 @@ def profile_qualifiers(path: str | Path, readout: str) -> tuple[str, ...]:
 # Stages with one instance per pipeline: their run name is the bare stage name.
 SINGLE_INSTANCE = frozenset({"aggregate", "prepare_model", "sample_corpus"})
 
-DECODE_COST = ("flops_ratio", "bytes_ratio", "step_ratio", "mean_depth", "speedup", "tokens_per_s")
-DECODE_FIELDS = ("family", "readout", "curve", "calibration", "domain", "model", "point", "kind")
-
-
-def _param_value(value: Any) -> str | float | int:
-    """A param value MLflow shows as written: numbers and strings as they are, booleans as ``true`` / ``false``,
-    anything else as compact JSON."""
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, (int, float, str)):
-        return value
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
-
-
-def _set(value: Any) -> bool:
-    return value is not None and value != "" and value != [] and value != {}
-
-
-def decode_params(record: dict[str, Any]) -> dict[str, str | float | int]:
-    """Uniform MLflow params of one decode run, from its run record (:mod:`emad.evaluation.runfile`).
-
-    The point's given ``options`` (``method``, ``margin``, ``policy`` ...; nested values as JSON), then the
-    uniform ``family``, ``readout``, ``curve``, ``calibration``, ``domain``, ``model``, ``point``, ``kind``,
-    ``knob`` and ``value`` (these win over an option of the same name). Only fields that are set: nothing is
-    logged as None or empty. Conventions: ``knob`` is the swept option's name, or ``"none"`` for a point that is
-    not on a sweep, and then ``value`` is left out; ``calibration`` is ``"none"`` for a point without a profile
-    (baselines, related methods), so that every decode run has it and ``params.calibration = 'none'`` filters; ``curve`` is the sweep's base point, or the point itself when
-    the record has none (a lone point is a curve of one), so colouring by ``curve`` always groups.
-    """
-    out: dict[str, str | float | int] = {}
-    for key, value in (record.get("options") or {}).items():
-        if _set(value):
-            out[metric_name(str(key))] = _param_value(value)
-    for key in DECODE_FIELDS:
-        value = record.get(key)
-        if key == "curve" and not _set(value):
-            value = record.get("point")
-        if _set(value):
-            out[key] = _param_value(value)
-    knob = record.get("knob")
-    out["knob"] = str(knob) if _set(knob) else "none"
-    out.setdefault("calibration", "none")  # a point without a profile: filterable, as knob
-    if _set(knob) and record.get("value") is not None:
-        out["value"] = float(record["value"])
-    else:
-        out.pop("value", None)
-    return out
-
-
-def decode_run_name(record: dict[str, Any]) -> str:
-    """The MLflow run name of a decode run: ``decode <model> <point> <domain>``, then ``cal <source>`` when the
-    point was calibrated (``decode smollm2-135m emad-m05 stdlib-code cal stdlib-prose``)."""
-    calibration = record.get("calibration")
-    return run_name("decode", record.get("model"), record.get("point"), record.get("domain"),
-                    *(("cal", calibration) if _set(calibration) else ()))
-
-
-def _quality_name(metric: str) -> str:
-    """``quality.<task>.<metric>`` of a run file's quality key (``perplexity`` → ``quality.perplexity.perplexity``,
-    ``fidelity.token_agreement`` → ``quality.fidelity.token_agreement``)."""
-    from emad.evaluation.runfile import QUALITY
-
-    if metric in QUALITY:
-        task, key, _ = QUALITY[metric]
-    else:
-        task, _, key = metric.partition(".")
-        key = key or task
-    return metric_name(f"quality.{task}.{key}")
-
-
-def _number(value: Any) -> float | None:
-    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value)
-
-
-def decode_metrics(record: dict[str, Any]) -> dict[str, float]:
-    """Uniform MLflow metrics of one decode run, from its run record (:mod:`emad.evaluation.runfile`).
-
-    ``flops_ratio``, ``bytes_ratio``, ``step_ratio``, ``mean_depth``, ``speedup``, ``tokens_per_s`` from
-    ``cost`` (each only when present and a number); the other numbers of ``cost`` as ``cost.<key>``; every quality
-    metric as ``quality.<task>.<metric>`` with its 95% interval ``.lo`` / ``.hi`` and sample size ``.n`` (undefined
-    bounds left out). Names are MLflow-safe (:func:`metric_name`); no value is None.
-    """
-    cost = record.get("cost") or {}
-    out: dict[str, float] = {}
-    for key, value in cost.items():
-        number = _number(value)
-        if number is not None:
-            out[key if key in DECODE_COST else metric_name(f"cost.{key}")] = number
-    for metric, value in (record.get("quality") or {}).items():
-        number = _number(value)
-        if number is not None:
-            out[_quality_name(metric)] = number
-    for metric, interval in (record.get("intervals") or {}).items():
-        for part in ("lo", "hi", "n"):
-            number = _number((interval or {}).get(part))
-            if number is not None:
-                out[f"{_quality_name(metric)}.{part}"] = number
-    return out
-
 
 class Run:
     """A thin handle over the active MLflow run."""
@@ -253,7 +152,7 @@ class Run:
         self._mlflow.log_metrics(clean, step=step)
 
     def log_params(self, params: dict[str, Any]) -> None:
-        """Params (e.g. :func:`decode_params`), names made MLflow-safe; None values are not logged. A param already
+        """Params (e.g. :meth:`~emad.evaluation.record.RunRecord.mlflow_params`), names made MLflow-safe; None values are not logged. A param already
         logged in this run must keep its value (MLflow refuses a change)."""
         clean = {metric_name(k): v for k, v in params.items() if v is not None}
         items = list(clean.items())

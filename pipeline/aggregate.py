@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from emad import tracking
-from emad.evaluation import runfile
+from emad.evaluation.record import load_records
 from emad.io import atomic_write_json, atomic_write_text, read_json
 from emad.params import load_section
 from emad.report import (
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
     cfg = load_section("aggregate", AggregateConfig, args.params)
-    runs = runfile.load_all(args.runs)
+    runs = [r.to_dict() for r in load_records(args.runs)]  # the report reads each record as its dict
     verdicts = verdict(runs, tuple(cfg.methods), **cfg.thresholds())
     others = family_verdicts(runs, **cfg.thresholds())
     tables = {"ablations": ablation_tables(runs, default_point=args.default_point)

@@ -20,7 +20,6 @@ times its speed-up against full depth in this process (:mod:`emad.evaluation.spe
 from __future__ import annotations
 
 import argparse
-import hashlib
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,9 +30,9 @@ from emad import tracking
 from emad.calibration.config import CalibrateConfig
 from emad.engine.models import load_model
 from emad.engine.stack import LayerStack
-from emad.evaluation import runfile
+from emad.evaluation import identity
 from emad.evaluation.config import DecodeConfig
-from emad.evaluation.evaluate import evaluate, prepare, score_all
+from emad.evaluation.evaluate import evaluate, heatmap_inputs, prepare, score_all
 from emad.evaluation.operating_point import (
     PointConfig,
     build_method,
@@ -41,7 +40,8 @@ from emad.evaluation.operating_point import (
     profile_file,
     readout_path,
 )
-from emad.evaluation.speed import measure_speedup
+from emad.evaluation.record import RunRecord, profile_facts
+from emad.evaluation.speed import point_speedup
 from emad.io import atomic_write_text
 from emad.params import load_section
 from emad.report.heatmap import heatmap_html
@@ -50,17 +50,6 @@ from emad.tasks.registry import Shared
 
 KINDS = ["baseline", "point", "ablation", "related"]
 STAGES = {"baseline": "decode", "point": "decode", "ablation": "decode_ablation", "related": "decode_related"}
-
-
-def _profile_facts(path: Path | None, method) -> dict:
-    """Fingerprint, factors and oracle depths of the profile behind a method (empty without one)."""
-    if path is None:
-        return {"profile_fingerprint": None, "factors": {}, "oracle": None}
-    profile = method.criterion.profile
-    factors = {"margin": method.criterion.margin, "policy": method.policy, "estimator": method.estimator.name,
-               "probe_stride": method.criterion.probe_stride, "strata": profile.strata.variant}
-    return {"profile_fingerprint": hashlib.sha256(path.read_bytes()).hexdigest()[:16], "factors": factors,
-            "oracle": {str(layer): share for layer, share in zip(profile.probe_layers, profile.oracle)}}
 
 
 @dataclass
@@ -77,7 +66,7 @@ class Job:
     @property
     def label(self) -> str:
         """Unique within a call: the point's name, with its calibration when it has one."""
-        return self.name if self.calibration is None else f"{self.name}--cal-{self.calibration}"
+        return identity.point_folder(self.name, self.calibration)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -169,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                                   load=model_loader(cfg.device, cfg.dtype),
                                   readouts_path=_readouts(args, job.calibration))
         job.method.bind(stack, loaded.tokenizer)  # one method for every domain, as for every task of a domain
-        job.facts = _profile_facts(profile_file(profile_path, job.point.strata) if profile_path else None,
-                                   job.method)
+        job.facts = profile_facts(profile_file(profile_path, job.point.strata) if profile_path else None,
+                                  job.method)
     prepared = {d: prepare(cfg.tasks_of(kinds[0], d), cfg.tasks, args.corpora / d if args.corpora else None,
                            loaded.tokenizer) for d in domains}
     for domain in domains:
@@ -183,73 +172,43 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _speed(stack, tokenizer, method, prepared: list, result, limit: int | None, repeats: int) -> dict:
-    """The point's speed-up against full depth, timed here on the prompts of a task that has them; the point's
-    own generation of them, when a task just made one (fidelity), is the first sample."""
-    found = [(p, p.task.speed_prompts(p.data, p.settings)) for p in prepared]
-    found = sorted([(p, f) for p, f in found if f], key=lambda pf: not result.generated.get(pf[0].name))
-    if not found:
-        return measure_speedup(stack, tokenizer, method, [], 0, 0)
-    p, (prompts, new_tokens) = found[0]
-    prompts = prompts[:limit]
-    made = next((g for g in result.generated.get(p.name, []) if len(g.token_ids) == len(prompts)), None)
-    return measure_speedup(stack, tokenizer, method, prompts, new_tokens, repeats, made)
-
-
-def _heatmap_texts(stack, tokenizer, result, prepared: list, shared: Shared, n: int, limit: int | None):
-    """The heat map's texts, and beside them their prompts and full-depth continuations when the first generating
-    task is fidelity (its generations come first; the full-depth ones are its references)."""
-    texts = result.heatmap_texts(tokenizer, n)
-    first = next((p for p in prepared if not p.task.teacher_forced), None)
-    if first is None or first.name != "fidelity" or not texts:
-        return texts, None, None
-    prompts = first.data[:limit]
-    reference = shared.reference(stack, tokenizer, prompts, first.settings.new_tokens)
-    return texts, [tokenizer.decode(p) for p in prompts[:len(texts)]], reference.texts[:len(texts)]
-
-
 def _run(args, cfg: DecodeConfig, loaded, stack: LayerStack, job: Job, domain: str, prepared: list, shared: Shared,
          scores: dict) -> None:
     """One (point, calibration, domain): evaluate its tasks, write the run file and artifacts, log one MLflow run."""
-    name, point, method, calibration, facts = job.name, job.point, job.method, job.calibration, job.facts
-    rid = runfile.run_id(args.model, name, domain, calibration)
-    curve = cfg.curve_of(job.kind, name)
-    limit = cfg.swept_prompts if cfg.is_swept(name) else None
-    head = {"run_id": rid, "model": args.model, "point": name, "kind": job.kind, "family": point.family,
-            "readout": point.readout, **curve.model_dump(), "options": point.options(), "calibration": calibration,
-            "domain": domain}
+    method = job.method
+    limit = cfg.swept_prompts if cfg.is_swept(job.name) else None
+    record = RunRecord(
+        run_id=identity.run_id(args.model, job.name, domain, job.calibration), model=args.model, point=job.name,
+        kind=job.kind, family=job.point.family, readout=job.point.readout,
+        **cfg.curve_of(job.kind, job.name).model_dump(), options=job.point.options(), calibration=job.calibration,
+        domain=domain, model_fingerprint=loaded.fingerprint.digest, n_layers=stack.n_layers, free_prompts=limit,
+        method=method.describe(), **job.facts)
+    rid = record.run_id
     settings = {"tasks": {p.name: p.settings.model_dump() for p in prepared}, "free_prompts": limit,
                 "speed_repeats": cfg.speed_repeats, "unserved_tokens": cfg.unserved_tokens, "device": cfg.device,
                 "dtype": cfg.dtype}
-    tags = {"model_fingerprint": loaded.fingerprint.digest, "run_id": rid, "family": point.family,
-            "profile_fingerprint": facts["profile_fingerprint"] or "", "readout": point.readout}
     print(f"decode: {rid}: {', '.join(p.name for p in prepared)}", file=sys.stderr)
-    with tracking.stage_run(STAGES[job.kind], tracking.decode_params(head),
-                            tags, run_name=tracking.decode_run_name(head)) as run:
+    with tracking.stage_run(STAGES[job.kind], record.mlflow_params(), record.mlflow_tags(),
+                            run_name=record.mlflow_run_name()) as run:
         run.log_dict(settings, "decode_settings.json")
         result = evaluate(stack, loaded.tokenizer, method, prepared, shared, scores, limit)
         hist = result.depth_histogram()
-        cost = {**result.cost(), **_speed(stack, loaded.tokenizer, method, prepared, result, limit, cfg.speed_repeats)}
-        record = {
-            **head, "model_fingerprint": loaded.fingerprint.digest, "n_layers": stack.n_layers,
-            "free_prompts": limit, "method": method.describe(), **facts, "tasks": result.tasks,
-            "quality": runfile.quality_of(result.tasks), "intervals": runfile.intervals_of(result.tasks),
-            "cost": cost,
-            "depth_histogram": {str(d): n for d, n in hist.items()}, "mlflow_run_id": run.run_id,
-        }
+        cost = {**result.cost(),
+                **point_speedup(stack, loaded.tokenizer, method, prepared, result, limit, cfg.speed_repeats)}
+        record = record.with_results(result.tasks, cost, hist, run.run_id)
         artifacts = args.artifacts / job.label / domain
         hist_png = save_figure(depth_histogram_figure(hist, stack.n_layers, rid), artifacts / "depth.png")
-        texts, prompts, full = _heatmap_texts(stack, loaded.tokenizer, result, prepared, shared, cfg.heatmap_texts,
+        texts, prompts, full = heatmap_inputs(stack, loaded.tokenizer, result, prepared, shared, cfg.heatmap_texts,
                                               limit)
         heat = atomic_write_text(artifacts / "heatmap.html", heatmap_html(texts, stack.n_layers, rid, prompts=prompts,
                                                                           full_depth=full))
-        run.log_metrics(tracking.decode_metrics(record))
+        run.log_metrics(record.mlflow_metrics())
         run.log_artifact(hist_png)
         run.log_artifact(heat)
         out = args.out / f"{rid}.json"
-        runfile.save(out, record)
+        record.save(out)
         run.log_artifact(out)
-    quality = ", ".join(f"{k} {v:.4g}" for k, v in record["quality"].items())
+    quality = ", ".join(f"{k} {v:.4g}" for k, v in record.quality.items())
     speed = f"speed-up {cost['speedup']:.2f}" if cost["speedup"] else "no speed measured"
     print(f"decode: {rid}: {quality}; FLOPs ratio {cost['flops_ratio']:.3f}; {speed} -> {out}")
 

@@ -27,11 +27,11 @@ def run_problems(name: str, stage: str, params: dict[str, str], metrics: dict[st
     if stage.startswith("decode"):
         missing = [k for k in DECODE_PARAMS if k not in params]
         if missing:
-            problems.append(f"{who}: decode run without params {', '.join(missing)} (tracking.decode_params)")
+            problems.append(f"{who}: decode run without params {', '.join(missing)} (RunRecord.mlflow_params)")
         if "flops_ratio" not in metrics:
-            problems.append(f"{who}: decode run without metric flops_ratio (tracking.decode_metrics)")
+            problems.append(f"{who}: decode run without metric flops_ratio (RunRecord.mlflow_metrics)")
         if not any(k.startswith("quality.") for k in metrics):
-            problems.append(f"{who}: decode run without any quality.<task>.<metric> metric (tracking.decode_metrics)")
+            problems.append(f"{who}: decode run without any quality.<task>.<metric> metric (RunRecord.mlflow_metrics)")
     return problems
 
 

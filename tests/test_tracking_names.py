@@ -8,12 +8,25 @@ import math
 import pytest
 
 from emad import tracking
-from emad.tracking import decode_metrics, decode_params, decode_run_name, label, profile_qualifiers, run_name
+from emad.evaluation.record import RunRecord
+from emad.tracking import label, profile_qualifiers, run_name
 from tests.mlflow_checks import check_store
 
 
+def decode_params(record: dict) -> dict:
+    return RunRecord.from_dict(record).mlflow_params()
+
+
+def decode_metrics(record: dict) -> dict:
+    return RunRecord.from_dict(record).mlflow_metrics()
+
+
+def decode_run_name(record: dict) -> str:
+    return RunRecord.from_dict(record).mlflow_run_name()
+
+
 def _record(**changes) -> dict:
-    """A decode run record as pipeline/decode.py writes it (emad/evaluation/runfile.py), on a sweep."""
+    """A decode run record as pipeline/decode.py writes it (emad/evaluation/record.py), on a sweep."""
     record = {
         "run_id": "smollm2-135m--emad-m05--cal-stdlib-prose--stdlib-code", "model": "smollm2-135m",
         "model_fingerprint": "abc", "n_layers": 30, "point": "emad-m05", "kind": "point", "family": "emad",

@@ -3,6 +3,7 @@
 :func:`prepare` loads every task's data (all bad input fails here, before any decoding); :func:`evaluate` runs
 them and sums what the decode loop reported: FLOPs over every generated and scored token, bytes over generated
 tokens, decoding speed over generated tokens only (scoring is a parallel pass and would flatter the number).
+:func:`heatmap_inputs` picks the texts a run's token-depth heat map shows.
 """
 
 from __future__ import annotations
@@ -90,6 +91,21 @@ class Evaluation:
                     return texts
                 texts.append([(tokenizer.decode([t]), d) for t, d in zip(ids, depths)])
         return texts
+
+
+def heatmap_inputs(stack: LayerStack, tokenizer, result: Evaluation, prepared: list[Prepared], shared: Shared,
+                   n: int, limit: int | None = None) -> tuple[list, list[str] | None, list[str] | None]:
+    """The heat map's texts (:meth:`Evaluation.heatmap_texts`), and beside them their prompts and full-depth
+    continuations when the first free-running task judges its generations against full depth (its generations
+    come first in ``result``; :meth:`~emad.tasks.registry.Task.full_depth_reference`), else None and None."""
+    texts = result.heatmap_texts(tokenizer, n)
+    first = next((p for p in prepared if not p.task.teacher_forced), None)
+    found = (first.task.full_depth_reference(stack, tokenizer, first.data, first.settings, shared, limit)
+             if first is not None and texts else None)
+    if found is None:
+        return texts, None, None
+    prompts, reference = found
+    return texts, [tokenizer.decode(p) for p in prompts[:len(texts)]], reference.texts[:len(texts)]
 
 
 # Rates a strategy's counts give (numerator, denominator), reported when the denominator was counted.

@@ -20,6 +20,21 @@ def _tokens_per_s(out: Generation) -> float:
     return sum(len(row) for row in out.token_ids) / max(out.seconds, 1e-9)
 
 
+def point_speedup(stack, tokenizer, method, prepared: Sequence, result, limit: int | None,
+                  repeats: int) -> dict[str, float | int | None]:
+    """:func:`measure_speedup` of a point on the speed prompts of its first task that has them (first ``limit``),
+    preferring a task whose generation of them ``result`` (an :class:`~emad.evaluation.evaluate.Evaluation`) just
+    made (fidelity): that generation is then the first sample. No prompts: nothing measured."""
+    found = [(p, p.task.speed_prompts(p.data, p.settings)) for p in prepared]
+    found = sorted([(p, f) for p, f in found if f], key=lambda pf: not result.generated.get(pf[0].name))
+    if not found:
+        return measure_speedup(stack, tokenizer, method, [], 0, 0)
+    p, (prompts, new_tokens) = found[0]
+    prompts = prompts[:limit]
+    made = next((g for g in result.generated.get(p.name, []) if len(g.token_ids) == len(prompts)), None)
+    return measure_speedup(stack, tokenizer, method, prompts, new_tokens, repeats, made)
+
+
 def measure_speedup(stack, tokenizer, method, prompts: Sequence[Sequence[int]], new_tokens: int,
                     repeats: int, made: Generation | None = None) -> dict[str, float | int | None]:
     """Generate ``prompts`` ``repeats`` times under ``method`` and at full depth, alternating which goes first.

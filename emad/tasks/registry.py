@@ -85,6 +85,12 @@ class Task:
         """Prompts and new tokens whose generation times a point's speed-up (None: this task has none)."""
         return None
 
+    def full_depth_reference(self, stack, tokenizer, data, settings, shared: Shared, limit: int | None = None
+                             ) -> tuple[list[list[int]], Generation] | None:
+        """The prompts a free-running task generates from (its first ``limit``) and their full-depth generation,
+        when its generations are judged against full depth (fidelity); None for other tasks."""
+        return None
+
     def run(self, stack, tokenizer, method, data, settings, sink: list, shared: Shared | None = None,
             limit: int | None = None) -> dict:
         """The task's metrics under ``method``; a teacher-forced task scores its requests alone and reduces them."""
@@ -167,9 +173,12 @@ class Fidelity(Task):
     def speed_prompts(self, data, settings):
         return data, settings.new_tokens
 
-    def run(self, stack, tokenizer, method, data, settings, sink, shared=None, limit=None):
+    def full_depth_reference(self, stack, tokenizer, data, settings, shared, limit=None):
         prompts = data[:limit]
-        reference = (shared or Shared()).reference(stack, tokenizer, prompts, settings.new_tokens)
+        return prompts, shared.reference(stack, tokenizer, prompts, settings.new_tokens)
+
+    def run(self, stack, tokenizer, method, data, settings, sink, shared=None, limit=None):
+        prompts, reference = self.full_depth_reference(stack, tokenizer, data, settings, shared or Shared(), limit)
         return fidelity(stack, tokenizer, prompts, method, settings.new_tokens, reference=reference, sink=sink)
 
 
