@@ -63,7 +63,7 @@ class CurveId:
         method, readout = split_family(run.get("family") or "?")
         estimator = (run.get("options") or {}).get("estimator")
         return cls(run.get("model") or "?", method, run.get("readout") or readout, estimator,
-                   run.get("calibration"), run.get("domain"))
+                   run.get("calibration") or None, run.get("domain") or None)
 
     @property
     def family(self) -> str:
@@ -90,6 +90,10 @@ class CurveId:
     def on(self, domain: str | None) -> CurveId:
         """The same curve on another domain (None: over every domain)."""
         return replace(self, domain=domain)
+
+    def calibrated_on(self, source: str | None) -> CurveId:
+        """The same curve calibrated on another source (``calibrated_on(domain)``: its in-domain twin)."""
+        return replace(self, calibration=source)
 
 
 def profile_in_domain(profile: str | None, domain: str) -> bool:

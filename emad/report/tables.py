@@ -8,7 +8,7 @@ such as perplexity, absolute for the others, as in the verdict; ``vs_full_ci``: 
 on that domain (calibration source == domain), the change against it (``vs_in_domain``: savings as a plain
 difference, this cell minus the in-domain cell; metrics relative / absolute as in ``vs_full``).
 
-FamilyCurve tables (:mod:`emad.report.envelopes`) — per model × family (and per calibration source × domain): the
+Curve tables (:mod:`emad.report.curves`) — per model × family (and per calibration source × domain): the
 tolerance used and the perplexity change read at the target FLOPs ratio on the family's envelope, the measured
 points on either side, and the largest FLOPs reduction within tolerance; the domain-shift comparison of curves
 calibrated in-domain and shifted at equal FLOPs.
@@ -25,8 +25,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from emad.report.checks import change_of
-from emad.report.envelopes import TOLERANCE_USED, AtFlops, CurvePoint, FamilyCurve
-from emad.report.pareto import baselines, higher_is_better, speedup
+from emad.report.curves import TOLERANCE_USED, AtFlops, Curve, CurvePoint
+from emad.report.frontier import baselines, higher_is_better, speedup
 
 _MISSING = object()
 
@@ -275,7 +275,7 @@ def fmt_largest(p: CurvePoint | None) -> str:
     return "none" if p is None else f"{p.reduction:.1%} ({p.label}, {p.state})"
 
 
-def _curve_cells(c: FamilyCurve) -> list[str]:
+def _curve_cells(c: Curve) -> list[str]:
     at = c.at_target
     ppl = c.at(c.target, "perplexity") if "perplexity" in c.metrics else None
     return [fmt_degradation(TOLERANCE_USED, at.value), fmt_between(at),
@@ -289,7 +289,7 @@ CURVE_NOTE = ("Read on each family's lower frontier (its monotone envelope: poin
               "within tolerance: the measured point with most FLOPs saved and no check violated (met or unresolved).")
 
 
-def curves_markdown(curves: Sequence[FamilyCurve], outcomes: Mapping[tuple[str, str], tuple[str, str]] | None = None) -> str:
+def curves_markdown(curves: Sequence[Curve], outcomes: Mapping[tuple[str, str], tuple[str, str]] | None = None) -> str:
     """One row per model × family (curves on the model): C1 and C2 (``outcomes[(model, family)]``), the tolerance
     used and perplexity change at the target FLOPs, the points beside it, the largest reduction within tolerance."""
     if not curves:
@@ -301,7 +301,7 @@ def curves_markdown(curves: Sequence[FamilyCurve], outcomes: Mapping[tuple[str, 
                            "measured beside it", "perplexity", "largest reduction within tolerance"], rows)
 
 
-def domain_curves_markdown(curves: Sequence[FamilyCurve]) -> str:
+def domain_curves_markdown(curves: Sequence[Curve]) -> str:
     """One row per model × family × calibration source × domain (the curves on one domain)."""
     if not curves:
         return "_No curves._"
