@@ -176,9 +176,8 @@ class Curve:
                 "points": [p.to_dict() for p in sorted(self.points, key=lambda p: (p.flops_ratio, p.label))]}
 
 
-def _curve(model: str, family: str, domain: str | None, calibration: str | None, target: float,
-           assessed: Sequence[PointAssessment]) -> Curve:
-    curve = Curve(CurveId(model, *split_family(family), calibration=calibration, domain=domain), target)
+def _curve(cid: CurveId, target: float, assessed: Sequence[PointAssessment]) -> Curve:
+    curve, domain = Curve(cid, target), cid.domain
     for p in assessed:
         checks: list[Check] = p.checks if domain is None else [c for c in p.checks if c.domain == domain]
         flops = p.flops_ratio if domain is None else p.flops_by_domain.get(domain)
@@ -192,26 +191,27 @@ def _curve(model: str, family: str, domain: str | None, calibration: str | None,
     return curve
 
 
-def _verdicts(family_verdicts: Mapping[str, Mapping[str, ModelVerdict]]) -> list[tuple[str, str, ModelVerdict]]:
-    return [(model, family, v) for family, per in family_verdicts.items() for model, v in per.items()]
+def _verdicts(family_verdicts: Mapping[str, Mapping[str, ModelVerdict]]) -> list[tuple[CurveId, ModelVerdict]]:
+    """Each verdict with the identity of its curve on the model (every domain, no calibration source)."""
+    return [(CurveId(model, *split_family(family)), v) for family, per in family_verdicts.items()
+            for model, v in per.items()]
 
 
 def model_curves(family_verdicts: Mapping[str, Mapping[str, ModelVerdict]]) -> list[Curve]:
     """One curve per model × family over the verdict's points (``{family: {model: ModelVerdict}}``, as from
     :func:`emad.report.verdict.family_verdicts`), sorted by (model, family)."""
-    out = [_curve(model, family, None, None, 1.0 - v.thresholds.min_flops_reduction, v.points)
-           for model, family, v in _verdicts(family_verdicts)]
+    out = [_curve(cid, 1.0 - v.thresholds.min_flops_reduction, v.points) for cid, v in _verdicts(family_verdicts)]
     return sorted(out, key=lambda c: (c.model, c.family))
 
 
 def domain_curves(family_verdicts: Mapping[str, Mapping[str, ModelVerdict]]) -> list[Curve]:
     """One curve per model × family × calibration source × domain, sorted in that order (no source first)."""
     out = []
-    for model, family, v in _verdicts(family_verdicts):
+    for cid, v in _verdicts(family_verdicts):
         target = 1.0 - v.thresholds.min_flops_reduction
         for cal in sorted({p.calibration for p in v.points}, key=lambda c: c or ""):
             mine = [p for p in v.points if p.calibration == cal]
-            out += [_curve(model, family, d, cal, target, mine) for d in v.domains]
+            out += [_curve(cid.calibrated_on(cal).on(d), target, mine) for d in v.domains]
     return sorted(out, key=lambda c: (c.model, c.family, c.calibration or "", c.domain or ""))
 
 
