@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from emad.evaluation.identity import CurveId
 from emad.report.checks import change_of
 from emad.report.curves import TOLERANCE_USED, AtFlops, Curve, CurvePoint
 from emad.report.frontier import baselines, higher_is_better, speedup
@@ -57,7 +58,7 @@ def _shift_cell(run: dict, base: dict | None, in_domain: dict | None) -> dict[st
     q = run.get("quality", {})
     bq = base.get("quality", {}) if base else {}
     cell = {"model": run["model"], "point": run["point"], "calibration": run["calibration"],
-            "domain": run["domain"], "run_id": run["run_id"], "in_domain": run["calibration"] == run["domain"],
+            "domain": run["domain"], "run_id": run["run_id"], "in_domain": CurveId.of_run(run).in_domain,
             "savings": _savings(run), "quality": dict(sorted(q.items())),
             "vs_full": {m: quality_change(m, v, bq.get(m)) for m, v in sorted(q.items())},
             "vs_full_ci": {m: _vs_full_ci(m, run, base) for m in sorted(q)}, "vs_in_domain": None}
@@ -77,7 +78,7 @@ def domain_shift_table(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """
     base = baselines(runs)
     cal_runs = [r for r in runs if r.get("calibration")]
-    in_dom = {(r["model"], r["point"], r["domain"]): r for r in cal_runs if r["calibration"] == r["domain"]}
+    in_dom = {(r["model"], r["point"], r["domain"]): r for r in cal_runs if CurveId.of_run(r).in_domain}
     cells = [_shift_cell(r, base.get((r["model"], r["domain"])), in_dom.get((r["model"], r["point"], r["domain"])))
              for r in cal_runs]
     return sorted(cells, key=lambda c: (c["model"], c["point"], c["calibration"], c["domain"]))
