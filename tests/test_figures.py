@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from emad.report import ParetoSeries
-from emad.report.figures import (
+from emad.report.figures.frontier import (
     domain_shift_figure,
     overview_figure,
     pareto_figure,

@@ -34,7 +34,7 @@ from emad.report.curves import (
     largest_reduction,
     model_curves,
 )
-from emad.report.figures import (
+from emad.report.figures.frontier import (
     domain_shift_figure,
     overview_figure,
     pareto_figure,

@@ -121,33 +121,28 @@ def largest_reduction(points: Iterable[CurvePoint], states: Sequence[str] = (MET
 
 @dataclass
 class Curve:
-    """One family's curve for one model (``id``): on the model (``id.domain`` None) or on one domain and
-    calibration source.
+    """One family's curve for one model: on the model (``domain`` None) or on one domain and calibration source.
 
     ``points``: the tolerance used per point; ``metrics``: ``{metric: points}`` with that metric's change;
     ``target``: the FLOPs ratio of C1 (1 − min_flops_reduction).
     """
 
-    id: CurveId
+    model: str
+    family: str
+    domain: str | None
+    calibration: str | None
     target: float
     points: list[CurvePoint] = field(default_factory=list)
     metrics: dict[str, list[CurvePoint]] = field(default_factory=dict)
 
-    @property
-    def model(self) -> str:
-        return self.id.model
+    @classmethod
+    def of(cls, cid: CurveId, target: float) -> Curve:
+        """The empty curve named by ``cid``."""
+        return cls(cid.model, cid.family, cid.domain, cid.calibration, target)
 
     @property
-    def family(self) -> str:
-        return self.id.family
-
-    @property
-    def domain(self) -> str | None:
-        return self.id.domain
-
-    @property
-    def calibration(self) -> str | None:
-        return self.id.calibration
+    def id(self) -> CurveId:
+        return CurveId(self.model, *split_family(self.family), calibration=self.calibration, domain=self.domain)
 
     def at(self, flops_ratio: float, metric: str = TOLERANCE_USED) -> AtFlops:
         """The tolerance used (or ``metric``'s change) read at ``flops_ratio``."""
@@ -177,7 +172,7 @@ class Curve:
 
 
 def _curve(cid: CurveId, target: float, assessed: Sequence[PointAssessment]) -> Curve:
-    curve, domain = Curve(cid, target), cid.domain
+    curve, domain = Curve.of(cid, target), cid.domain
     for p in assessed:
         checks: list[Check] = p.checks if domain is None else [c for c in p.checks if c.domain == domain]
         flops = p.flops_ratio if domain is None else p.flops_by_domain.get(domain)

@@ -4,15 +4,3 @@
 :mod:`.lines` holds what a panel shows (quality scale, lines, limits, the same fields for ``dvc plots``) and
 :mod:`.style` how each family looks.
 """
-
-from emad.report.figures.frontier import (
-    domain_shift_figure,
-    overview_figure,
-    pareto_figure,
-    write_domain_shift_figure,
-    write_overview_figure,
-    write_pareto_figures,
-)
-
-__all__ = ["domain_shift_figure", "overview_figure", "pareto_figure", "write_domain_shift_figure",
-           "write_overview_figure", "write_pareto_figures"]

@@ -63,25 +63,15 @@ def quality_scale(metric: str, higher_better: bool, full_quality: float | None, 
 
 @dataclass
 class Line:
-    """The points of one curve (:class:`~emad.evaluation.identity.CurveId`) and one sweep (``sweep``: the base
-    point's name), ordered by ascending cost: one line of a panel."""
+    """One curve's points (named by a :class:`~emad.evaluation.identity.CurveId`) of one sweep (``sweep``: the
+    base point's name), ordered by ascending cost: one line of a panel."""
 
-    id: CurveId
+    family: str
     sweep: str
+    calibration: str | None
+    in_domain: bool
     knob: str | None = None
     points: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def family(self) -> str:
-        return self.id.family
-
-    @property
-    def calibration(self) -> str | None:
-        return self.id.calibration
-
-    @property
-    def in_domain(self) -> bool:
-        return self.id.in_domain
 
 
 def lines(rows: Sequence[dict[str, Any]], x_key: str, model: str, domain: str) -> list[Line]:
@@ -94,9 +84,9 @@ def lines(rows: Sequence[dict[str, Any]], x_key: str, model: str, domain: str) -
         if family in (FULL, ORACLE) or not finite(r.get(x_key)):
             continue
         cid = CurveId.of_run({**r, "model": model, "domain": r.get("domain") or domain, "readout": None})
-        key = (family, r.get("curve") or family, cid.calibration)
+        key = (cid.family, r.get("curve") or family, cid.calibration)
         if key not in groups:
-            groups[key] = Line(cid, key[1], r.get("knob"))
+            groups[key] = Line(*key[:3], cid.in_domain, r.get("knob"))
         groups[key].points.append(r)
     for c in groups.values():
         c.points.sort(key=lambda r: (r[x_key], r.get("value") if finite(r.get("value")) else 0.0))
