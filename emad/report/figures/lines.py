@@ -86,7 +86,7 @@ def lines(rows: Sequence[dict[str, Any]], x_key: str, model: str, domain: str) -
         cid = CurveId.of_run({**r, "model": model, "domain": r.get("domain") or domain, "readout": None})
         key = (cid.family, r.get("curve") or family, cid.calibration)
         if key not in groups:
-            groups[key] = Line(*key[:3], cid.in_domain, r.get("knob"))
+            groups[key] = Line(cid.family, key[1], cid.calibration, cid.in_domain, r.get("knob"))
         groups[key].points.append(r)
     for c in groups.values():
         c.points.sort(key=lambda r: (r[x_key], r.get("value") if finite(r.get("value")) else 0.0))
