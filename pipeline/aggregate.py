@@ -31,7 +31,7 @@ from emad.report import (
     write_pareto_figures,
 )
 from emad.report.config import AggregateConfig
-from emad.report.curves import plot_fields
+from emad.report.figures.lines import plot_fields
 
 PLOT_KEYS = ("run_id", "point", "family", "calibration", "flops_ratio", "bytes_ratio", "speedup", "quality",
              "on_frontier_flops", "on_frontier_speed", "curve", "knob", "value", "readout", "domain")

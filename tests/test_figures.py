@@ -10,8 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from emad.report import ParetoSeries
-from emad.report.curves import curves, family_styles, plot_fields, quality_scale
-from emad.report.figures import (
+from emad.report.figures.frontier import (
     domain_shift_figure,
     overview_figure,
     pareto_figure,
@@ -19,6 +18,8 @@ from emad.report.figures import (
     write_overview_figure,
     write_pareto_figures,
 )
+from emad.report.figures.lines import lines, plot_fields, quality_scale
+from emad.report.figures.style import family_styles
 from emad.report.heatmap import heatmap_html
 from emad.report.plots import plt, profile_figure
 
@@ -127,7 +128,7 @@ def test_no_two_families_share_colour_and_marker():
 
 def test_curves_group_by_sweep_and_calibration():
     s = synthetic_series()
-    cs = curves(s.rows, "flops_ratio", s.domain)
+    cs = lines(s.rows, "flops_ratio", s.model, s.domain)
     assert len(cs) == 5 and all(len(c.points) == 8 for c in cs)
     assert {(c.family, c.in_domain) for c in cs} >= {("emad", True), ("emad", False), ("fixed", True)}
 

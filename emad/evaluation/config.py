@@ -9,7 +9,7 @@ from pydantic import Field, field_validator, model_validator
 
 from emad.config import Section, validate_section
 from emad.evaluation.operating_point import PointConfig
-from emad.evaluation.sweeps import Curve, expand_table, knob_of
+from emad.evaluation.sweeps import SweepPosition, expand_table, knob_of
 from emad.tasks.registry import TASKS
 
 NAME = r"^[A-Za-z0-9_-]+$"  # DVC addresses params by dotted keys: names may not contain dots
@@ -47,7 +47,7 @@ class DecodeConfig(Section):
             monotone, strategies): they score token by token (null = ``decode.tasks.perplexity.tokens``).
         speed_repeats: timed generations per point, each beside a full-depth one of the same prompts (speed-up =
             the median of their tokens/s ratios; 0 = no speed measurement).
-        curves: filled from the points' value lists (not set by hand): expanded point → its :class:`Curve`.
+        curves: filled from the points' value lists (not set by hand): expanded point → its :class:`SweepPosition`.
 
     A point of ``baselines``, ``points`` or ``related`` may give a list for its method's knob (``margin``,
     ``threshold``, ``depth``, ``tau``, ``exit_layer``): it stands for one point per value
@@ -71,7 +71,7 @@ class DecodeConfig(Section):
     swept_prompts: int | None = Field(None, ge=1)
     unserved_tokens: int | None = Field(None, ge=2)
     speed_repeats: int = Field(3, ge=0)
-    curves: dict[str, Curve] = Field(default_factory=dict)
+    curves: dict[str, SweepPosition] = Field(default_factory=dict)
     device: str = "auto"
     dtype: str = "auto"
 
@@ -190,14 +190,14 @@ class DecodeConfig(Section):
         narrow = {"ablation": self.ablation_tasks, "related": self.related_tasks}.get(kind)
         return [t for t in self.domains[domain] if not narrow or t in narrow]
 
-    def curve_of(self, kind: str, name: str) -> Curve:
-        """The :class:`Curve` of point ``name``: its sweep's, or its own (its knob's value) when not swept."""
+    def curve_of(self, kind: str, name: str) -> SweepPosition:
+        """The :class:`SweepPosition` of point ``name``: its sweep's, or its own (its knob's value) when not swept."""
         if name in self.curves:
             return self.curves[name]
         point = self.point(kind, name)
         knob = knob_of(point.method)
         value = getattr(point, knob) if knob else None
-        return Curve(curve=name, knob=knob, value=None if value is None else float(value))
+        return SweepPosition(curve=name, knob=knob, value=None if value is None else float(value))
 
     def is_swept(self, name: str) -> bool:
         return name in self.curves

@@ -1,13 +1,15 @@
 """The identity of a run's curve: which (model, method, readout, estimator, calibration, domain) it belongs to.
 
-One value type, built once (from a point's config in the decode stage, or from a run record when reading run files
-back) and used everywhere a curve or a family is named: run ids, artifact folders, MLflow params, Pareto rows,
-figure legends and the verdict. Nothing else builds or parses these strings.
+One value type, :class:`CurveId`, built from a point's config or read back from a run record, and the strings it
+is named by; nothing else builds or parses them:
 
-- ``family``: the method as reports group it, marked with its readout unless ``logit`` (``emad``, ``emad+tuned``).
-- ``profile``: the profile a run reads (``<source>`` or ``<source>+<readout>``), the key of an oracle bound.
-- ``label``: how a legend names the curve (``emad+tuned (cal stdlib-prose)``).
-- ``folder``: the artifact folder of a point under it (``<point>--cal-<source>``).
+- ``family``: the method as reports group it, marked with its readout unless ``logit`` (``emad``, ``emad+tuned``):
+  :func:`family_of` / :func:`split_family`.
+- ``profile``: the profile a run reads (``<source>`` or ``<source>+<readout>``), the key of an oracle bound;
+  :func:`profile_in_domain` reads it back.
+- ``label``: how a legend or table names the curve (``emad+tuned (cal stdlib-prose)``).
+- a point's artifact folder (:func:`point_folder`: ``<point>--cal-<source>``), run id (:func:`run_id`) and label
+  (:func:`point_label`: ``<point>@<source>``).
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ class CurveId:
         method, readout = split_family(run.get("family") or "?")
         estimator = (run.get("options") or {}).get("estimator")
         return cls(run.get("model") or "?", method, run.get("readout") or readout, estimator,
-                   run.get("calibration"), run.get("domain"))
+                   run.get("calibration") or None, run.get("domain") or None)
 
     @property
     def family(self) -> str:
@@ -90,6 +92,10 @@ class CurveId:
     def on(self, domain: str | None) -> CurveId:
         """The same curve on another domain (None: over every domain)."""
         return replace(self, domain=domain)
+
+    def calibrated_on(self, source: str | None) -> CurveId:
+        """The same curve calibrated on another source (``calibrated_on(domain)``: its in-domain twin)."""
+        return replace(self, calibration=source)
 
 
 def profile_in_domain(profile: str | None, domain: str) -> bool:

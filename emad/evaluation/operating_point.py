@@ -21,6 +21,7 @@ from emad.config import Section
 from emad.decode import Method
 from emad.decode.step import check_pairing
 from emad.decode.strategy import Strategy
+from emad.evaluation.identity import family_of
 from emad.exits.batching import BATCH_EXITS, check_batch_exit
 from emad.exits.criteria import CRITERIA
 from emad.exits.estimators import ESTIMATORS
@@ -150,7 +151,7 @@ class PointConfig(Section):
     def family(self) -> str:
         """The method family as reports group it: the method, marked with its readout unless ``logit``
         (``emad``, ``emad+tuned``), so verdicts and figures read family × readout."""
-        return self.method if self.readout == "logit" else f"{self.method}+{self.readout}"
+        return family_of(self.method, self.readout)
 
     @property
     def is_strategy(self) -> bool:

@@ -2,7 +2,7 @@
 
 ``emad-tuned: {method: emad, readout: tuned, margin: [0.5, 1, 2]}`` expands to the points ``emad-tuned_0.5``,
 ``emad-tuned_1`` and ``emad-tuned_2``, each a first-class point (its own run file, MLflow run and report row) that
-remembers its :class:`Curve`: the sweep it belongs to, the knob and the value. Everything here runs while the
+remembers its :class:`SweepPosition`: the sweep it belongs to, the knob and the value. Everything here runs while the
 params are validated, so a bad sweep fails before any stage works.
 """
 
@@ -16,7 +16,7 @@ from emad.exits.criteria import CRITERIA
 from emad.methods import STRATEGIES
 
 
-class Curve(Section):
+class SweepPosition(Section):
     """Where a point sits on its family's curve: ``curve`` (the sweep's name in params, or the point's own when it
     is not swept), ``knob`` (the method's knob, None for a method without one) and its ``value``."""
 
@@ -50,11 +50,11 @@ def _values(where: str, values: list) -> list[float]:
     return values
 
 
-def expand_table(table: str, points: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Curve]]:
+def expand_table(table: str, points: dict[str, Any]) -> tuple[dict[str, Any], dict[str, SweepPosition]]:
     """Expand the swept points of ``decode.<table>``.
 
     Returns:
-        The table with each swept point replaced by its points (in the listed order), and the :class:`Curve` of
+        The table with each swept point replaced by its points (in the listed order), and the :class:`SweepPosition` of
         each expanded point.
 
     Raises:
@@ -62,7 +62,7 @@ def expand_table(table: str, points: dict[str, Any]) -> tuple[dict[str, Any], di
             more than one list, an empty list, a non-numeric or duplicate value, an expanded name that is taken.
     """
     out: dict[str, Any] = {}
-    curves: dict[str, Curve] = {}
+    curves: dict[str, SweepPosition] = {}
     for name, raw in points.items():
         lists = [k for k, v in raw.items() if isinstance(v, list)] if isinstance(raw, dict) else []
         if not lists:
@@ -81,5 +81,5 @@ def expand_table(table: str, points: dict[str, Any]) -> tuple[dict[str, Any], di
                 raise ValueError(f"{where}.{knob}: the value {value!r} makes point {expanded!r}, a name already "
                                  f"taken in decode.{table}; rename one of them")
             out[expanded] = {**raw, knob: value}
-            curves[expanded] = Curve(curve=name, knob=knob, value=float(value))
+            curves[expanded] = SweepPosition(curve=name, knob=knob, value=float(value))
     return out, curves

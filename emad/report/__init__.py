@@ -1,4 +1,10 @@
-"""The aggregate stage's library: Pareto data, the falsification verdict, tables, figures and the report.
+"""The aggregate stage's library, by what each module makes.
+
+- frontier data: :mod:`.frontier` (rows of quality against cost, Pareto frontiers, speed-ups, oracle bounds) and
+  :mod:`.curves` (each family's curve read at equal FLOPs);
+- the verdict: :mod:`.verdict` (C1, C2) on :mod:`.checks` (tolerance checks with intervals);
+- tables: :mod:`.tables`, :mod:`.readouts`; report.md, metrics.json and details.json: :mod:`.render`;
+- figures: :mod:`.figures` (the curve figures), :mod:`.plots` (the other stages' figures), :mod:`.heatmap`.
 
 Every function takes run records (dicts in the ``emad-run`` format of :mod:`emad.evaluation.runfile`) and returns plain
 data, a matplotlib figure or text; nothing here reads run files or knows about reports/. A typical sequence::
@@ -17,10 +23,10 @@ data, a matplotlib figure or text; nothing here reads run files or knows about r
     curves = model_curves(others)                      # each family's swept points read at equal FLOPs
 """
 
-from emad.report.envelopes import (
+from emad.report.curves import (
     AtFlops,
+    Curve,
     CurvePoint,
-    FamilyCurve,
     at_flops,
     domain_curves,
     domain_shift_curves,
@@ -28,7 +34,7 @@ from emad.report.envelopes import (
     largest_reduction,
     model_curves,
 )
-from emad.report.figures import (
+from emad.report.figures.frontier import (
     domain_shift_figure,
     overview_figure,
     pareto_figure,
@@ -36,7 +42,7 @@ from emad.report.figures import (
     write_overview_figure,
     write_pareto_figures,
 )
-from emad.report.pareto import (
+from emad.report.frontier import (
     ParetoSeries,
     baselines,
     frontier,
@@ -57,6 +63,7 @@ from emad.report.verdict import (
     C1Result,
     C2Result,
     Check,
+    CriterionResult,
     ModelVerdict,
     PointAssessment,
     Thresholds,
@@ -66,9 +73,9 @@ from emad.report.verdict import (
 )
 
 __all__ = [
-    "AtFlops", "FamilyCurve", "CurvePoint", "at_flops", "domain_curves", "domain_shift_curves", "envelope",
+    "AtFlops", "Curve", "CurvePoint", "at_flops", "domain_curves", "domain_shift_curves", "envelope",
     "largest_reduction", "model_curves", "run_details",
-    "C1Result", "C2Result", "Check", "ModelVerdict", "ParetoSeries", "PointAssessment", "Thresholds",
+    "C1Result", "C2Result", "Check", "CriterionResult", "ModelVerdict", "ParetoSeries", "PointAssessment", "Thresholds",
     "ablation_markdown", "ablation_tables", "baselines", "domain_shift_markdown", "domain_shift_table",
     "family_verdicts", "frontier", "metrics_summary", "model_verdict", "oracle_bounds", "oracle_flops_ratio",
     "pareto_data", "pareto_figure", "point_label", "report_markdown", "speedup", "verdict",

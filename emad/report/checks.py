@@ -16,7 +16,7 @@ from typing import Any
 
 from emad.evaluation.intervals import MET, UNRESOLVED, VIOLATED, Interval, change_interval, tolerance_state
 from emad.evaluation.runfile import samples_of
-from emad.report.pareto import higher_is_better
+from emad.report.frontier import higher_is_better
 
 STATE_RANK = {MET: 0, UNRESOLVED: 1, VIOLATED: 2}
 

@@ -1,220 +1,249 @@
-"""Pure data preparation for the curve figures: family styles, the quality scale, and curves through the points.
+"""Curves read at equal FLOPs: every operating point of a family as quality against FLOPs, and its envelope.
 
-Nothing here draws. :func:`family_style` gives every family a fixed (colour, marker) pair, so a family looks the
-same in every figure; :class:`QualityScale` maps a series' quality to what the figures show (perplexity as a ratio
-to full depth on a log axis, other metrics as a change in points); :func:`curves` groups the rows of a
-:class:`~emad.report.pareto.ParetoSeries` into one :class:`Curve` per sweep × calibration, ordered by cost.
+A sweep gives a family (``emad``, ``emad+tuned``, ``fixed``, ...) many operating points along one knob (run fields
+``curve``, ``knob``, ``value``). A :class:`Curve` is every operating point of one family for one model, as pairs
+``(flops_ratio, y)``, named by its :class:`~emad.evaluation.identity.CurveId`:
 
-Rows may carry ``curve``, ``knob``, ``value``, ``readout`` and ``domain`` (sweeps); without them every family ×
-calibration is one curve.
+- on the model (``domain`` None): the verdict's points (:class:`~emad.report.verdict.PointAssessment`: evaluated on
+  every domain of the model, FLOPs token-weighted over them, every calibration source), so its readings sit beside
+  C1 and C2;
+- on one domain and one calibration source (``calibration`` None for families without a profile): that domain's
+  FLOPs ratio and checks of the same points.
+
+``y`` is a degradation against full depth, positive = worse: the *tolerance used* — the largest ``change /
+tolerance`` over the point's checks (:func:`emad.report.checks.tolerance_used`; 1 = at the tolerance) — or one
+metric's change (relative rise of perplexity, absolute drop of an accuracy; the worst domain on the model).
+
+Envelope. A curve is read along its lower frontier (its monotone envelope): the points that no other point of the
+family beats on both axes (at most as many FLOPs and at most as much degradation, strictly less of one), sorted by
+FLOPs ratio, so that degradation falls strictly as FLOPs rise; equal points keep the first label. Between
+consecutive frontier points it is a straight line; above the costliest frontier point it stays flat (that point is
+available at any larger budget); below the cheapest it is undefined. So its value at a FLOPs ratio ``x`` exists
+exactly when some point spends at most ``x`` ("the curve reaches ``x``"), and is never worse than a measured point
+spending at most ``x``. The measured frontier points on either side are given with it: ``cheaper`` (the costliest
+at ≤ ``x``) and ``costlier`` (the cheapest at ≥ ``x``; None on the flat part); both are the point itself when one
+sits at ``x``; when the curve does not reach ``x``, ``cheaper`` is None and ``costlier`` is its cheapest point.
+The straight line between two points is an interpolation, not an operating point anyone ran.
+
+The target is ``x = 1 − aggregate.min_flops_reduction`` (0.85: 15% fewer FLOPs). The largest reduction within
+tolerance is the point with the largest FLOPs reduction whose checks are all met or unresolved (none violated;
+``largest_met``: all met), measured, not interpolated.
+
+Domain shift: each per-domain curve calibrated on another source is read beside the in-domain curve of the same
+model, family and domain (calibration source = domain) at common FLOPs ratios (:data:`SHIFT_RATIOS` and the target).
 """
 
 from __future__ import annotations
 
 import math
-import zlib
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-FULL, ORACLE = "full", "oracle"
+from emad.evaluation.identity import CurveId, split_family
+from emad.evaluation.intervals import MET, UNRESOLVED
+from emad.report.checks import Check, combined_state, tolerance_used
+from emad.report.frontier import finite
+from emad.report.verdict import ModelVerdict, PointAssessment
 
-# Base method -> colour (matplotlib tab10 / tab20, all distinct) and one marker per readout.
-_METHOD_COLOURS = {"emad": "#d62728", "fixed": "#1f77b4", "confidence": "#ff7f0e", "softmax": "#2ca02c",
-                   "contrastive": "#9467bd", "ead": "#8c564b", "speculative": "#e377c2", "calm": "#17becf",
-                   "related": "#bcbd22"}
-_TUNED_COLOURS = {"emad": "#7f0000", "fixed": "#08306b", "confidence": "#a63603", "softmax": "#00441b",
-                  "contrastive": "#3f007d", "ead": "#4a2b20", "speculative": "#8e0152", "calm": "#0b5c66",
-                  "related": "#6b6b00"}
-_READOUT_MARKERS = {"logit": "o", "tuned": "s"}
-_FIXED_STYLES = {FULL: ("black", "*"), ORACLE: ("#2ca02c", "x")}
-# Fallback combinations for families not in the table: probed in order from a hash of the name.
-_SPARE_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-                  "#bcbd22", "#17becf")
-_SPARE_MARKERS = ("^", "v", "D", "P", "X", "<", ">", "h", "p", "d")
+EPS = 1e-9
+TOLERANCE_USED = "tolerance_used"
+SHIFT_RATIOS = (0.95, 0.9, 0.85, 0.8, 0.7)
 
 
 @dataclass(frozen=True)
-class Style:
-    """How one family is drawn: line and marker colour, and marker."""
+class CurvePoint:
+    """One measured operating point on a curve: ``value`` is the degradation (positive = worse), ``state`` the
+    combined state of its checks (``met``, ``unresolved``, ``violated``; None when not judged)."""
 
-    colour: str
-    marker: str
+    label: str
+    flops_ratio: float
+    value: float
+    state: str | None = None
 
+    @property
+    def reduction(self) -> float:
+        return 1.0 - self.flops_ratio
 
-def split_family(family: str) -> tuple[str, str]:
-    """``("emad", "tuned")`` for ``"emad+tuned"``, ``("emad", "logit")`` for ``"emad"``."""
-    method, _, readout = family.partition("+")
-    return method, readout or "logit"
-
-
-def _table_style(family: str) -> Style | None:
-    if family in _FIXED_STYLES:
-        return Style(*_FIXED_STYLES[family])
-    method, readout = split_family(family)
-    if method not in _METHOD_COLOURS or readout not in _READOUT_MARKERS:
-        return None
-    colours = _METHOD_COLOURS if readout == "logit" else _TUNED_COLOURS
-    return Style(colours[method], _READOUT_MARKERS[readout])
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "flops_reduction": self.reduction}
 
 
-def family_styles(families: Iterable[str]) -> dict[str, Style]:
-    """A distinct :class:`Style` for every family: from the fixed table when known (the same in every figure),
-    else the first free spare combination from a hash of the name (deterministic for a given set of families)."""
-    names = sorted(set(families))
-    out = {f: s for f in names if (s := _table_style(f)) is not None}
-    taken = {(s.colour, s.marker) for s in out.values()}
-    spare = [(c, m) for m in _SPARE_MARKERS for c in _SPARE_COLOURS]
-    for f in names:
-        if f in out:
-            continue
-        start = zlib.crc32(f.encode()) % len(spare)
-        for k in range(len(spare)):
-            combo = spare[(start + k) % len(spare)]
-            if combo not in taken:
-                break
-        taken.add(combo)
-        out[f] = Style(*combo)
+@dataclass(frozen=True)
+class AtFlops:
+    """A curve read at ``flops_ratio``: ``value`` on its envelope (None when the curve does not reach it) with the
+    measured frontier points on either side (see the module docstring)."""
+
+    flops_ratio: float
+    value: float | None
+    cheaper: CurvePoint | None
+    costlier: CurvePoint | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"flops_ratio": self.flops_ratio, "value": self.value,
+                "cheaper": self.cheaper.to_dict() if self.cheaper else None,
+                "costlier": self.costlier.to_dict() if self.costlier else None}
+
+
+def envelope(points: Iterable[CurvePoint]) -> list[CurvePoint]:
+    """The lower frontier of ``points`` sorted by ascending FLOPs ratio (degradation strictly falling); points
+    with a non-finite FLOPs ratio or value are left out."""
+    valid = sorted((p for p in points if finite(p.flops_ratio) and finite(p.value)),
+                   key=lambda p: (p.flops_ratio, p.value, p.label))
+    out: list[CurvePoint] = []
+    for p in valid:  # at equal cost the best comes first; a later point must be strictly better to stay
+        if not out or p.value < out[-1].value:
+            out.append(p)
     return out
 
 
-def family_style(family: str, others: Sequence[str] = ()) -> tuple[str, str]:
-    """(marker, colour) of ``family`` among ``others`` (the families of the same figure)."""
-    s = family_styles([*others, family])[family]
-    return s.marker, s.colour
+def at_flops(points: Iterable[CurvePoint], flops_ratio: float) -> AtFlops:
+    """The envelope of ``points`` read at ``flops_ratio`` (see the module docstring)."""
+    env = envelope(points)
+    if not env or env[0].flops_ratio > flops_ratio + EPS:
+        return AtFlops(flops_ratio, None, None, env[0] if env else None)
+    cheaper = [p for p in env if p.flops_ratio <= flops_ratio + EPS][-1]
+    if abs(cheaper.flops_ratio - flops_ratio) <= EPS:
+        return AtFlops(flops_ratio, cheaper.value, cheaper, cheaper)
+    costlier = next((p for p in env if p.flops_ratio > flops_ratio), None)
+    if costlier is None:
+        return AtFlops(flops_ratio, cheaper.value, cheaper, None)
+    t = (flops_ratio - cheaper.flops_ratio) / (costlier.flops_ratio - cheaper.flops_ratio)
+    return AtFlops(flops_ratio, cheaper.value + t * (costlier.value - cheaper.value), cheaper, costlier)
 
 
-def finite(x: Any) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
-
-
-@dataclass(frozen=True)
-class QualityScale:
-    """What a figure's y axis shows for one series.
-
-    ``kind`` is ``ratio`` (lower-better metric over its full-depth value, log axis), ``points`` (change vs full
-    depth, in points = 0.01), ``log`` or ``raw`` (no full-depth run to compare with).
-    """
-
-    kind: str
-    full: float | None
-    tolerance: float | None
-    label: str  # follows the metric's name on the axis
-
-    @property
-    def log(self) -> bool:
-        return self.kind in ("ratio", "log")
-
-    def __call__(self, quality: Any, full_quality: float | None) -> float:
-        """The shown value of ``quality`` (inf / nan kept: the figure puts them at the edge)."""
-        if not finite(quality):  # missing or diverged: the worst end of the axis
-            return math.inf if self.log else -math.inf
-        if self.kind == "ratio":
-            return quality / full_quality
-        if self.kind == "points":
-            return 100.0 * (quality - full_quality)
-        return float(quality)
-
-
-def quality_scale(metric: str, higher_better: bool, full_quality: float | None, ppl_rel_tol: float,
-                  acc_abs_tol: float) -> QualityScale:
-    """The y scale of a series and where full depth and the tolerance (as the verdict reads it) sit on it."""
-    has_full = finite(full_quality) and full_quality > 0
-    if not higher_better:
-        if has_full:
-            return QualityScale("ratio", 1.0, 1.0 + ppl_rel_tol,
-                                " ÷ full depth (log scale; lower is better)")
-        return QualityScale("log", None, None, " (log scale; lower is better)")
-    if finite(full_quality):
-        return QualityScale("points", 0.0, -100.0 * acc_abs_tol,
-                            ": change vs full depth (points; higher is better)")
-    return QualityScale("raw", None, None, " (higher is better)")
-
-
-def in_domain(calibration: str | None, domain: str) -> bool:
-    """True when the calibration source is the evaluated domain, or there is no calibration (no profile)."""
-    if not calibration:
-        return True
-    return calibration.split("+")[0] == domain
+def largest_reduction(points: Iterable[CurvePoint], states: Sequence[str] = (MET, UNRESOLVED)) -> CurvePoint | None:
+    """The point with the largest FLOPs reduction whose state is in ``states`` (ties: the smaller degradation,
+    then the label); None when there is none."""
+    ok = [p for p in points if p.state in states and finite(p.flops_ratio)]
+    return min(ok, key=lambda p: (p.flops_ratio, p.value if finite(p.value) else math.inf, p.label), default=None)
 
 
 @dataclass
 class Curve:
-    """One family's points of one sweep and calibration source, ordered by ascending cost."""
+    """One family's curve for one model: on the model (``domain`` None) or on one domain and calibration source.
 
+    ``points``: the tolerance used per point; ``metrics``: ``{metric: points}`` with that metric's change;
+    ``target``: the FLOPs ratio of C1 (1 − min_flops_reduction).
+    """
+
+    model: str
     family: str
-    curve: str
+    domain: str | None
     calibration: str | None
-    in_domain: bool
-    knob: str | None = None
-    points: list[dict[str, Any]] = field(default_factory=list)
+    target: float
+    points: list[CurvePoint] = field(default_factory=list)
+    metrics: dict[str, list[CurvePoint]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, cid: CurveId, target: float) -> Curve:
+        """The empty curve named by ``cid``."""
+        return cls(cid.model, cid.family, cid.domain, cid.calibration, target)
 
     @property
-    def label(self) -> str:
-        return self.family if not self.calibration else f"{self.family} (cal {self.calibration})"
+    def id(self) -> CurveId:
+        return CurveId(self.model, *split_family(self.family), calibration=self.calibration, domain=self.domain)
+
+    def at(self, flops_ratio: float, metric: str = TOLERANCE_USED) -> AtFlops:
+        """The tolerance used (or ``metric``'s change) read at ``flops_ratio``."""
+        return at_flops(self.points if metric == TOLERANCE_USED else self.metrics.get(metric, []), flops_ratio)
+
+    @property
+    def at_target(self) -> AtFlops:
+        return self.at(self.target)
+
+    @property
+    def largest_ok(self) -> CurvePoint | None:
+        """The largest FLOPs reduction with every check met or unresolved."""
+        return largest_reduction(self.points)
+
+    @property
+    def largest_met(self) -> CurvePoint | None:
+        """The largest FLOPs reduction with every check met."""
+        return largest_reduction(self.points, (MET,))
+
+    def to_dict(self) -> dict[str, Any]:
+        ok, met = self.largest_ok, self.largest_met
+        return {"model": self.model, "family": self.family, "domain": self.domain, "calibration": self.calibration,
+                "target_flops_ratio": self.target, "at_target": self.at_target.to_dict(),
+                "metrics_at_target": {m: self.at(self.target, m).to_dict() for m in sorted(self.metrics)},
+                "largest_ok": ok.to_dict() if ok else None, "largest_met": met.to_dict() if met else None,
+                "points": [p.to_dict() for p in sorted(self.points, key=lambda p: (p.flops_ratio, p.label))]}
 
 
-def curves(rows: Sequence[dict[str, Any]], x_key: str, domain: str) -> list[Curve]:
-    """One :class:`Curve` per (family, ``curve``, calibration) of ``rows`` whose ``x_key`` is finite, skipping
-    full-depth and oracle rows; points ordered by ``x_key`` then knob value; curves ordered by family, curve,
-    calibration (in-domain first)."""
-    groups: dict[tuple, Curve] = {}
-    for r in rows:
-        family = r.get("family") or "?"
-        if family in (FULL, ORACLE) or not finite(r.get(x_key)):
+def _curve(cid: CurveId, target: float, assessed: Sequence[PointAssessment]) -> Curve:
+    curve, domain = Curve.of(cid, target), cid.domain
+    for p in assessed:
+        checks: list[Check] = p.checks if domain is None else [c for c in p.checks if c.domain == domain]
+        flops = p.flops_ratio if domain is None else p.flops_by_domain.get(domain)
+        if flops is None or not checks:
             continue
-        cal = r.get("calibration")
-        name = r.get("curve") or family
-        key = (family, name, cal)
-        if key not in groups:
-            groups[key] = Curve(family, name, cal, in_domain(cal, r.get("domain") or domain), r.get("knob"))
-        groups[key].points.append(r)
-    for c in groups.values():
-        c.points.sort(key=lambda r: (r[x_key], r.get("value") if finite(r.get("value")) else 0.0))
-    return sorted(groups.values(), key=lambda c: (c.family, c.curve, not c.in_domain, c.calibration or ""))
+        curve.points.append(CurvePoint(p.label, flops, tolerance_used(checks), combined_state(checks)))
+        for metric in sorted({c.metric for c in checks}):
+            mine = [c for c in checks if c.metric == metric]
+            curve.metrics.setdefault(metric, []).append(
+                CurvePoint(p.label, flops, max(c.change for c in mine), combined_state(mine)))
+    return curve
 
 
-def clip(values: Sequence[float], lo: float, hi: float) -> tuple[list[float], list[bool]]:
-    """``values`` clamped into [lo, hi] (non-finite ones to the nearer edge) and a flag per value that moved."""
-    out, moved = [], []
-    for v in values:
-        c = hi if (math.isnan(v) or v > hi) else lo if v < lo else v
-        out.append(c)
-        moved.append(c != v)
-    return out, moved
+def _verdicts(family_verdicts: Mapping[str, Mapping[str, ModelVerdict]]) -> list[tuple[CurveId, ModelVerdict]]:
+    """Each verdict with the identity of its curve on the model (every domain, no calibration source)."""
+    return [(CurveId(model, *split_family(family)), v) for family, per in family_verdicts.items()
+            for model, v in per.items()]
 
 
-def y_limits(values: Iterable[float], scale: QualityScale, ratio_cap: float = 1e6, ratio_floor: float = 0.1,
-             points_floor: float = -100.0) -> tuple[float, float]:
-    """Axis limits that hold every finite shown value, the full-depth level and the tolerance (padded), within
-    [``ratio_floor``, ``ratio_cap``] for ratios (points beyond go to the edge) and above ``points_floor``."""
-    vals = [v for v in values if finite(v)]
-    marks = [v for v in (scale.full, scale.tolerance) if v is not None]
-    if scale.log:
-        pos = [v for v in vals + marks if v > 0] or [1.0]
-        lo, hi = min(pos), max(pos)
-        if scale.kind == "ratio":
-            lo, hi = max(lo, ratio_floor), min(hi, ratio_cap)
-        return lo / 1.6, hi * 1.6
-    allv = vals + marks or [0.0]
-    lo, hi = max(min(allv), points_floor), max(allv)
-    pad = max(0.06 * (hi - lo), 0.5 if scale.kind == "points" else 0.02)
-    return lo - pad, hi + pad
+def model_curves(family_verdicts: Mapping[str, Mapping[str, ModelVerdict]]) -> list[Curve]:
+    """One curve per model × family over the verdict's points (``{family: {model: ModelVerdict}}``, as from
+    :func:`emad.report.verdict.family_verdicts`), sorted by (model, family)."""
+    out = [_curve(cid, 1.0 - v.thresholds.min_flops_reduction, v.points) for cid, v in _verdicts(family_verdicts)]
+    return sorted(out, key=lambda c: (c.model, c.family))
 
 
-def plot_fields(series, row: dict[str, Any], ppl_rel_tol: float = 0.01, acc_abs_tol: float = 0.01) -> dict[str, Any]:
-    """Fields the ``dvc plots`` template draws with, for one row of ``series.plot_rows()``.
+def domain_curves(family_verdicts: Mapping[str, Mapping[str, ModelVerdict]]) -> list[Curve]:
+    """One curve per model × family × calibration source × domain, sorted in that order (no source first)."""
+    out = []
+    for cid, v in _verdicts(family_verdicts):
+        target = 1.0 - v.thresholds.min_flops_reduction
+        for cal in sorted({p.calibration for p in v.points}, key=lambda c: c or ""):
+            mine = [p for p in v.points if p.calibration == cal]
+            out += [_curve(cid.calibrated_on(cal).on(d), target, mine) for d in v.domains]
+    return sorted(out, key=lambda c: (c.model, c.family, c.calibration or "", c.domain or ""))
+
+
+def _difference(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else b - a
+
+
+def domain_shift_curves(curves: Sequence[Curve], ratios: Sequence[float] = SHIFT_RATIOS) -> list[dict[str, Any]]:
+    """Each shifted per-domain curve (calibration source ≠ domain) beside the in-domain one at equal FLOPs.
 
     Returns:
-        ``quality_vs_full`` (the quality as the figures show it: ratio to full depth for lower-better metrics,
-        change in points otherwise; the raw quality without a full-depth run; None when not finite),
-        ``tolerance_vs_full`` (the verdict's tolerance on that scale; None without a full-depth run),
-        ``calibration_kind`` (``in-domain``, ``shifted`` or ``none``) and ``line`` (the curve the row belongs to).
+        One row per shifted curve, sorted by (model, family, domain, calibration): ``model, family, domain,
+        calibration, in_domain`` (whether an in-domain curve exists), ``at``: per FLOPs ratio (``ratios`` and the
+        target, descending) ``{flops_ratio, in_domain, shifted, difference}`` of the tolerance used (difference =
+        shifted − in-domain; None where a curve does not reach the ratio), ``metrics``: the same per metric, and
+        ``largest_ok``: ``{in_domain, shifted}`` FLOPs reductions within tolerance (None: no such point).
     """
-    scale = quality_scale(series.metric, series.higher_better, series.full_quality, ppl_rel_tol, acc_abs_tol)
-    shown = scale(row.get("quality"), series.full_quality)
-    family, cal = row.get("family") or "?", row.get("calibration")
-    kind = "none" if not cal else "in-domain" if in_domain(cal, row.get("domain") or series.domain) else "shifted"
-    name = row.get("point") if family in (FULL, ORACLE) else row.get("curve") or family
-    return {"quality_vs_full": shown if finite(shown) else None, "tolerance_vs_full": scale.tolerance,
-            "calibration_kind": kind, "line": f"{family} | {name} | {cal or '-'}"}
+    in_dom = {c.id: c for c in curves if c.domain and c.calibration == c.domain}
+    rows = []
+    for c in curves:
+        if not c.calibration or c.id.in_domain:
+            continue
+        ref = in_dom.get(c.id.calibrated_on(c.domain))
+        grid = sorted({*ratios, c.target}, reverse=True)
+
+        def read(metric: str, ref: Curve | None = ref, c: Curve = c, grid: list[float] = grid) -> list[dict]:
+            cells = []
+            for x in grid:
+                a = ref.at(x, metric).value if ref else None
+                b = c.at(x, metric).value
+                cells.append({"flops_ratio": x, "in_domain": a, "shifted": b, "difference": _difference(a, b)})
+            return cells
+
+        ok_ref, ok = (ref.largest_ok if ref else None), c.largest_ok
+        rows.append({"model": c.model, "family": c.family, "domain": c.domain, "calibration": c.calibration,
+                     "in_domain": ref is not None, "at": read(TOLERANCE_USED),
+                     "metrics": {m: read(m) for m in sorted(c.metrics)},
+                     "largest_ok": {"in_domain": ok_ref.reduction if ok_ref else None,
+                                    "shifted": ok.reduction if ok else None}})
+    return sorted(rows, key=lambda r: (r["model"], r["family"], r["domain"], r["calibration"]))

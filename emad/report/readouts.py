@@ -6,11 +6,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from emad.report.pareto import oracle_bounds
+from emad.evaluation.identity import LOGIT, family_of, split_family
+from emad.report.frontier import oracle_bounds
 from emad.report.tables import fmt, markdown_table
 from emad.report.verdict import ModelVerdict
 
-TUNED = "+tuned"
+TUNED = "tuned"
 
 
 def layer_table(fit: Mapping[str, Any]) -> str:
@@ -38,9 +39,10 @@ def frontier_shift(family_verdicts: Mapping[str, Mapping[str, ModelVerdict]]) ->
     """Per family with a tuned twin and model: C1's deciding point under each readout (its FLOPs reduction and
     its check furthest past or closest to the tolerance)."""
     rows = []
-    for family in sorted(f for f in family_verdicts if not f.endswith(TUNED) and f + TUNED in family_verdicts):
+    for family in sorted(f for f in family_verdicts
+                         if split_family(f)[1] == LOGIT and family_of(f, TUNED) in family_verdicts):
         for model, logit in sorted(family_verdicts[family].items()):
-            tuned = family_verdicts[family + TUNED].get(model)
+            tuned = family_verdicts[family_of(family, TUNED)].get(model)
             if tuned is None:
                 continue
             rows.append([family, model, logit.c1.outcome, _closest(logit), tuned.c1.outcome, _closest(tuned)])

@@ -13,8 +13,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from emad.report.envelopes import FamilyCurve, domain_curves, domain_shift_curves, model_curves
-from emad.report.pareto import FULL, baselines, point_label, speedup
+from emad.report.curves import Curve, domain_curves, domain_shift_curves, model_curves
+from emad.report.frontier import FULL, baselines, point_label, speedup
 from emad.report.readouts import readouts_markdown
 from emad.report.tables import (
     CURVE_NOTE,
@@ -255,7 +255,7 @@ def _families(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, ModelVerdic
     return out
 
 
-def _headline(curve: FamilyCurve, v: ModelVerdict) -> dict[str, Any]:
+def _headline(curve: Curve, v: ModelVerdict) -> dict[str, Any]:
     ppl = curve.at(curve.target, "perplexity").value if "perplexity" in curve.metrics else None
     ok = curve.largest_ok
     return _clean({"c1": v.c1.outcome, "c2": v.c2.outcome, "tolerance_used_at_target": curve.at_target.value,
@@ -266,7 +266,7 @@ def metrics_summary(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, Model
                     family_verdicts: Mapping[str, Mapping[str, ModelVerdict]] | None = None) -> dict[str, Any]:
     """reports/metrics.json, headline numbers only: ``{model: {family: headline}}``, no nulls.
 
-    A headline (:mod:`emad.report.envelopes`, read on the family's curve over the model's domains): ``c1``, ``c2``
+    A headline (:mod:`emad.report.curves`, read on the family's curve over the model's domains): ``c1``, ``c2``
     (``pass``, ``fail`` = falsified, ``unresolved`` at this sample size); ``tolerance_used_at_target`` (the
     largest change / tolerance over the checks, 1 = at the tolerance) and ``perplexity_at_target`` (relative
     rise, worst domain) at the FLOPs ratio 1 − ``min_flops_reduction``, interpolated on the envelope (left out
@@ -293,8 +293,8 @@ def run_details(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, ModelVerd
     of the judged method; ``best``: its deciding points with the FLOPs reduction (C1) and speed-up (C2);
     ``runs``: FLOPs and bytes ratios, speed-up, mean depth and quality metrics per operating point and domain,
     each metric with its 95% interval and sample size (``<metric>.lo``, ``.hi``, ``.n``; left out when
-    undefined), no nulls. ``curves`` / ``domain_curves``: :meth:`emad.report.envelopes.FamilyCurve.to_dict` on the model
-    and per domain × calibration source; ``domain_shift``: :func:`emad.report.envelopes.domain_shift_curves`.
+    undefined), no nulls. ``curves`` / ``domain_curves``: :meth:`emad.report.curves.Curve.to_dict` on the model
+    and per domain × calibration source; ``domain_shift``: :func:`emad.report.curves.domain_shift_curves`.
     """
     base = baselines(runs)
     models: dict[str, Any] = {}

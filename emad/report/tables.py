@@ -8,7 +8,7 @@ such as perplexity, absolute for the others, as in the verdict; ``vs_full_ci``: 
 on that domain (calibration source == domain), the change against it (``vs_in_domain``: savings as a plain
 difference, this cell minus the in-domain cell; metrics relative / absolute as in ``vs_full``).
 
-FamilyCurve tables (:mod:`emad.report.envelopes`) — per model × family (and per calibration source × domain): the
+Curve tables (:mod:`emad.report.curves`) — per model × family (and per calibration source × domain): the
 tolerance used and the perplexity change read at the target FLOPs ratio on the family's envelope, the measured
 points on either side, and the largest FLOPs reduction within tolerance; the domain-shift comparison of curves
 calibrated in-domain and shifted at equal FLOPs.
@@ -24,9 +24,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from emad.evaluation.identity import CurveId
 from emad.report.checks import change_of
-from emad.report.envelopes import TOLERANCE_USED, AtFlops, CurvePoint, FamilyCurve
-from emad.report.pareto import baselines, higher_is_better, speedup
+from emad.report.curves import TOLERANCE_USED, AtFlops, Curve, CurvePoint
+from emad.report.frontier import baselines, higher_is_better, speedup
 
 _MISSING = object()
 
@@ -57,7 +58,7 @@ def _shift_cell(run: dict, base: dict | None, in_domain: dict | None) -> dict[st
     q = run.get("quality", {})
     bq = base.get("quality", {}) if base else {}
     cell = {"model": run["model"], "point": run["point"], "calibration": run["calibration"],
-            "domain": run["domain"], "run_id": run["run_id"], "in_domain": run["calibration"] == run["domain"],
+            "domain": run["domain"], "run_id": run["run_id"], "in_domain": CurveId.of_run(run).in_domain,
             "savings": _savings(run), "quality": dict(sorted(q.items())),
             "vs_full": {m: quality_change(m, v, bq.get(m)) for m, v in sorted(q.items())},
             "vs_full_ci": {m: _vs_full_ci(m, run, base) for m in sorted(q)}, "vs_in_domain": None}
@@ -77,7 +78,7 @@ def domain_shift_table(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """
     base = baselines(runs)
     cal_runs = [r for r in runs if r.get("calibration")]
-    in_dom = {(r["model"], r["point"], r["domain"]): r for r in cal_runs if r["calibration"] == r["domain"]}
+    in_dom = {(r["model"], r["point"], r["domain"]): r for r in cal_runs if CurveId.of_run(r).in_domain}
     cells = [_shift_cell(r, base.get((r["model"], r["domain"])), in_dom.get((r["model"], r["point"], r["domain"])))
              for r in cal_runs]
     return sorted(cells, key=lambda c: (c["model"], c["point"], c["calibration"], c["domain"]))
@@ -275,7 +276,7 @@ def fmt_largest(p: CurvePoint | None) -> str:
     return "none" if p is None else f"{p.reduction:.1%} ({p.label}, {p.state})"
 
 
-def _curve_cells(c: FamilyCurve) -> list[str]:
+def _curve_cells(c: Curve) -> list[str]:
     at = c.at_target
     ppl = c.at(c.target, "perplexity") if "perplexity" in c.metrics else None
     return [fmt_degradation(TOLERANCE_USED, at.value), fmt_between(at),
@@ -289,7 +290,7 @@ CURVE_NOTE = ("Read on each family's lower frontier (its monotone envelope: poin
               "within tolerance: the measured point with most FLOPs saved and no check violated (met or unresolved).")
 
 
-def curves_markdown(curves: Sequence[FamilyCurve], outcomes: Mapping[tuple[str, str], tuple[str, str]] | None = None) -> str:
+def curves_markdown(curves: Sequence[Curve], outcomes: Mapping[tuple[str, str], tuple[str, str]] | None = None) -> str:
     """One row per model × family (curves on the model): C1 and C2 (``outcomes[(model, family)]``), the tolerance
     used and perplexity change at the target FLOPs, the points beside it, the largest reduction within tolerance."""
     if not curves:
@@ -301,7 +302,7 @@ def curves_markdown(curves: Sequence[FamilyCurve], outcomes: Mapping[tuple[str, 
                            "measured beside it", "perplexity", "largest reduction within tolerance"], rows)
 
 
-def domain_curves_markdown(curves: Sequence[FamilyCurve]) -> str:
+def domain_curves_markdown(curves: Sequence[Curve]) -> str:
     """One row per model × family × calibration source × domain (the curves on one domain)."""
     if not curves:
         return "_No curves._"

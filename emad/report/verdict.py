@@ -28,14 +28,13 @@ Comparisons allow a slack of 1e-9 so that values exactly at a threshold pass.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from emad.evaluation.intervals import MET, UNRESOLVED, VIOLATED
 from emad.report.checks import Check, build_check, combined_state
-from emad.report.pareto import FULL, baselines, higher_is_better, point_label
+from emad.report.frontier import FULL, baselines, finite, higher_is_better, point_label
 
 EPS = 1e-9
 
@@ -108,21 +107,12 @@ PASS, FAIL = "pass", "fail"  # a criterion's outcome: PASS, FAIL (falsified) or 
 
 
 @dataclass
-class C1Result:
-    """C1 and its literal reading. ``outcome``: ``pass``, ``fail`` (falsified) or ``unresolved``.
-
-    ``deciding``: the met point with the largest reduction (pass); else the unresolved point with the largest
-    reduction (unresolved); else the point with ≥ the required reduction closest to its tolerances, else the
-    point with the largest reduction (fail). ``unresolved_points``: points with ≥ the reduction whose state is
-    unresolved; ``literal_points``: those that are violated.
-    """
+class CriterionResult:
+    """One criterion's outcome (``pass``, ``fail`` = falsified, or ``unresolved``), the point that decides it
+    and the sentence that says so."""
 
     outcome: str
     deciding: PointAssessment | None
-    literal: bool
-    literal_points: list[str]
-    text: str
-    unresolved_points: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -134,6 +124,26 @@ class C1Result:
 
     def sentence(self) -> str:
         return self.text
+
+    def _head(self) -> dict[str, Any]:
+        return {"outcome": self.outcome, "passed": self.passed, "falsified": self.falsified,
+                "deciding": self.deciding.label if self.deciding else None}
+
+
+@dataclass
+class C1Result(CriterionResult):
+    """C1 and its literal reading.
+
+    ``deciding``: the met point with the largest reduction (pass); else the unresolved point with the largest
+    reduction (unresolved); else the point with ≥ the required reduction closest to its tolerances, else the
+    point with the largest reduction (fail). ``unresolved_points``: points with ≥ the reduction whose state is
+    unresolved; ``literal_points``: those that are violated.
+    """
+
+    literal: bool
+    literal_points: list[str]
+    text: str
+    unresolved_points: list[str] = field(default_factory=list)
 
     def literal_sentence(self, min_reduction: float) -> str:
         head = (f"Literal reading: some operating point with ≥ {min_reduction:.0%} reduction degrades more "
@@ -144,38 +154,22 @@ class C1Result:
         return text + "."
 
     def to_dict(self) -> dict[str, Any]:
-        return {"outcome": self.outcome, "passed": self.passed, "falsified": self.falsified,
-                "deciding": _label(self.deciding), "literal": self.literal, "literal_points": self.literal_points,
+        return {**self._head(), "literal": self.literal, "literal_points": self.literal_points,
                 "unresolved_points": self.unresolved_points, "text": self.text}
 
 
 @dataclass
-class C2Result:
-    """C2. ``outcome``: ``pass``, ``fail`` (falsified) or ``unresolved``. ``deciding``: the met point with the best
-    speed-up when it reaches the gain (pass), else the unresolved point with the best speed-up that does
-    (unresolved), else the best timed met-or-unresolved point (fail; None when there is none). ``matched``: the
-    met points; ``unresolved``: the unresolved ones."""
+class C2Result(CriterionResult):
+    """C2. ``deciding``: the met point with the best speed-up when it reaches the gain (pass), else the unresolved
+    point with the best speed-up that does (unresolved), else the best timed met-or-unresolved point (fail; None
+    when there is none). ``matched``: the met points; ``unresolved``: the unresolved ones."""
 
-    outcome: str
-    deciding: PointAssessment | None
     matched: list[str]
     text: str
     unresolved: list[str] = field(default_factory=list)
 
-    @property
-    def passed(self) -> bool:
-        return self.outcome == PASS
-
-    @property
-    def falsified(self) -> bool:
-        return self.outcome == FAIL
-
-    def sentence(self) -> str:
-        return self.text
-
     def to_dict(self) -> dict[str, Any]:
-        return {"outcome": self.outcome, "passed": self.passed, "falsified": self.falsified,
-                "deciding": _label(self.deciding), "speedup": self.deciding.speedup if self.deciding else None,
+        return {**self._head(), "speedup": self.deciding.speedup if self.deciding else None,
                 "matched": self.matched, "unresolved": self.unresolved, "text": self.text}
 
 
@@ -204,10 +198,6 @@ class ModelVerdict:
                 "incomplete": self.incomplete, "points": [p.to_dict() for p in self.points]}
 
 
-def _label(p: PointAssessment | None) -> str | None:
-    return p.label if p else None
-
-
 def _token_weights(runs: Sequence[dict]) -> list[float]:
     tokens = [r.get("cost", {}).get("tokens") for r in runs]
     if all(isinstance(t, int | float) and t > 0 for t in tokens):
@@ -218,7 +208,7 @@ def _token_weights(runs: Sequence[dict]) -> list[float]:
 def _reference_tps(run: dict, base: dict) -> float:
     """Full-depth tokens/s to compare ``run`` with: its in-process reference when it measured its own speed-up."""
     own = run.get("cost", {}).get("speedup")
-    if isinstance(own, int | float) and not isinstance(own, bool) and math.isfinite(own) and own > 0:
+    if finite(own) and own > 0:
         return run["cost"]["tokens_per_s"] / own
     return base["cost"]["tokens_per_s"]
 

@@ -1,8 +1,10 @@
-"""Axes-level drawing of curve panels: quality (on its :class:`~emad.report.curves.QualityScale`) against a cost.
+"""Axes-level drawing of curve panels: quality (on its :class:`~emad.report.figures.lines.QualityScale`) against
+a cost.
 
-One :func:`draw_panel` call draws, on one matplotlib Axes, the tolerance band, the full-depth level and point,
-one line per :class:`~emad.report.curves.Curve` (solid when calibrated in-domain or without a profile, dashed when
-the calibration is shifted), the oracle bounds, and points beyond the chart limits at the edge with their value.
+On one matplotlib Axes: the tolerance band, the full-depth level and point (:func:`draw_reference`), one line per
+:class:`~emad.report.figures.lines.Line` (:func:`draw_lines`: solid when calibrated in-domain or without a
+profile, dashed when the calibration is shifted), the oracle bounds, points beyond the chart limits at the edge
+with their value, the axes (:func:`finish_axes`) and the legend entries (:func:`legend_handles`).
 """
 
 from __future__ import annotations
@@ -14,17 +16,9 @@ from dataclasses import dataclass, field
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from emad.report.curves import (
-    FULL,
-    ORACLE,
-    Curve,
-    QualityScale,
-    Style,
-    clip,
-    finite,
-    quality_scale,
-    y_limits,
-)
+from emad.report.figures.lines import Line, QualityScale, clip, quality_scale, y_limits
+from emad.report.figures.style import Style
+from emad.report.frontier import FULL, ORACLE, finite
 from emad.report.verdict import Thresholds
 
 X_LABELS = {"flops_ratio": "FLOPs ratio (vs full depth)", "speedup": "speed-up (tokens/s vs full depth)"}
@@ -81,11 +75,11 @@ def _edge_limits(lim: tuple[float, float], scale: QualityScale) -> tuple[float, 
     return lo + pad, hi - pad
 
 
-def draw_curves(ax, curve_list: Sequence[Curve], x_key: str, scale: QualityScale, full_quality: float | None,
-                lim: tuple[float, float], style_of: Callable[[Curve], Style], label_values: bool = False) -> None:
-    """One line per curve through its points (markers at the measured points)."""
+def draw_lines(ax, line_list: Sequence[Line], x_key: str, scale: QualityScale, full_quality: float | None,
+                lim: tuple[float, float], style_of: Callable[[Line], Style], label_values: bool = False) -> None:
+    """One line per :class:`Line` through its points (markers at the measured points)."""
     edge = _edge_limits(lim, scale)
-    for c in curve_list:
+    for c in line_list:
         st = style_of(c)
         xs = [r[x_key] for r in c.points]
         raw = [scale(r["quality"], full_quality) for r in c.points]
@@ -150,10 +144,10 @@ def finish_axes(ax, scale: QualityScale, lim: tuple[float, float], x_key: str, x
     ax.grid(alpha=0.25, which="major")
 
 
-def panel_limits(series, curve_list: Sequence[Curve], scale: QualityScale,
+def panel_limits(series, line_list: Sequence[Line], scale: QualityScale,
                  ratio_cap: float) -> tuple[float, float]:
-    """y limits of a panel from its curves' shown values and the full-depth level."""
-    vals = [scale(r["quality"], series.full_quality) for c in curve_list for r in c.points]
+    """y limits of a panel from its lines' shown values and the full-depth level."""
+    vals = [scale(r["quality"], series.full_quality) for c in line_list for r in c.points]
     return y_limits(vals, scale, ratio_cap=ratio_cap)
 
 

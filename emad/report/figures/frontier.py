@@ -9,7 +9,7 @@
 
 Quality is shown relative to full depth (perplexity as a ratio on a log axis, other metrics as a change in points),
 with the full-depth point, the verdict's tolerance band and the oracle bound. Each family has one colour × marker in
-every figure (:func:`emad.report.curves.family_styles`).
+every figure (:func:`emad.report.figures.style.family_styles`).
 """
 
 from __future__ import annotations
@@ -18,22 +18,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from emad.report.curves import FULL, ORACLE, Curve, Style, curves, family_style, family_styles
-from emad.report.draw import (
+from emad.evaluation.identity import split_family
+from emad.report.figures.draw import (
     Drawn,
-    draw_curves,
+    draw_lines,
     draw_reference,
     finish_axes,
     legend_handles,
     panel_limits,
     series_scale,
 )
-from emad.report.pareto import ParetoSeries
+from emad.report.figures.lines import Line, lines
+from emad.report.figures.style import Style, family_styles
+from emad.report.frontier import FULL, ORACLE, ParetoSeries
 from emad.report.plots import plt, save_figure
 from emad.report.verdict import Thresholds
-
-__all__ = ["domain_shift_figure", "family_style", "overview_figure", "pareto_figure", "write_domain_shift_figure",
-           "write_overview_figure", "write_pareto_figures"]
 
 RATIO_CAP = 1e6  # perplexity ratios beyond this are drawn at the top edge, their value written beside
 
@@ -44,11 +43,12 @@ def _families(series_list: Sequence[ParetoSeries]) -> list[str]:
 
 def draw_panel(ax, series: ParetoSeries, x_key: str, thr: Thresholds, styles: dict[str, Style], drawn: Drawn,
                *, family: str | None = None, source_colours: dict[str, str] | None = None,
-               ratio_cap: float = RATIO_CAP) -> list[Curve]:
-    """Draw one series on ``ax``: every curve against ``x_key`` in its family's style, or only the curves of
-    ``family`` coloured by calibration source (``source_colours``); returns the curves drawn, in order."""
+               ratio_cap: float = RATIO_CAP) -> list[Line]:
+    """Draw one series on ``ax``: every line against ``x_key`` in its family's style, or only the lines of
+    ``family`` coloured by calibration source (``source_colours``); returns the lines drawn, in order."""
     scale = series_scale(series, thr)
-    cs = [c for c in curves(series.rows, x_key, series.domain) if family is None or c.family == family]
+    cs = [c for c in lines(series.rows, x_key, series.model, series.domain)
+          if family is None or c.family == family]
     if family is not None:
         cs = [c for c in cs if not c.in_domain] + [c for c in cs if c.in_domain]  # drawing order
     lim = panel_limits(series, cs, scale, ratio_cap)
@@ -56,19 +56,19 @@ def draw_panel(ax, series: ParetoSeries, x_key: str, thr: Thresholds, styles: di
     finish_axes(ax, scale, lim, x_key, [r[x_key] for c in cs for r in c.points] + full_x, series.metric)
     if family is None:
         keys = None
-    else:  # a family's own readout: plain keys for logit, "<source>+<readout>" otherwise
-        readout = family.partition("+")[2]
-        def keys(k: str) -> bool:
-            return k.partition("+")[2] == readout
+    else:  # the oracle bounds of profiles read through the family's own readout
+        readout = split_family(family)[1]
+        def keys(profile: str) -> bool:
+            return split_family(profile)[1] == readout
     draw_reference(ax, series, x_key, scale, lim, drawn, keys)
     if family is None:
-        draw_curves(ax, cs, x_key, scale, series.full_quality, lim, lambda c: styles[c.family])
+        draw_lines(ax, cs, x_key, scale, series.full_quality, lim, lambda c: styles[c.family])
     else:
         sources = source_colours or {}
-        def style_of(c: Curve) -> Style:
+        def style_of(c: Line) -> Style:
             return Style(sources.get(c.calibration or "", "C7"), styles[family].marker)
-        draw_curves(ax, [c for c in cs if not c.in_domain], x_key, scale, series.full_quality, lim, style_of)
-        draw_curves(ax, [c for c in cs if c.in_domain], x_key, scale, series.full_quality, lim, style_of,
+        draw_lines(ax, [c for c in cs if not c.in_domain], x_key, scale, series.full_quality, lim, style_of)
+        draw_lines(ax, [c for c in cs if c.in_domain], x_key, scale, series.full_quality, lim, style_of,
                     label_values=True)  # the knob values along the in-domain curve
     drawn.families |= {c.family for c in cs}
     drawn.shifted |= any(not c.in_domain for c in cs)

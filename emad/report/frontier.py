@@ -1,4 +1,4 @@
-"""Pareto frontiers of quality against cost, the speed-up against the full-depth run, and the oracle bound.
+"""Frontier data: every run as a row of quality against cost, the Pareto frontiers, speed-ups and oracle bounds.
 
 Every function reads run records in the ``emad-run`` format (see :mod:`emad.evaluation.runfile`). The baseline of a run is
 the ``full`` run of the same model and domain. The speed-up of a run is its own ``cost.speedup`` when the decode stage
@@ -14,9 +14,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from emad.evaluation import identity
+from emad.evaluation.identity import CurveId
 from emad.evaluation.runfile import QUALITY
 
-FULL = "full"
+FULL, ORACLE = "full", "oracle"  # the families of the full-depth runs and of the oracle bounds
 
 
 def higher_is_better(metric: str) -> bool:
@@ -26,11 +28,11 @@ def higher_is_better(metric: str) -> bool:
 
 def point_label(run: dict[str, Any]) -> str:
     """The operating point of a run as one string: ``<point>`` or ``<point>@<calibration source>``."""
-    cal = run.get("calibration")
-    return f"{run['point']}@{cal}" if cal else str(run["point"])
+    return identity.point_label(str(run["point"]), run.get("calibration"))
 
 
-def _finite(x: Any) -> bool:
+def finite(x: Any) -> bool:
+    """A real number that is neither inf nor nan (bools are not numbers here)."""
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 
@@ -60,12 +62,12 @@ def speedup(run: dict[str, Any], base: dict[str, Any] | None) -> float | None:
     None when neither is available (no own speed-up, and ``base`` or a tokens/s missing or zero).
     """
     own = run.get("cost", {}).get("speedup")
-    if _finite(own) and own > 0:
+    if finite(own) and own > 0:
         return float(own)
     if base is None:
         return None
     tps, ref = run.get("cost", {}).get("tokens_per_s"), base.get("cost", {}).get("tokens_per_s")
-    if not (_finite(tps) and _finite(ref)) or ref <= 0:
+    if not (finite(tps) and finite(ref)) or ref <= 0:
         return None
     return tps / ref
 
@@ -94,7 +96,7 @@ def frontier(points: Sequence[dict[str, Any]], cost_key: str, quality_key: str, 
         then input order. Ties: points with identical cost and quality do not dominate each other, so all of
         them stay on the frontier.
     """
-    valid = [(i, p) for i, p in enumerate(points) if _finite(p.get(cost_key)) and _finite(p.get(quality_key))]
+    valid = [(i, p) for i, p in enumerate(points) if finite(p.get(cost_key)) and finite(p.get(quality_key))]
     keep = [(i, p) for i, p in valid
             if not any(_dominates(q, p, cost_key, quality_key, higher_better, cost_lower_better)
                        for _, q in valid)]
@@ -123,15 +125,15 @@ def oracle_flops_ratio(oracle: dict[str, float] | None, n_layers: int) -> float 
 
 
 def oracle_bounds(runs: Iterable[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Oracle FLOPs ratio per model and calibration source, ``source+tuned`` for profiles read through the tuned
-    readout (from the runs that carry a profile's oracle)."""
+    """Oracle FLOPs ratio per model and profile (:attr:`~emad.evaluation.identity.CurveId.profile`: the
+    calibration source, ``source+tuned`` when read through the tuned readout), from the runs that carry a
+    profile's oracle."""
     out: dict[str, dict[str, float]] = {}
     for run in runs:
         ratio = oracle_flops_ratio(run.get("oracle"), run.get("n_layers") or 0)
-        if ratio is not None and run.get("calibration"):
-            readout = run.get("readout", "logit")
-            key = run["calibration"] if readout == "logit" else f"{run['calibration']}+{readout}"
-            out.setdefault(run["model"], {})[key] = ratio
+        profile = CurveId.of_run(run).profile
+        if ratio is not None and profile:
+            out.setdefault(run["model"], {})[profile] = ratio
     return {m: dict(sorted(v.items())) for m, v in sorted(out.items())}
 
 
@@ -145,7 +147,7 @@ class ParetoSeries:
             mlflow_run_id``; ``curve`` etc. None when the run file lacks them), sorted by
             descending ``flops_ratio`` then run id — the data file of a ``dvc plots`` definition.
         full_quality: the metric of the full-depth run (None when there is none).
-        oracle: ``{calibration source: oracle FLOPs ratio}`` for the model (see :func:`oracle_flops_ratio`).
+        oracle: ``{profile: oracle FLOPs ratio}`` for the model (see :func:`oracle_flops_ratio`).
     """
 
     model: str
@@ -170,7 +172,8 @@ class ParetoSeries:
     def plot_rows(self) -> list[dict[str, Any]]:
         """``rows`` plus one row per oracle bound (family ``oracle``, at the full-depth quality)."""
         extra = [{"run_id": None, "point": f"oracle@{cal}", "curve": None, "knob": None, "value": None,
-                  "family": "oracle", "readout": None, "calibration": cal, "domain": self.domain, "flops_ratio": ratio, "bytes_ratio": None, "speedup": None, "tokens_per_s": None,
+                  "family": ORACLE, "readout": None, "calibration": cal, "domain": self.domain, "flops_ratio": ratio,
+                  "bytes_ratio": None, "speedup": None, "tokens_per_s": None,
                   "quality": self.full_quality, "on_frontier_flops": False, "on_frontier_speed": False,
                   "mlflow_run_id": None} for cal, ratio in self.oracle.items()]
         return self.rows + extra
@@ -193,7 +196,7 @@ def _series(model: str, domain: str, metric: str, runs: list[dict], base: dict |
             oracle: dict[str, float]) -> ParetoSeries:
     hb = higher_is_better(metric)
     rows = [_row(r, metric, base) for r in runs if metric in r.get("quality", {})]
-    rows.sort(key=lambda r: (-(r["flops_ratio"] if _finite(r["flops_ratio"]) else math.inf), r["run_id"]))
+    rows.sort(key=lambda r: (-(r["flops_ratio"] if finite(r["flops_ratio"]) else math.inf), r["run_id"]))
     for r in frontier(rows, "flops_ratio", "quality", hb):
         r["on_frontier_flops"] = True
     for r in frontier(rows, "speedup", "quality", hb, cost_lower_better=False):
