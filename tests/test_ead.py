@@ -148,6 +148,9 @@ def test_scoring_replays_generation():
 
 
 # ---------------------------------------------------------------------------------------------- one-pass scoring
+FP32_TOL = 5e-5  # float32 log-probs of the same states computed in other batch shapes
+
+
 def _one_pass_equals_stepwise(stack: LayerStack, method: EAD, prompt: list[int], continuation: list[int]):
     """Score through ``score_adaptive`` (the self pair's one-pass path) and token by token; assert they agree and
     return the one-pass record."""
@@ -160,9 +163,10 @@ def _one_pass_equals_stepwise(stack: LayerStack, method: EAD, prompt: list[int],
     means = [replay.observe(e[d]) or replay.mean for e, d in zip(slow.entropies, slow.depths)]
     assert min(abs(m - rule.tau) for m in means) > 1e-4, "τ is within rounding of a rolling mean: pick another"
     assert fast.depths == slow.depths and fast.reasons == slow.reasons and fast.greedy == slow.greedy
-    assert fast.logprobs == pytest.approx(slow.logprobs, abs=1e-5, rel=0)
+    # float32 rounding of a batched pass vs one token at a time differs between CPUs (1.0e-5 seen on AVX-512)
+    assert fast.logprobs == pytest.approx(slow.logprobs, abs=FP32_TOL, rel=0)
     assert [e[d] for e, d in zip(fast.entropies, fast.depths)] == pytest.approx(
-        [e[d] for e, d in zip(slow.entropies, slow.depths)], abs=1e-5, rel=0)
+        [e[d] for e, d in zip(slow.entropies, slow.depths)], abs=FP32_TOL, rel=0)
     # costs: the same charges in the same order, so exactly equal floats
     assert fast.flops == slow.flops and fast.bytes == slow.bytes
     assert fast.full_flops == slow.full_flops and fast.full_bytes == slow.full_bytes
@@ -171,7 +175,7 @@ def _one_pass_equals_stepwise(stack: LayerStack, method: EAD, prompt: list[int],
     assert fast.stats == slow.stats and fast.finish == slow.finish
     scored = score_adaptive(stack, prompt, continuation, method)
     assert scored.depths == slow.depths and scored.greedy == slow.greedy
-    assert scored.logprobs == pytest.approx(slow.logprobs, abs=1e-5, rel=0)
+    assert scored.logprobs == pytest.approx(slow.logprobs, abs=FP32_TOL, rel=0)
     assert scored.flops == sum(slow.flops) and scored.full_flops == sum(slow.full_flops)
     return fast
 

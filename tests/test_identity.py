@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from emad.evaluation import runfile
 from emad.evaluation.identity import (
     CurveId,
     family_of,
@@ -43,5 +42,5 @@ def test_profile_keys_read_back_their_source():
 def test_point_names_match_the_run_file_ids():
     assert point_folder("emad_1", None) == "emad_1" and point_folder("emad_1", "prose") == "emad_1--cal-prose"
     assert point_label("emad_1", "prose") == "emad_1@prose" and point_label("full", None) == "full"
-    for cal in (None, "prose"):
-        assert run_id("m", "emad_1", "code", cal) == runfile.run_id("m", "emad_1", "code", cal)
+    assert run_id("m", "emad_1", "code", None) == "m--emad_1--code"
+    assert run_id("m", "emad_1", "code", "prose") == "m--emad_1--cal-prose--code"

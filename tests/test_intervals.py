@@ -16,7 +16,7 @@ from emad.evaluation.intervals import (
     metric_interval,
     tolerance_state,
 )
-from emad.evaluation.runfile import interval_metrics, intervals_of
+from emad.evaluation.metrics import intervals_of
 from emad.report.tables import fmt_quality
 
 
@@ -138,7 +138,7 @@ def test_samples_of_the_wrong_shape_are_refused_naming_the_metric():
         change_interval("perplexity", [[1.0, 2], [1.0, 2]], [1.0, 2.0], relative=True)
 
 
-def test_run_file_intervals_and_their_mlflow_names():
+def test_run_file_intervals():
     tasks = {"perplexity": {"perplexity": math.exp(2.0), "samples": {"perplexity": [[20.0, 10], [41.0, 20]]}},
              "gsm8k": {"accuracy": 0.5, "samples": {"accuracy": [1, 0, 1, 0]}},
              "humaneval": {"pass_at_1": 1.0}}  # no samples: undefined, not dropped
@@ -147,7 +147,3 @@ def test_run_file_intervals_and_their_mlflow_names():
     assert ivs["gsm8k.accuracy"]["n"] == 4 and ivs["gsm8k.accuracy"]["method"] == "clopper-pearson"
     assert ivs["humaneval.pass_at_1"] == {"lo": None, "hi": None, "n": None,
                                           "method": "undefined: no per-unit samples"}
-    names = interval_metrics(ivs, prefix="quality.")
-    assert "quality.gsm8k.accuracy.lo" in names and "quality.perplexity.n" in names
-    assert not any(k.startswith("quality.humaneval") for k in names)
-    assert not any("," in k for k in names)

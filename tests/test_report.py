@@ -9,7 +9,8 @@ import zlib
 import numpy as np
 import pytest
 
-from emad.evaluation.runfile import intervals_of, quality_of, run_id
+from emad.evaluation.identity import run_id
+from emad.evaluation.metrics import intervals_of, quality_of
 from emad.report import (
     ablation_markdown,
     ablation_tables,

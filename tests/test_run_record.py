@@ -10,7 +10,7 @@ import yaml
 
 from emad import tracking
 from emad.evaluation import runfile
-from emad.evaluation.metrics import METRICS, QUALITY, higher_is_better, register_metric, relative_tolerance
+from emad.evaluation.metrics import METRICS, higher_is_better, register_metric, relative_tolerance
 from emad.evaluation.record import RunRecord, load_records
 
 UNITS = 12
@@ -42,15 +42,14 @@ def toy_metric():
     metric = register_metric("toy.score", "toy", "score")
     yield metric
     METRICS.remove("toy.score")
-    assert "toy.score" not in QUALITY
+    assert "toy.score" not in METRICS
 
 
 def test_the_registry_says_direction_and_tolerance():
     assert not higher_is_better("perplexity") and relative_tolerance("perplexity")
     assert higher_is_better("fidelity.token_agreement") and not relative_tolerance("fidelity.token_agreement")
     assert higher_is_better("unknown.metric")  # as before: unknown metrics count as higher-better
-    assert QUALITY["perplexity"] == ("perplexity", "perplexity", False)
-    assert list(QUALITY)[:2] == ["perplexity", "fidelity.token_agreement"]
+    assert [m.name for m in METRICS.values()][:2] == ["perplexity", "fidelity.token_agreement"]
     with pytest.raises(ValueError, match="already registered"):
         register_metric("perplexity", "perplexity", "perplexity")
 

@@ -9,7 +9,6 @@ here reaches the run file, MLflow and the report with no other edit.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -101,21 +100,3 @@ def intervals_of(tasks: dict[str, dict]) -> dict[str, dict[str, Any]]:
             out[name] = {k: iv[k] for k in ("lo", "hi", "n", "method")}
     return out
 
-
-class _QualityTable(Mapping):
-    """``{metric: (task, key, higher is better)}``, read live from :data:`METRICS` (the older table's shape)."""
-
-    def __getitem__(self, name: str) -> tuple[str, str, bool]:
-        if name not in METRICS:
-            raise KeyError(name)
-        m = METRICS.get(name)
-        return m.task, m.key, m.higher_is_better
-
-    def __iter__(self) -> Iterator[str]:
-        return iter([m.name for m in METRICS.values()])
-
-    def __len__(self) -> int:
-        return len(METRICS.values())
-
-
-QUALITY: Mapping[str, tuple[str, str, bool]] = _QualityTable()  # compatibility view; use METRICS

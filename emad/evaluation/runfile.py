@@ -17,24 +17,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from emad.evaluation.identity import run_id
-from emad.evaluation.metrics import QUALITY, intervals_of, quality_of, samples_of
 from emad.io import atomic_write_json, read_json
 
-__all__ = ["FORMAT", "VERSION", "QUALITY", "RunFileError", "interval_metrics", "intervals_of", "load", "load_all",
-           "quality_of", "run_files", "run_id", "samples_of", "save"]
+__all__ = ["FORMAT", "VERSION", "RunFileError", "load", "load_all", "run_files", "save"]
 
 FORMAT, VERSION = "emad-run", 1
 
 
 class RunFileError(ValueError):
     """A run file is missing, unreadable or not an ``emad-run`` v1 file."""
-
-
-def interval_metrics(intervals: dict[str, dict[str, Any]], prefix: str = "") -> dict[str, float]:
-    """MLflow metrics beside each value: ``<prefix><metric>.lo`` / ``.hi`` / ``.n`` (undefined bounds left out)."""
-    return {f"{prefix}{name}.{part}": float(iv[part]) for name, iv in intervals.items()
-            for part in ("lo", "hi", "n") if iv.get(part) is not None}
 
 
 def save(path: str | Path, record: dict[str, Any]) -> None:

@@ -15,8 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from emad.evaluation.intervals import MET, UNRESOLVED, VIOLATED, Interval, change_interval, tolerance_state
-from emad.evaluation.runfile import samples_of
-from emad.report.frontier import higher_is_better
+from emad.evaluation.metrics import relative_tolerance, samples_of
 
 STATE_RANK = {MET: 0, UNRESOLVED: 1, VIOLATED: 2}
 
@@ -84,7 +83,7 @@ class Check:
 def change_of(metric: str, point_run: dict, full_run: dict) -> Interval | None:
     """The change of ``metric`` from ``full_run`` to ``point_run`` (relative rise of a lower-better metric,
     absolute drop of a higher-better one) with its paired 95% interval; None when a run kept no samples of it."""
-    return _interval(metric, point_run, full_run, not higher_is_better(metric))
+    return _interval(metric, point_run, full_run, relative_tolerance(metric))
 
 
 def _interval(metric: str, point_run: dict, full_run: dict, relative: bool) -> Interval | None:
@@ -100,7 +99,7 @@ def _interval(metric: str, point_run: dict, full_run: dict, relative: bool) -> I
 
 def build_check(domain: str, metric: str, point_run: dict, full_run: dict, tolerance: float) -> Check:
     """The check of ``metric`` for ``point_run`` against ``full_run`` (same model and domain)."""
-    relative = not higher_is_better(metric)
+    relative = relative_tolerance(metric)
     full = float(full_run["quality"][metric])
     value = point_run.get("quality", {}).get(metric)
     if value is None:

@@ -16,14 +16,10 @@ from typing import Any
 
 from emad.evaluation import identity
 from emad.evaluation.identity import CurveId
-from emad.evaluation.runfile import QUALITY
+from emad.evaluation.metrics import higher_is_better
 
 FULL, ORACLE = "full", "oracle"  # the families of the full-depth runs and of the oracle bounds
 
-
-def higher_is_better(metric: str) -> bool:
-    """Direction of a quality metric (:data:`emad.evaluation.runfile.QUALITY`); unknown metrics count as higher-better."""
-    return QUALITY.get(metric, ("", "", True))[2]
 
 
 def point_label(run: dict[str, Any]) -> str:

@@ -25,9 +25,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from emad.evaluation.identity import CurveId
+from emad.evaluation.metrics import higher_is_better
 from emad.report.checks import change_of
 from emad.report.curves import TOLERANCE_USED, AtFlops, Curve, CurvePoint
-from emad.report.frontier import baselines, higher_is_better, speedup
+from emad.report.frontier import baselines, speedup
 
 _MISSING = object()
 

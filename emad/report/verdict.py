@@ -33,8 +33,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from emad.evaluation.intervals import MET, UNRESOLVED, VIOLATED
+from emad.evaluation.metrics import relative_tolerance
 from emad.report.checks import Check, build_check, combined_state
-from emad.report.frontier import FULL, baselines, finite, higher_is_better, point_label
+from emad.report.frontier import FULL, baselines, finite, point_label
 
 EPS = 1e-9
 
@@ -50,7 +51,7 @@ class Thresholds:
 
     def tolerance(self, metric: str) -> float:
         """``ppl_rel_tol`` for a lower-better metric (relative rise), ``acc_abs_tol`` otherwise (absolute drop)."""
-        return self.acc_abs_tol if higher_is_better(metric) else self.ppl_rel_tol
+        return self.ppl_rel_tol if relative_tolerance(metric) else self.acc_abs_tol
 
 
 @dataclass
