@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -76,6 +77,30 @@ def prose_windows(tokenizer, tokens: int, window: int, prefix: int) -> list:
     text = "\n\n".join(d.text for d in build_source("stdlib-prose").documents())
     ids = tokenizer(text[:100_000])["input_ids"][: tokens + prefix * (tokens // 64 + 1)]
     return perplexity_requests([ids], window, prefix)
+
+
+def prose_parser(description: str, tokens: int) -> argparse.ArgumentParser:
+    """Options of a benchmark on stdlib-prose perplexity windows (:func:`load_prose`): ``--model``, ``--tokens``
+    (default ``tokens``), ``--window``, ``--prefix``, ``--reps``, ``--device``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--tokens", type=int, default=tokens, help="scored perplexity tokens")
+    parser.add_argument("--window", type=int, default=96)
+    parser.add_argument("--prefix", type=int, default=32)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--device", default="auto")
+    return parser
+
+
+def load_prose(args: argparse.Namespace) -> tuple:
+    """The model of ``args`` (float32), its layer stack, the windows of :func:`prose_windows` and their scored
+    token count: ``(loaded, stack, requests, scored_tokens)``."""
+    from emad.engine.models import load_model
+    from emad.engine.stack import LayerStack
+
+    loaded = load_model(args.model, device=args.device, dtype="float32")
+    requests = prose_windows(loaded.tokenizer, args.tokens, args.window, args.prefix)
+    return loaded, LayerStack(loaded.model), requests, sum(len(c) for _, cs in requests for c in cs)
 
 
 @torch.inference_mode()
