@@ -122,3 +122,11 @@ def decode_step_layer(stack, layer: int, reps: int, context: int = 128) -> tuple
         slots = cache.allocate(torch.ones(1, 1, dtype=torch.bool, device=stack.device))
         times.append(timed(lambda s=slots: stack.run(h, layer - 1, layer, cache, step_pos, s), stack.device))
     return statistics.median(times), h_all[:, -1]
+
+
+def probe_seconds(estimator, stack, h: torch.Tensor, layer: int, reps: int) -> tuple[float, object]:
+    """Median seconds of one probe by ``estimator`` at ``layer`` on the hidden state ``h`` ``[1, d]``, and the
+    estimate of the warm-up call before the timed ones (which builds SVDs and shortlist rows)."""
+    result = estimator.estimate(stack, h, layer)
+    seconds = statistics.median(timed(lambda: estimator.estimate(stack, h, layer), stack.device) for _ in range(reps))
+    return seconds, result
