@@ -10,7 +10,6 @@ All runs alternate in one process; medians. Writes reports/bench/adaptive.json.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import PROMPTS  # noqa: E402
-from common import alternate, decode_step_layer, environment, timed, write  # noqa: E402
+from common import alternate, decode_step_layer, environment, probe_seconds, write  # noqa: E402
 
 from emad.calibration import estimator_fit  # noqa: E402
 from emad.calibration.profile import Profile  # noqa: E402
@@ -55,8 +54,7 @@ def probe_times(stack, estimators: dict, reps: int = 50) -> dict:
     layer, h = decode_step_layer(stack, 15, reps)
     result = {"layer_s": layer}
     for name, est in estimators.items():
-        est.estimate(stack, h, 15)
-        t = statistics.median(timed(lambda e=est: e.estimate(stack, h, 15), stack.device) for _ in range(reps))
+        t, _ = probe_seconds(est, stack, h, 15, reps)
         result[name] = {"probe_s": t, "probe_over_layer": t / layer}
     return result
 

@@ -9,17 +9,14 @@ their ratio, and the share of tokens the large model produced.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import alternate, environment, prose_windows, write  # noqa: E402
+from common import alternate, environment, load_prose, prose_parser, write  # noqa: E402
 
-from emad.engine.models import load_model  # noqa: E402
-from emad.engine.stack import LayerStack  # noqa: E402
 from emad.methods.ead import EAD  # noqa: E402
 
 
@@ -28,20 +25,11 @@ def records(stack, strategy, requests, stepwise: bool):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--tokens", type=int, default=192, help="scored perplexity tokens")
-    parser.add_argument("--window", type=int, default=96)
-    parser.add_argument("--prefix", type=int, default=32)
+    parser = prose_parser(__doc__.splitlines()[0], tokens=192)
     parser.add_argument("--small-layers", type=int, default=21)
     parser.add_argument("--taus", type=float, nargs="+", default=[0.25, 0.5, 1.0, 2.0])
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--device", default="auto")
     args = parser.parse_args(argv)
-    loaded = load_model(args.model, device=args.device, dtype="float32")
-    stack = LayerStack(loaded.model)
-    requests = prose_windows(loaded.tokenizer, args.tokens, args.window, args.prefix)
-    scored_tokens = sum(len(c) for _, cs in requests for c in cs)
+    loaded, stack, requests, scored_tokens = load_prose(args)
     results = []
     for tau in args.taus:
         strategy = EAD.from_options(tau=tau, small_layers=args.small_layers)

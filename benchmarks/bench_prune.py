@@ -11,14 +11,13 @@ Usage: python benchmarks/bench_prune.py [--model smollm2-135m] [--ks 64 256 1024
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import decode_step_layer, environment, timed, write  # noqa: E402
+from common import decode_step_layer, environment, probe_seconds, write  # noqa: E402
 
 from emad.engine.cost import CostModel  # noqa: E402
 from emad.engine.models import load_model  # noqa: E402
@@ -45,14 +44,10 @@ def main() -> None:
     layer_flops = cost.layer_flops(LAYER - 1, 129)
 
     def measure(name: str, est, reader: LayerStack, first_layer: int | None = None) -> dict:
-        def call():
-            return est.estimate(reader, probe_h, LAYER)
-
         if first_layer is not None:  # the pruned probe: after the token's first (full) probe
             est.begin(1)
             est.estimate(reader, probe_h, first_layer)
-        result = call()  # warm-up (SVD, shortlist rows)
-        seconds = statistics.median(timed(call, reader.device) for _ in range(args.reps))
+        seconds, result = probe_seconds(est, reader, probe_h, LAYER, args.reps)
         flops = float(result.cost[0][0]) if result.cost is not None else est.probe_cost(cost)[0]
         flops += CostModel.from_stack(reader).translation(LAYER)[0]  # step charges the translation beside it
         return {"estimator": name, "readout": reader.readout_name, "probe_s": seconds,

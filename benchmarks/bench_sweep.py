@@ -8,7 +8,6 @@ medians are compared. Writes reports/bench/sweep.json: per N, the seconds of eac
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -16,11 +15,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import alternate, environment, prose_windows, write  # noqa: E402
+from common import alternate, environment, load_prose, prose_parser, write  # noqa: E402
 
 from emad.decode import Method, Sweep, score_continuations  # noqa: E402
-from emad.engine.models import load_model  # noqa: E402
-from emad.engine.stack import LayerStack  # noqa: E402
 from emad.exits.criteria import Confidence  # noqa: E402
 
 
@@ -40,19 +37,10 @@ def swept(stack, requests, ms):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--tokens", type=int, default=512, help="scored perplexity tokens")
-    parser.add_argument("--window", type=int, default=96)
-    parser.add_argument("--prefix", type=int, default=32)
+    parser = prose_parser(__doc__.splitlines()[0], tokens=512)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--device", default="auto")
     args = parser.parse_args(argv)
-    loaded = load_model(args.model, device=args.device, dtype="float32")
-    stack = LayerStack(loaded.model)
-    requests = prose_windows(loaded.tokenizer, args.tokens, args.window, args.prefix)
-    scored_tokens = sum(len(c) for _, cs in requests for c in cs)
+    _, stack, requests, scored_tokens = load_prose(args)
     results = []
     for n in args.sizes:
         ms = methods(n)

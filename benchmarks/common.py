@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -78,6 +79,30 @@ def prose_windows(tokenizer, tokens: int, window: int, prefix: int) -> list:
     return perplexity_requests([ids], window, prefix)
 
 
+def prose_parser(description: str, tokens: int) -> argparse.ArgumentParser:
+    """Options of a benchmark on stdlib-prose perplexity windows (:func:`load_prose`): ``--model``, ``--tokens``
+    (default ``tokens``), ``--window``, ``--prefix``, ``--reps``, ``--device``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--tokens", type=int, default=tokens, help="scored perplexity tokens")
+    parser.add_argument("--window", type=int, default=96)
+    parser.add_argument("--prefix", type=int, default=32)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--device", default="auto")
+    return parser
+
+
+def load_prose(args: argparse.Namespace) -> tuple:
+    """The model of ``args`` (float32), its layer stack, the windows of :func:`prose_windows` and their scored
+    token count: ``(loaded, stack, requests, scored_tokens)``."""
+    from emad.engine.models import load_model
+    from emad.engine.stack import LayerStack
+
+    loaded = load_model(args.model, device=args.device, dtype="float32")
+    requests = prose_windows(loaded.tokenizer, args.tokens, args.window, args.prefix)
+    return loaded, LayerStack(loaded.model), requests, sum(len(c) for _, cs in requests for c in cs)
+
+
 @torch.inference_mode()
 def decode_step_layer(stack, layer: int, reps: int, context: int = 128) -> tuple[float, torch.Tensor]:
     """Median seconds of running decoder layer ``layer`` (1-based) for one new token over ``context`` keys, and a
@@ -97,3 +122,11 @@ def decode_step_layer(stack, layer: int, reps: int, context: int = 128) -> tuple
         slots = cache.allocate(torch.ones(1, 1, dtype=torch.bool, device=stack.device))
         times.append(timed(lambda s=slots: stack.run(h, layer - 1, layer, cache, step_pos, s), stack.device))
     return statistics.median(times), h_all[:, -1]
+
+
+def probe_seconds(estimator, stack, h: torch.Tensor, layer: int, reps: int) -> tuple[float, object]:
+    """Median seconds of one probe by ``estimator`` at ``layer`` on the hidden state ``h`` ``[1, d]``, and the
+    estimate of the warm-up call before the timed ones (which builds SVDs and shortlist rows)."""
+    result = estimator.estimate(stack, h, layer)
+    seconds = statistics.median(timed(lambda: estimator.estimate(stack, h, layer), stack.device) for _ in range(reps))
+    return seconds, result

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -155,8 +154,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except (ValueError, FileNotFoundError) as err:
-        print(f"aggregate: error: {err}", file=sys.stderr)
-        sys.exit(2)
+    from emad.stage import run_stage
+
+    run_stage("aggregate", main)

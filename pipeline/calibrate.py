@@ -6,7 +6,6 @@ Runs as a plain process or data-parallel under ``torchrun --nproc_per_node N pip
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from emad.engine import distributed
 from emad.engine.models import load_model
 from emad.exits.readouts import load_readout
 from emad.params import load_section
+from emad.stage import run_stage
 
 
 def _log(run, stats, elapsed: float) -> None:
@@ -75,8 +75,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except (ValueError, FileNotFoundError) as err:
-        print(f"calibrate: error: {err}", file=sys.stderr)
-        sys.exit(2)
+    run_stage("calibrate", main)

@@ -214,8 +214,6 @@ def _run(args, cfg: DecodeConfig, loaded, stack: LayerStack, job: Job, domain: s
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except (ValueError, KeyError, FileNotFoundError) as err:
-        print(f"decode: error: {err}", file=sys.stderr)
-        sys.exit(2)
+    from emad.stage import run_stage
+
+    run_stage("decode", main)

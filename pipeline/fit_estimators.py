@@ -6,7 +6,6 @@ Writes ``estimators.json`` (shortlists, per-layer corrections, held-out MAE vs e
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from emad import tracking
@@ -19,6 +18,7 @@ from emad.engine.models import load_model
 from emad.engine.stack import LayerStack
 from emad.exits.readouts import load_readout
 from emad.params import load_section
+from emad.stage import run_stage
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,8 +61,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except (ValueError, FileNotFoundError) as err:
-        print(f"fit_estimators: error: {err}", file=sys.stderr)
-        sys.exit(2)
+    run_stage("fit_estimators", main)

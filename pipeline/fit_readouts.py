@@ -9,7 +9,6 @@ curve) into ``--out-dir``, and a figure. Runs as a plain process or data-paralle
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from emad.engine.models import load_model
 from emad.io import atomic_write_json
 from emad.params import load_section
 from emad.report.plots import readouts_figure, save_figure
+from emad.stage import run_stage
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,8 +80,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except (ValueError, FileNotFoundError) as err:
-        print(f"fit_readouts: error: {err}", file=sys.stderr)
-        sys.exit(2)
+    run_stage("fit_readouts", main)

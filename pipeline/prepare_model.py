@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from emad.engine.models import load_model, prepare_model
+from emad.stage import run_stage
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,8 +24,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except (ValueError, OSError, RuntimeError) as err:
-        print(f"prepare_model: error: {err}", file=sys.stderr)
-        sys.exit(2)
+    run_stage("prepare_model", main)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import sys
 from pathlib import Path
 
 import torch
@@ -24,6 +23,7 @@ from emad.evaluation.risk_config import RiskConfig
 from emad.exits.criteria import Full
 from emad.io import atomic_write_json
 from emad.params import load_section
+from emad.stage import run_stage
 from emad.tasks.registry import TASKS
 
 FORMAT, VERSION = "emad-risk", 1
@@ -116,8 +116,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except (ValueError, KeyError, FileNotFoundError) as err:
-        print(f"risk: error: {err}", file=sys.stderr)
-        sys.exit(2)
+    run_stage("risk", main)

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
-from emad.config import ConfigError
 from emad.corpus import SOURCES, CorpusError, sample_corpus
 from emad.corpus.config import CorpusConfig
 from emad.params import load_section
+from emad.stage import run_stage
 
 
 def load_tokenizer(spec: str) -> Any:
@@ -39,36 +38,33 @@ def token_counter(tokenizer: Any):
     return lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     """Samples `--source` into `--out` with the ``corpus`` params of `--params`."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--source", required=True, help=f"corpus source: {', '.join(SOURCES.names())}")
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--params", default="params.yaml", help="params file (section 'corpus')")
     args = parser.parse_args(argv)
-    try:
-        cfg = load_section("corpus", CorpusConfig, args.params)
-        if args.source not in SOURCES:
-            raise CorpusError(f"unknown corpus source {args.source!r}; valid: {', '.join(SOURCES.names())}")
-        if not SOURCES.get(args.source).needs_network:  # offline by default, before the hub libraries load
-            os.environ.setdefault("HF_HUB_OFFLINE", "1")
-            os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-        tokenizer = load_tokenizer(cfg.tokenizer_model)
-        from emad.engine.models import tokenizer_sha256
+    cfg = load_section("corpus", CorpusConfig, args.params)
+    if args.source not in SOURCES:
+        raise CorpusError(f"unknown corpus source {args.source!r}; valid: {', '.join(SOURCES.names())}")
+    if not SOURCES.get(args.source).needs_network:  # offline by default, before the hub libraries load
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    tokenizer = load_tokenizer(cfg.tokenizer_model)
+    from emad.engine.models import tokenizer_sha256
 
-        manifest = sample_corpus(
-            args.source,
-            token_counter(tokenizer),
-            calib_tokens=cfg.calib_tokens,
-            eval_tokens=cfg.eval_tokens,
-            seed=cfg.seed,
-            out_dir=args.out,
-            tokenizer_id=f"{cfg.tokenizer_model}@{tokenizer_sha256(tokenizer)[:16]}",
-            tasks=cfg.tasks,
-            **cfg.source_options(args.source),
-        )
-    except (ConfigError, CorpusError) as err:
-        sys.exit(f"sample_corpus: {err}")
+    manifest = sample_corpus(
+        args.source,
+        token_counter(tokenizer),
+        calib_tokens=cfg.calib_tokens,
+        eval_tokens=cfg.eval_tokens,
+        seed=cfg.seed,
+        out_dir=args.out,
+        tokenizer_id=f"{cfg.tokenizer_model}@{tokenizer_sha256(tokenizer)[:16]}",
+        tasks=cfg.tasks,
+        **cfg.source_options(args.source),
+    )
     calib, evaluation = manifest["splits"]["calib"], manifest["splits"]["eval"]
     skipped = sum(len(ids) for ids in manifest["skipped"].values())
     items = "".join(f", {entry['items']} {name} items" for name, entry in manifest["tasks"].items())
@@ -77,7 +73,8 @@ def main(argv: list[str] | None = None) -> None:
         f"eval {evaluation['documents']} docs {evaluation['tokens']} tokens{items}, {skipped} skipped, "
         f"seed {cfg.seed}, {manifest['tokenizer']}, manifest {manifest['manifest_sha256'][:12]} -> {args.out}"
     )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    run_stage("sample_corpus", main)

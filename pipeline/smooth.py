@@ -8,7 +8,6 @@ statistics: the stratification ablation needs one calibration run, not four.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from emad import tracking
@@ -18,6 +17,7 @@ from emad.calibration.stats import CalibrationStats
 from emad.engine.models import ModelFingerprint
 from emad.params import load_section
 from emad.report.plots import profile_figure, save_figure
+from emad.stage import run_stage
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,8 +55,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except ValueError as err:
-        print(f"smooth: error: {err}", file=sys.stderr)
-        sys.exit(2)
+    run_stage("smooth", main)

@@ -340,7 +340,7 @@ def test_stage_samples_with_its_params_and_prints_one_line(tmp_path, monkeypatch
     assert len(out) == 1 and "humaneval" in out[0] and "300 tokens" in out[0]
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["seed"] == 2 and manifest["tokenizer"].startswith("smollm2-135m@")
-    with pytest.raises(SystemExit, match="unknown corpus source 'nope'"):
+    with pytest.raises(CorpusError, match="unknown corpus source 'nope'"):
         stage.main(["--source", "nope", "--out", str(tmp_path / "x"), "--params", str(params)])
 
 

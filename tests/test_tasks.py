@@ -128,3 +128,10 @@ def test_multiple_choice_on_a_tiny_local_arc_file(smollm2, tmp_path):
     assert sum(result["samples"]["acc"]) == expected and len(result["samples"]["acc_norm"]) == 2
     with pytest.raises(ValueError, match="outside"):
         Item("q", ("a",), 3)
+
+
+def test_the_package_exports_a_function_for_every_registered_task():
+    import emad.tasks
+    from emad.tasks.registry import TASKS
+
+    assert set(emad.tasks.__all__) | {"choice"} == set(TASKS.names())  # choice: scored by multiple_choice

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from emad.config import Section
 from emad.exits.readouts import READOUTS
 from emad.exits.strata import Strata
+
+
+def _probe_spec(value):
+    layers = [value] if isinstance(value, int) else value
+    if not layers or any(x < 1 for x in layers):
+        raise ValueError("probe layers must be >= 1 (a non-empty list, or an every-k step)")
+    return value
+
+
+ProbeLayers = Annotated[int | list[int], AfterValidator(_probe_spec)]  # a list of layers, or every k-th layer
 
 
 class StrataConfig(Section):
@@ -43,18 +53,13 @@ class CalibrateConfig(Section):
     readouts: list[str] = Field(default_factory=lambda: ["logit"], min_length=1)
     window: int = Field(256, ge=2)
     batch_size: int = Field(4, ge=1)
-    probe_layers: int | list[int] = 3
+    probe_layers: ProbeLayers = 3
     strata: StrataConfig = Field(default_factory=StrataConfig)
     hist_bins: int = Field(100, ge=2)
     max_tokens: int | None = Field(None, gt=0)
     checkpoint_every: int = Field(10, ge=1)
     device: str = "auto"
     dtype: str = "auto"
-
-    @field_validator("probe_layers")
-    @classmethod
-    def _positive(cls, value):
-        return _probe_spec(value)
 
     @field_validator("readouts")
     @classmethod
@@ -63,13 +68,6 @@ class CalibrateConfig(Section):
             if name not in READOUTS:
                 raise ValueError(f"unknown readout {name!r}; valid: {', '.join(READOUTS.names())}")
         return value
-
-
-def _probe_spec(value):
-    layers = [value] if isinstance(value, int) else value
-    if not layers or any(x < 1 for x in layers):
-        raise ValueError("probe layers must be >= 1 (a non-empty list, or an every-k step)")
-    return value
 
 
 class ReadoutsConfig(Section):
@@ -93,7 +91,7 @@ class ReadoutsConfig(Section):
         device, dtype: where and how the model runs.
     """
 
-    layers: int | list[int] = 3
+    layers: ProbeLayers = 3
     tokens: int = Field(8192, ge=16)
     holdout: int = Field(1024, ge=16)
     window: int = Field(256, ge=2)
@@ -108,12 +106,6 @@ class ReadoutsConfig(Section):
     source: str = "stdlib-prose"
     device: str = "auto"
     dtype: str = "auto"
-
-    @field_validator("layers")
-    @classmethod
-    def _layers(cls, value):
-        return _probe_spec(value)
-
 
 class SmoothConfig(Section):
     """Params of stage ``smooth``: which statistic becomes τ, isotonic smoothing, back-off threshold."""

@@ -84,7 +84,7 @@ def generate(
         raise ContextLengthError(
             f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} exceeds the model's context of "
             f"{stack.max_positions} tokens; shorten the prompt or lower max_new_tokens")
-    eos = set(eos_token_ids if eos_token_ids is not None else _eos_ids(stack, tokenizer))
+    eos = set(eos_token_ids if eos_token_ids is not None else default_eos_ids(stack, tokenizer))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos), 0)
     generator = torch.Generator(device=stack.device).manual_seed(sampling.seed) if sampling.do_sample else None
     cost = CostModel.from_stack(stack)
@@ -129,7 +129,8 @@ def generate(
     return out
 
 
-def _eos_ids(stack: LayerStack, tokenizer) -> list[int]:
+def default_eos_ids(stack: LayerStack, tokenizer) -> list[int]:
+    """The ids that end a generation when none are given: the model's generation config's, else the tokenizer's."""
     ids = getattr(stack.model.generation_config, "eos_token_id", None)
     if ids is None:
         ids = tokenizer.eos_token_id
@@ -173,7 +174,8 @@ def _drop_finished(rows, alive, tokenizer, eos, stop_strings, on_token) -> torch
     return alive.new_tensor(keep)
 
 
-def _cut_at_stop(text: str, stop_strings: Sequence[str]) -> str:
+def cut_at_stop(text: str, stop_strings: Sequence[str]) -> str:
+    """``text`` up to the first occurrence of any of ``stop_strings`` (all of it when none occurs)."""
     cut = min((i for s in stop_strings if (i := text.find(s)) >= 0), default=len(text))
     return text[:cut]
 
@@ -195,7 +197,7 @@ def _assemble(rows: list[_Row], tokenizer, stop_strings, cost: CostModel, method
                                                    ff.tolist(), r.allowed)])
     return Generation(
         token_ids=[r.ids for r in rows],
-        texts=[_cut_at_stop(tokenizer.decode(r.ids, skip_special_tokens=True), stop_strings) for r in rows],
+        texts=[cut_at_stop(tokenizer.decode(r.ids, skip_special_tokens=True), stop_strings) for r in rows],
         depths=[r.depths for r in rows],
         flops=flops, bytes=bytes_, full_flops=full_flops, full_bytes=full_bytes,
         finish_reasons=[r.finish for r in rows],

@@ -35,8 +35,9 @@ class StateSource(Protocol):
     positions: torch.Tensor
     memo: dict | None
 
-    def states(self, probe: int, running: int) -> torch.Tensor:
-        """``[running, d]`` hidden states after layer ``probe`` (1-based); probes are asked in ascending order."""
+    def run_to(self, probe: int, running: int) -> None:
+        """Bring positions ``[0, running)`` to their hidden states after layer ``probe`` (1-based), for the calls at
+        ``probe`` that follow; probes come in ascending order. A source that holds every state does nothing."""
 
     def estimate(self, k: int, probe: int, running: int) -> Estimate:
         """The method's estimate at its ``k``-th probe for positions ``[0, n)``, ``n >= running`` (a source that
@@ -103,7 +104,7 @@ def monotone_exits(method, source: StateSource, targets: torch.Tensor, n_layers:
     for k, probe in enumerate(probes):
         if running == 0:
             break
-        source.states(probe, running)
+        source.run_to(probe, running)
         first, passer = running, None  # first: the first position that passes here; passer: its exit logits
         if probe in estimated:
             est = source.estimate(k, probe, running)

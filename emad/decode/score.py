@@ -51,7 +51,8 @@ class _Prompt:
         return self.cache
 
 
-def _check_length(stack: LayerStack, n: int) -> None:
+def check_context_length(stack: LayerStack, n: int) -> None:
+    """Raises :class:`ContextLengthError` when a text of ``n`` tokens does not fit the model's context."""
     if stack.max_positions is not None and n > stack.max_positions:
         raise ContextLengthError(f"text of {n} tokens exceeds the model's context of {stack.max_positions} tokens")
 
@@ -68,7 +69,7 @@ def score(stack: LayerStack, ids: Sequence[int], depth: int | None = None) -> to
         raise ValueError(f"depth must be in 1..{stack.n_layers}, got {depth!r}")
     if len(ids) < 2:
         raise ValueError("scoring needs at least 2 tokens")
-    _check_length(stack, len(ids))
+    check_context_length(stack, len(ids))
     x, real = left_pad([ids], 0, stack.device)
     cache = stack.new_cache(1, x.shape[1])
     slots = cache.allocate(real)
@@ -114,7 +115,7 @@ def score_continuations(stack: LayerStack, prompt: Sequence[int], continuations:
     method = as_method(method)
     method.validate(stack.n_layers)
     for continuation in continuations:
-        _check_length(stack, len(prompt) + len(continuation) - 1)  # the last token is predicted, never read
+        check_context_length(stack, len(prompt) + len(continuation) - 1)  # the last token is predicted, never read
     shared = _Prompt.prefill(stack, prompt, max(len(c) for c in continuations), method)
     for continuation in continuations:
         out.append(_score_adaptive(stack, shared, continuation, method, parallel))
@@ -171,12 +172,11 @@ class _Incremental:
         self.done = 0
         estimator.begin(m)
 
-    def states(self, probe: int, running: int) -> torch.Tensor:
+    def run_to(self, probe: int, running: int) -> None:
         slots = slice(self.slots.start, self.slots.start + running)
         self.h = self.stack.run(self.h[:, :running], self.done, probe, self.cache, self.positions[None, :running],
                                 slots)
         self.done = probe
-        return self.h[0]
 
     def estimate(self, k: int, probe: int, running: int):
         return self.estimator.estimate(self.stack, self.h[0], probe, torch.arange(running, device=self.stack.device))

@@ -22,7 +22,7 @@ import torch
 
 from emad.decode.monotone import estimated_probes, monotone_exits, scored_from_exits, target_scores
 from emad.decode.results import Scored
-from emad.decode.score import _check_length
+from emad.decode.score import check_context_length
 from emad.decode.step import Method, as_method, elapsed, left_pad, positions_of
 from emad.decode.strategy import Strategy
 from emad.engine.cost import CostModel
@@ -112,7 +112,7 @@ class Sweep:
         if not prompt or not continuations or not all(continuations):
             raise ValueError("a sweep needs a non-empty prompt and continuations")
         for continuation in continuations:
-            _check_length(self.stack, len(prompt) + len(continuation) - 1)
+            check_context_length(self.stack, len(prompt) + len(continuation) - 1)
         stack = self.stack
         ids, real = left_pad([prompt], 0, stack.device)
         cache = stack.new_cache(1, len(prompt) + max(len(c) for c in continuations))
@@ -226,8 +226,8 @@ class _MethodSource:
         self.shared, self.method, self.key, self.memo = shared, method, key, memo
         self.positions = shared.positions
 
-    def states(self, probe: int, running: int) -> torch.Tensor:
-        return self.shared.states_at[probe][:running]
+    def run_to(self, probe: int, running: int) -> None:
+        """Nothing to run: the shared full-depth pass holds every position's states."""
 
     def estimate(self, k: int, probe: int, running: int) -> Estimate:
         return self.shared.estimates(self.method, self.key, probe)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError, field_validator, model_validator
+from pydantic import ValidationError, ValidationInfo, field_validator, model_validator
 
 from emad.calibration import estimator_fit
 from emad.calibration.profile import Profile, variant_path
@@ -35,6 +35,16 @@ def _one_of(kind: str, names: list[str], value: str) -> str:
     if value not in names:
         raise ValueError(f"unknown {kind} {value!r}; valid: {', '.join(names)}")
     return value
+
+
+_NAMED: dict[str, tuple[str, Callable[[], list[str]]]] = {  # field -> (what it names, its valid names)
+    "method": ("method", lambda: method_names()),
+    "policy": ("policy", POLICIES.names),
+    "estimator": ("estimator", ESTIMATORS.names),
+    "readout": ("readout", READOUTS.names),
+    "batch_exit": ("batch exit", BATCH_EXITS.names),
+    "strata": ("strata variant", lambda: list(VARIANTS)),
+}
 
 
 class PointConfig(Section):
@@ -94,35 +104,11 @@ class PointConfig(Section):
     eta: float | None = None
     draft_confidence: float | None = None
 
-    @field_validator("method")
+    @field_validator(*_NAMED)
     @classmethod
-    def _method(cls, v: str) -> str:
-        return _one_of("method", method_names(), v)
-
-    @field_validator("policy")
-    @classmethod
-    def _policy(cls, v: str) -> str:
-        return _one_of("policy", POLICIES.names(), v)
-
-    @field_validator("estimator")
-    @classmethod
-    def _estimator(cls, v: str) -> str:
-        return _one_of("estimator", ESTIMATORS.names(), v)
-
-    @field_validator("readout")
-    @classmethod
-    def _readout(cls, v: str) -> str:
-        return _one_of("readout", READOUTS.names(), v)
-
-    @field_validator("batch_exit")
-    @classmethod
-    def _batch_exit(cls, v: str) -> str:
-        return _one_of("batch exit", BATCH_EXITS.names(), v)
-
-    @field_validator("strata")
-    @classmethod
-    def _strata(cls, v: str | None) -> str | None:
-        return v if v is None else _one_of("strata variant", list(VARIANTS), v)
+    def _known_name(cls, v: str | None, info: ValidationInfo) -> str | None:
+        kind, names = _NAMED[info.field_name]
+        return v if v is None else _one_of(kind, names(), v)
 
     @model_validator(mode="after")
     def _options_valid(self) -> PointConfig:

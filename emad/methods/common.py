@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from emad.decode.generate import _cut_at_stop
+from emad.decode import cut_at_stop
 from emad.decode.results import Generation, TokenTrace
 from emad.decode.step import ContextLengthError
 from emad.engine.cache import KVCache
@@ -147,7 +147,7 @@ def to_generation(rows: Sequence[RowRecord], tokenizer, stop_strings: Sequence[s
             stats[key] = stats.get(key, 0.0) + value
     return Generation(
         token_ids=[r.ids for r in rows],
-        texts=[_cut_at_stop(tokenizer.decode(r.ids, skip_special_tokens=True), stop_strings) for r in rows],
+        texts=[cut_at_stop(tokenizer.decode(r.ids, skip_special_tokens=True), stop_strings) for r in rows],
         depths=[r.depths for r in rows], flops=[r.flops for r in rows], bytes=[r.bytes for r in rows],
         full_flops=[r.full_flops for r in rows], full_bytes=[r.full_bytes for r in rows],
         finish_reasons=[r.finish for r in rows],

@@ -16,7 +16,7 @@ acceptance probability, with a self-adjusting threshold λ) and ``confidence`` (
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -33,17 +33,15 @@ from emad.registry import Registry
 # ---------------------------------------------------------------------------------------------- cost tally
 @dataclass
 class Tally:
-    """FLOPs and bytes of weights read by the drafter and by the target since the prompt."""
+    """FLOPs and bytes of weights read since the prompt, per side (``"drafter"``, ``"target"``)."""
 
-    drafter_flops: float = 0.0
-    drafter_bytes: float = 0.0
-    target_flops: float = 0.0
-    target_bytes: float = 0.0
+    flops: dict[str, float] = field(default_factory=lambda: {"drafter": 0.0, "target": 0.0})
+    bytes: dict[str, float] = field(default_factory=lambda: {"drafter": 0.0, "target": 0.0})
 
     def add(self, side: str, flops: float, bytes_: float) -> None:
-        """Charge one pass to ``side`` (``"drafter"`` or ``"target"``)."""
-        setattr(self, f"{side}_flops", getattr(self, f"{side}_flops") + flops)
-        setattr(self, f"{side}_bytes", getattr(self, f"{side}_bytes") + bytes_)
+        """Charge one pass to ``side``."""
+        self.flops[side] += flops
+        self.bytes[side] += bytes_
 
 
 # ---------------------------------------------------------------------------------------------- drafters

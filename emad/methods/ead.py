@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from emad.decode.generate import _eos_ids
+from emad.decode import default_eos_ids
 from emad.decode.results import Generation, Scored
 from emad.decode.step import choose, elapsed, prefill
 from emad.decode.strategy import Strategy
@@ -329,7 +329,7 @@ class EAD(Strategy):
                  on_token) -> Generation:
         started = time.perf_counter()
         self.bind(stack, tokenizer)
-        eos = set(eos_token_ids if eos_token_ids is not None else _eos_ids(stack, tokenizer))
+        eos = set(eos_token_ids if eos_token_ids is not None else default_eos_ids(stack, tokenizer))
         rows = []
         for r, prompt in enumerate(prompts):
             row_sampling = replace(sampling, seed=sampling.seed + r)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from emad.decode.generate import _cut_at_stop, _eos_ids
+from emad.decode import cut_at_stop, default_eos_ids
 from emad.decode.step import Sampling, choose, elapsed, prefill
 from emad.engine.cache import KVCache
 from emad.engine.cost import CostModel
@@ -271,7 +271,7 @@ def speculative_generate(
     sampling = sampling or Sampling()
     drafter.bind(target, tokenizer)
     check_context([s for s in (target, drafter.stack) if s is not None], len(prompt), max_new_tokens)
-    eos = set(eos_token_ids if eos_token_ids is not None else _eos_ids(target, tokenizer))
+    eos = set(eos_token_ids if eos_token_ids is not None else default_eos_ids(target, tokenizer))
     generator = torch.Generator(device=target.device).manual_seed(sampling.seed) if sampling.do_sample else None
     cost, tally, capacity = CostModel.from_stack(target), Tally(), len(prompt) + max_new_tokens
 
@@ -324,9 +324,9 @@ def _finish(result: SpeculativeResult, out: list[int], finish: str, tokenizer, s
     full_flops, full_bytes = cost.full_depth(torch.arange(prompt_len + 1, prompt_len + len(out)))  # [n - 1] each
     result.token_ids, result.finish_reason, result.method = out, finish, {"method": "speculative", **method}
     result.logprobs = result.logprobs[: len(out)]  # tokens after EOS or a stop string were dropped
-    result.text = _cut_at_stop(tokenizer.decode(out, skip_special_tokens=True), stop_strings)
-    result.drafter_flops, result.drafter_bytes = tally.drafter_flops, tally.drafter_bytes
-    result.target_flops, result.target_bytes = tally.target_flops, tally.target_bytes
+    result.text = cut_at_stop(tokenizer.decode(out, skip_special_tokens=True), stop_strings)
+    result.drafter_flops, result.drafter_bytes = tally.flops["drafter"], tally.bytes["drafter"]
+    result.target_flops, result.target_bytes = tally.flops["target"], tally.bytes["target"]
     result.full_flops = cost.readout_flops + float(full_flops.sum())
     result.full_bytes = cost.readout_bytes + float(full_bytes.sum())
     result.seconds = elapsed(device, started)

@@ -120,17 +120,15 @@ def _eval_docs(corpus_dir: Path | None, tokenizer, max_tokens: int) -> list[list
     return docs
 
 
-class PerplexitySettings(Section):
-    tokens: int = Field(2048, ge=2)
-    window: int = Field(256, ge=2)
-    prefix: int = Field(64, ge=1)
-
-
 @TASKS.register("perplexity")
 class Perplexity(Task):
     """Adaptive-depth perplexity on the domain's eval split (DESIGN.md §4)."""
 
-    Settings = PerplexitySettings
+    class Settings(Section):
+        tokens: int = Field(2048, ge=2)
+        window: int = Field(256, ge=2)
+        prefix: int = Field(64, ge=1)
+
     teacher_forced = True
 
     def load(self, settings, corpus_dir, tokenizer):
@@ -149,17 +147,14 @@ class Perplexity(Task):
         return perplexity_metrics(scored, settings.prefix)
 
 
-class FidelitySettings(Section):
-    prompts: int = Field(8, ge=1)
-    prompt_tokens: int = Field(64, ge=1)
-    new_tokens: int = Field(32, ge=1)
-
-
 @TASKS.register("fidelity")
 class Fidelity(Task):
     """Greedy continuations vs full depth, from prompts cut out of the eval split."""
 
-    Settings = FidelitySettings
+    class Settings(Section):
+        prompts: int = Field(8, ge=1)
+        prompt_tokens: int = Field(64, ge=1)
+        new_tokens: int = Field(32, ge=1)
 
     def load(self, settings, corpus_dir, tokenizer):
         ids = [t for doc in _eval_docs(corpus_dir, tokenizer, settings.prompts * settings.prompt_tokens * 4)
@@ -197,17 +192,14 @@ class Agreement(Fidelity):
         return agreement_metrics(scored)
 
 
-class Gsm8kSettings(Section):
-    problems: int = Field(8, ge=1)
-    shots: int = Field(3, ge=0)
-    max_new_tokens: int = Field(160, ge=1)
-
-
 @TASKS.register("gsm8k")
 class Gsm8k(Task):
     """GSM8K strict-match accuracy on the first problems of the embedded test set; shots from its end."""
 
-    Settings = Gsm8kSettings
+    class Settings(Section):
+        problems: int = Field(8, ge=1)
+        shots: int = Field(3, ge=0)
+        max_new_tokens: int = Field(160, ge=1)
 
     def load(self, settings, corpus_dir, tokenizer):
         rows = test_rows()
@@ -223,17 +215,14 @@ class Gsm8k(Task):
         return gsm8k(stack, tokenizer, problems, method, shots, settings.max_new_tokens, sink=sink)
 
 
-class HumanEvalSettings(Section):
-    problems: int = Field(8, ge=1)
-    max_new_tokens: int = Field(160, ge=1)
-    timeout: float = Field(5.0, gt=0)
-
-
 @TASKS.register("humaneval")
 class HumanEval(Task):
     """HumanEval pass@1 on the first problems, checked in a sandboxed subprocess."""
 
-    Settings = HumanEvalSettings
+    class Settings(Section):
+        problems: int = Field(8, ge=1)
+        max_new_tokens: int = Field(160, ge=1)
+        timeout: float = Field(5.0, gt=0)
 
     def load(self, settings, corpus_dir, tokenizer):
         return problems()[: settings.problems]
@@ -242,18 +231,16 @@ class HumanEval(Task):
         return humaneval(stack, tokenizer, data[:limit], method, settings.max_new_tokens, settings.timeout, sink=sink)
 
 
-class MultipleChoiceSettings(Section):
-    config: str = "ARC-Easy"
-    split: str = "test"
-    data_files: str | None = None  # a local JSON-lines file with ARC's fields instead of the hub
-    items: int = Field(50, ge=1)
-
-
 @TASKS.register("multiple_choice")
 class MultipleChoice(Task):
     """ARC-style accuracy by log-likelihood (hub ``allenai/ai2_arc`` online, or a local file)."""
 
-    Settings = MultipleChoiceSettings
+    class Settings(Section):
+        config: str = "ARC-Easy"
+        split: str = "test"
+        data_files: str | None = None  # a local JSON-lines file with ARC's fields instead of the hub
+        items: int = Field(50, ge=1)
+
     teacher_forced = True
 
     def load(self, settings, corpus_dir, tokenizer):
@@ -280,16 +267,14 @@ def _items(corpus_dir: Path | None, task: str, make) -> list:
     return items
 
 
-class ClozeSettings(Section):
-    adaptive_tokens: int = Field(8, ge=0)  # the passage's last tokens scored at adaptive depth before the target
-
-
 @TASKS.register("cloze")
 class Cloze(Task):
     """Last-word accuracy (LAMBADA-style) on passages of the eval split: by log-likelihood (teacher forced, the
     passage's last ``adaptive_tokens`` at adaptive depth) and by generation (the first ``limit`` passages)."""
 
-    Settings = ClozeSettings
+    class Settings(Section):
+        adaptive_tokens: int = Field(8, ge=0)  # the passage's last tokens scored at adaptive depth before the target
+
     corpus_items = "cloze"  # built by sample_corpus from corpus.tasks.cloze
     teacher_forced = True
 
@@ -306,19 +291,16 @@ class Cloze(Task):
 
 
 @TASKS.register("choice")
-class Choice(Task):
+class Choice(MultipleChoice):
     """Multiple-choice continuation of passages of the eval split, distractors from the same split: ``acc`` and
     ``acc_norm`` by log-likelihood (lm-eval semantics), per-item ``samples``, and ``chance``."""
 
+    Settings = Section  # nothing to set: sample_corpus cut the items
     corpus_items = "choice"  # built by sample_corpus from corpus.tasks.choice
-    teacher_forced = True
 
     def load(self, settings, corpus_dir, tokenizer):
         return _items(corpus_dir, "choice", lambda r: Item(r["context"], tuple(r["choices"]), r["answer"]))
 
-    def requests(self, stack, tokenizer, data, settings, shared):
-        return choice_requests(tokenizer, data)
-
     def reduce(self, stack, tokenizer, method, data, settings, scored, sink, limit=None):
         chance = sum(1 / len(item.choices) for item in data) / len(data)  # 1 / choices
-        return {**choice_metrics(data, scored), "chance": chance}
+        return {**super().reduce(stack, tokenizer, method, data, settings, scored, sink, limit), "chance": chance}
