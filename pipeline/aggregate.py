@@ -31,6 +31,7 @@ from emad.report import (
 )
 from emad.report.config import AggregateConfig
 from emad.report.figures.lines import plot_fields
+from emad.stage import run_stage
 
 PLOT_KEYS = ("run_id", "point", "family", "calibration", "flops_ratio", "bytes_ratio", "speedup", "quality",
              "on_frontier_flops", "on_frontier_speed", "curve", "knob", "value", "readout", "domain")
@@ -154,6 +155,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from emad.stage import run_stage
-
     run_stage("aggregate", main)

@@ -46,6 +46,7 @@ from emad.io import atomic_write_text
 from emad.params import load_section
 from emad.report.heatmap import heatmap_html
 from emad.report.plots import depth_histogram_figure, save_figure
+from emad.stage import run_stage
 from emad.tasks.registry import Shared
 
 KINDS = ["baseline", "point", "ablation", "related"]
@@ -214,6 +215,4 @@ def _run(args, cfg: DecodeConfig, loaded, stack: LayerStack, job: Job, domain: s
 
 
 if __name__ == "__main__":
-    from emad.stage import run_stage
-
     run_stage("decode", main)

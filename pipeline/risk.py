@@ -17,6 +17,7 @@ from emad import tracking
 from emad.decode import generate
 from emad.engine.models import load_model
 from emad.engine.stack import LayerStack
+from emad.evaluation.identity import point_folder
 from emad.evaluation.operating_point import build_method, readout_path
 from emad.evaluation.risk import control, prompt_losses
 from emad.evaluation.risk_config import RiskConfig
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
 
         params = {"risk": cfg.model_dump(exclude={"searches"}), "search": search.model_dump(), "model": args.model,
                   "calibration": args.calibration}
-        rid = f"{args.model}--{name}--cal-{args.calibration}"
+        rid = f"{args.model}--{point_folder(name, args.calibration)}"
         profile = readout_path(args.profile, search.point_at(search.values[0]).readout)
         profile_hash = hashlib.sha256(profile.read_bytes()).hexdigest()[:16] if profile.is_file() else ""
         with tracking.stage_run("risk", params, {"model_fingerprint": loaded.fingerprint.digest,

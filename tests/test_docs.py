@@ -318,3 +318,18 @@ SCRIPT = re.compile(r"(?<![\w./-])((?:pipeline|benchmarks|tools|tests|emad)/[\w.
 def test_named_scripts_exist():
     missing = sorted({f"{_rel(f)}: {p}" for f in FILES for p in SCRIPT.findall(_text(f)) if not (ROOT / p).is_file()})
     assert not missing, "scripts named in the docs that do not exist:\n" + "\n".join(missing)
+
+
+# --- the module map ------------------------------------------------------------------------------------------------
+
+LAYOUT = ROOT / "docs" / "layout.md"
+MODULE = re.compile(r"`emad/([\w/]+\.py)`")
+
+
+def test_layout_names_every_module_of_the_library():
+    """docs/layout.md names each module of emad/ as `emad/<folder>/<module>.py` (package __init__ files aside), and
+    every module it names exists."""
+    modules = {str(p.relative_to(ROOT / "emad")) for p in (ROOT / "emad").rglob("*.py") if p.name != "__init__.py"}
+    named = set(MODULE.findall(_text(LAYOUT)))
+    assert not modules - named, "modules not in docs/layout.md:\n" + "\n".join(sorted(modules - named))
+    assert not named - modules, "docs/layout.md names modules that do not exist:\n" + "\n".join(sorted(named - modules))
