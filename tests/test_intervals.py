@@ -61,10 +61,10 @@ def test_exact_binomial_matches_the_clopper_pearson_table():
     assert none_right.lo == 0.0 and none_right.hi == pytest.approx(1 - 0.025 ** (1 / 10))
 
 
-def test_fewer_than_two_units_is_undefined_never_zero_width():
+def test_fewer_than_two_units_is_undefined_unless_equal():
     for iv in (metric_interval("acc", [1]), metric_interval("perplexity", [[20.0, 10]]),
                change_interval("perplexity", [[21.0, 10]], [[20.0, 10]], relative=True),
-               change_interval("acc", [1], [1], relative=False)):
+               change_interval("acc", [1], [0], relative=False)):
         assert iv.lo is None and iv.hi is None and not iv.defined
         assert iv.method == "undefined: fewer than 2 units"
         assert tolerance_state(iv, 0.01) == UNRESOLVED
@@ -75,9 +75,8 @@ def test_fewer_than_two_units_is_undefined_never_zero_width():
 
 
 def test_units_without_variation_give_no_interval():
-    same = [[20.0, 10]] * 5
-    iv = change_interval("perplexity", same, same, relative=True)
-    assert iv.value == 0.0 and not iv.defined and "no variation" in iv.method
+    iv = change_interval("perplexity", [[21.0, 10]] * 5, [[20.0, 10]] * 5, relative=True)
+    assert iv.value == pytest.approx(math.exp(0.1) - 1) and not iv.defined and "no variation" in iv.method
     assert not metric_interval("rouge_l", [0.5] * 8).defined
 
 
@@ -104,12 +103,14 @@ def test_pairing_removes_what_units_share():
 
 
 def test_accuracy_drop_is_exact_from_the_discordant_units():
-    # identical answers on 50 items cannot show a 1-point tolerance; on 2000 items they can
-    small = change_interval("acc", [1, 0] * 25, [1, 0] * 25, relative=False)
+    # one item lost and one gained on 50 items cannot show a 1-point tolerance; on 2000 items they can
+    full = [1, 0] * 25
+    small = change_interval("acc", [0, 1] + full[2:], full, relative=False)
     assert small.value == 0.0 and small.method.startswith("exact-paired")
-    assert small.hi == pytest.approx(1 - 0.0125 ** (1 / 50)) and small.lo == pytest.approx(-small.hi)
-    assert tolerance_state(small, 0.01) == UNRESOLVED
-    large = change_interval("acc", [1, 0] * 1000, [1, 0] * 1000, relative=False)
+    assert small.hi > 0.05  # one discordant unit of 50 each way: a Clopper-Pearson bound of about 0.1
+    assert small.lo == pytest.approx(-small.hi) and tolerance_state(small, 0.01) == UNRESOLVED
+    full = [1, 0] * 1000
+    large = change_interval("acc", [0, 1] + full[2:], full, relative=False)
     assert large.hi < 0.01 and tolerance_state(large, 0.01) == MET
     # 30 of 400 items lost, none gained: a drop of 7.5 points, wholly beyond 1 point
     point = [1] * 170 + [0] * 30 + [0] * 200
@@ -147,3 +148,23 @@ def test_run_file_intervals():
     assert ivs["gsm8k.accuracy"]["n"] == 4 and ivs["gsm8k.accuracy"]["method"] == "clopper-pearson"
     assert ivs["humaneval.pass_at_1"] == {"lo": None, "hi": None, "n": None,
                                           "method": "undefined: no per-unit samples"}
+
+
+@pytest.mark.parametrize("key, samples, relative", [
+    ("perplexity", [[20.0, 10], [41.0, 20], [7.5, 5]], True),
+    ("token_agreement", [[3, 4], [4, 4], [0, 4]], False),
+    ("acc", [1, 0, 1, 1, 0], False),
+    ("rouge_l", [0.5, 0.25, 1.0], False),
+    ("acc", [1], False),
+])
+def test_every_paired_unit_equal_is_exactly_zero_and_met(key, samples, relative):
+    iv = change_interval(key, samples, [list(s) if isinstance(s, list) else s for s in samples], relative)
+    assert (iv.value, iv.lo, iv.hi, iv.n) == (0.0, 0.0, 0.0, len(samples))
+    assert iv.method == "exact: every paired unit equal" and tolerance_state(iv, 0.01) == MET
+    assert tolerance_state(iv, 0.0) == MET  # even a zero tolerance holds for no change at all
+
+
+def test_one_unit_that_differs_breaks_the_exact_zero():
+    full = [1, 1, 1, 1, 1, 1, 1, 1]
+    iv = change_interval("acc", full[:-1] + [0], full, relative=False)
+    assert iv.hi > 0 and iv.method.startswith("exact-paired")

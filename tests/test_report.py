@@ -267,6 +267,18 @@ def test_ablation_tables_group_single_factor_variants_with_the_default():
     assert "**margin**" in md and "**0.5** (default)" in md and "backfill share" in md
 
 
+def test_ablation_rows_of_two_calibration_sources_say_which():
+    default = {"margin": 0.5, "policy": "monotone", "estimator": "exact", "probe_every": 3, "strata": "none"}
+    runs = full_runs()
+    for cal, flops in (("prose", 0.8), ("code", 0.85)):
+        runs += [make_run("emad-m05", "code", calibration=cal, factors=default, flops=flops),
+                 make_run("emad-m00", "code", calibration=cal, factors={**default, "margin": 0.0}, flops=flops + 0.1)]
+    md = ablation_markdown(ablation_tables(runs, "emad-m05"))
+    assert "| calibration |" in md
+    rows = [line for line in md.splitlines() if "emad-m00" in line]
+    assert len(rows) == 2 and {"prose", "code"} == {line.split("|")[3].strip() for line in rows}
+
+
 def test_ablation_tables_reject_an_unknown_default_point():
     with pytest.raises(ValueError, match="emad-zz.*emad-m05"):
         ablation_tables(ablation_runs(), "emad-zz")
@@ -401,3 +413,43 @@ def test_results_table_shows_intervals_and_sample_sizes():
     assert f"10.000 [{iv['lo']:.3f}, {iv['hi']:.3f}] n=50" in md
     metrics = run_details(runs, verdict(runs))["models"]["m"]["runs"]["full"]["code"]
     assert metrics["perplexity.n"] == 50 and metrics["perplexity.lo"] < 10.0 < metrics["perplexity.hi"]
+
+
+def _exact_copy_of_full(point: str, flops: float, units: int) -> list[dict]:
+    """Runs of ``point`` whose every unit equals full depth's (e.g. a lossless exit), ``units`` units each."""
+    out = []
+    for d in DOMAINS:
+        full = make_run("full", d)
+        tasks = json.loads(json.dumps(full["tasks"]))
+        for task in tasks.values():
+            for key in task["samples"]:
+                task["samples"][key] = task["samples"][key][:units]
+        out.append(make_run(point, d, flops=flops, tasks=tasks))
+    return out
+
+
+def test_a_point_equal_to_full_depth_on_every_unit_is_met_and_passes_c1():
+    v = verdict(full_runs() + _exact_copy_of_full("emad-lossless", 0.6, UNITS))["m"]
+    point = next(p for p in v.points if p.point == "emad-lossless")
+    assert point.state == "met" and all(c.lo == c.hi == 0.0 and c.counted for c in point.checks)
+    assert v.c1.outcome == "pass" and v.c1.deciding.point == "emad-lossless"
+
+
+def test_a_check_on_fewer_than_eight_units_does_not_enter_the_verdict():
+    base = full_runs()
+    for run in base:  # full depth itself keeps only 7 units
+        for task in run["tasks"].values():
+            task["samples"] = {k: v[:7] for k, v in task["samples"].items()}
+    v = verdict(base + _exact_copy_of_full("emad-few", 0.6, 7))["m"]
+    point = next(p for p in v.points if p.point == "emad-few")
+    assert point.checks and not any(c.counted for c in point.checks)
+    assert point.state == "unresolved" and v.c1.outcome != "pass"
+    assert "not counted: fewer than 8 units" in point.checks[0].describe()
+
+
+def test_a_family_run_on_fewer_domains_is_judged_on_those():
+    runs = full_runs() + [make_run("ead-a", "prose", family="ead", flops=0.7, ppl=10.0, acc=0.5)]
+    v = family_verdicts(runs)["ead"]["m"]
+    assert v.domains == ["prose"] and v.model_domains == list(DOMAINS) and v.subset
+    assert [p.label for p in v.points] == ["ead-a"] and not v.incomplete
+    assert "the method ran on these only" in report_markdown(runs, verdict(runs, ("ead",)), {}, [])

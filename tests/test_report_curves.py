@@ -22,6 +22,7 @@ from emad.report import (
     speedup,
     verdict,
 )
+from emad.report.tables import fmt_largest
 from tests.test_report import DOMAINS, full_runs, make_run, noisy_runs
 
 
@@ -47,6 +48,13 @@ def test_value_at_085_is_interpolated_linearly_between_the_nearest_points():
     assert (at.cheaper.label, at.costlier.label) == ("b", "a")
     assert at_flops(pts, 0.8).value == pytest.approx(0.03) and at_flops(pts, 0.8).cheaper is at_flops(pts, 0.8).costlier
     assert at_flops(pts, 0.75).value == pytest.approx(0.065)
+
+
+def test_largest_reduction_is_none_when_only_costlier_points_hold():
+    pts = [CurvePoint("never-exits", 1.3, 0.0, "met"), CurvePoint("full-cost", 1.0, 0.0, "met"),
+           CurvePoint("c", 0.7, 0.1, "violated")]
+    assert largest_reduction(pts) is None and fmt_largest(largest_reduction(pts)) == "none"
+    assert largest_reduction(pts + [CurvePoint("b", 0.9, 0.0, "met")]).label == "b"
 
 
 def test_value_is_none_when_the_curve_never_reaches_085():
@@ -177,9 +185,10 @@ def test_metrics_json_holds_few_headline_keys_for_eight_families_of_eight_points
     assert sorted(metrics["m"]) == sorted(FAMILIES)
     assert _leaves(metrics) <= 60
     emad = metrics["m"]["emad"]
-    assert set(emad) == {"c1", "c2", "tolerance_used_at_target", "perplexity_at_target", "max_reduction"}
-    assert emad["c1"] == "pass" and emad["perplexity_at_target"] == pytest.approx(0.005, abs=1e-6)
-    assert emad["max_reduction"] == pytest.approx(0.3)  # 0.2% per 6% of FLOPs: 1% at 30%, the last within
+    assert set(emad) == {"c1", "c2", "tolerance_multiple_at_target", "perplexity_change_at_target",
+                         "max_reduction_within_tolerance"}
+    assert emad["c1"] == "pass" and emad["perplexity_change_at_target"] == pytest.approx(0.005, abs=1e-6)
+    assert emad["max_reduction_within_tolerance"] == pytest.approx(0.3)  # 0.2% per 6% of FLOPs: 1% at 30%, the last within
     details = run_details(runs, verdicts)
     assert len(details["models"]["m"]["runs"]) == 8 * 8 + 1 and len(details["curves"]) == 8
     json.dumps(details)
@@ -189,4 +198,4 @@ def test_metrics_name_the_judged_method_when_it_spans_families():
     runs = full_runs() + _sweep("emad", [(0.8, 10.05)]) + _sweep("emad+tuned", [(0.7, 10.05)])
     metrics = metrics_summary(runs, verdict(runs, ("emad", "emad+tuned")))
     assert sorted(metrics["m"]) == ["emad", "emad+tuned", "emad/emad+tuned"]
-    assert metrics["m"]["emad/emad+tuned"]["max_reduction"] == pytest.approx(0.3)
+    assert metrics["m"]["emad/emad+tuned"]["max_reduction_within_tolerance"] == pytest.approx(0.3)

@@ -232,6 +232,8 @@ def _change_interval(key: str, point: tuple, full: tuple, relative: bool) -> Int
     stat, change = STATISTICS[statistic_name(key, xp.shape[0])], _change(relative)
     np_, nf = xp.shape[1], xf.shape[1]
     value = float(change(stat(xp), stat(xf))) if np_ and nf else None
+    if np_ == nf and np_ and np.array_equal(xp, xf):  # every paired unit equal: the change is exactly zero
+        return Interval(value, 0.0, 0.0, np_, "exact: every paired unit equal")
     if min(np_, nf) < 2:
         return _undefined(value, min(np_, nf), "fewer than 2 units")
     if not (np.isfinite(xp).all() and np.isfinite(xf).all()):

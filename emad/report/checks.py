@@ -5,7 +5,9 @@ The change is the relative rise of a lower-better metric (perplexity) or the abs
 (:func:`emad.evaluation.intervals.change_interval`, from the per-unit ``samples`` in the run files). A check is
 ``met`` when the whole interval lies within the tolerance, ``violated`` when it lies wholly beyond it, and
 ``unresolved`` when it straddles the tolerance or cannot be computed (fewer than 2 units, no samples in a run
-file). A metric the full run has and the point lacks is violated: it cannot be shown to hold.
+file). When every paired unit is equal the interval is exactly {0}: met. A metric the full run has and the point
+lacks is violated: it cannot be shown to hold. A check on fewer than :data:`MIN_UNITS` units is shown but does not
+enter a point's state (DESIGN.md §4); a point none of whose checks enters is unresolved.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from emad.evaluation.intervals import MET, UNRESOLVED, VIOLATED, Interval, chang
 from emad.evaluation.metrics import relative_tolerance, samples_of
 
 STATE_RANK = {MET: 0, UNRESOLVED: 1, VIOLATED: 2}
+MIN_UNITS = 8  # no check in the verdict rests on fewer units
 
 
 @dataclass
@@ -48,6 +51,11 @@ class Check:
         return self.state == MET
 
     @property
+    def counted(self) -> bool:
+        """Enters the verdict: the metric is missing (violated), or its interval rests on ≥ MIN_UNITS units."""
+        return self.value is None or (self.n or 0) >= MIN_UNITS
+
+    @property
     def severity(self) -> float:
         """``change / tolerance`` of the point estimates: above 1 is beyond the tolerance."""
         return self.change / self.tolerance if self.tolerance > 0 else (math.inf if self.change > 1e-9 else 0.0)
@@ -69,15 +77,17 @@ class Check:
     def describe(self) -> str:
         if self.value is None:
             return f"{self.metric} on {self.domain} is missing: {self.state}"
+        aside = "" if self.counted else f" (not counted: fewer than {MIN_UNITS} units)"
         if self.relative:
             return (f"{self.metric} on {self.domain} {self.change:+.2%} ({self.interval_text()}; "
-                    f"{self.full:.4g} → {self.value:.4g}; tolerance +{self.tolerance:.0%}): {self.state}")
+                    f"{self.full:.4g} → {self.value:.4g}; tolerance +{self.tolerance:.0%}): {self.state}{aside}")
         return (f"{self.metric} on {self.domain} {100 * (self.value - self.full):+.2f} points "
                 f"({self.interval_text()}; {self.full:.4f} → {self.value:.4f}; "
-                f"tolerance −{100 * self.tolerance:g} point): {self.state}")
+                f"tolerance −{100 * self.tolerance:g} point): {self.state}{aside}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "change": self.change if math.isfinite(self.change) else None, "ok": self.ok}
+        return {**asdict(self), "change": self.change if math.isfinite(self.change) else None, "ok": self.ok,
+                "counted": self.counted}
 
 
 def change_of(metric: str, point_run: dict, full_run: dict) -> Interval | None:
@@ -120,13 +130,13 @@ def build_check(domain: str, metric: str, point_run: dict, full_run: dict, toler
 
 
 def combined_state(checks: list[Check]) -> str:
-    """The state of a set of checks: ``violated`` if one is, ``met`` if every one is (or there are none), else
-    ``unresolved``."""
-    states = {c.state for c in checks}
-    return VIOLATED if VIOLATED in states else UNRESOLVED if UNRESOLVED in states else MET
+    """The state of a set of checks, from those that enter the verdict (:attr:`Check.counted`): ``violated`` if
+    one is, ``met`` if every one is, else ``unresolved`` (also when none enters)."""
+    states = {c.state for c in checks if c.counted}
+    return VIOLATED if VIOLATED in states else UNRESOLVED if UNRESOLVED in states or not states else MET
 
 
 def tolerance_used(checks: list[Check]) -> float | None:
-    """The largest ``change / tolerance`` among ``checks`` (1 = at the tolerance, above 1 beyond it, ≤ 0 no
-    worse than full depth); None without checks."""
-    return max((c.severity for c in checks), default=None)
+    """The largest ``change / tolerance`` among the ``checks`` that enter the verdict (1 = at the tolerance, above 1
+    beyond it, ≤ 0 no worse than full depth); None without such checks."""
+    return max((c.severity for c in checks if c.counted), default=None)

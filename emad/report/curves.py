@@ -113,9 +113,9 @@ def at_flops(points: Iterable[CurvePoint], flops_ratio: float) -> AtFlops:
 
 
 def largest_reduction(points: Iterable[CurvePoint], states: Sequence[str] = (MET, UNRESOLVED)) -> CurvePoint | None:
-    """The point with the largest FLOPs reduction whose state is in ``states`` (ties: the smaller degradation,
-    then the label); None when there is none."""
-    ok = [p for p in points if p.state in states and finite(p.flops_ratio)]
+    """The point with the largest positive FLOPs reduction whose state is in ``states`` (ties: the smaller
+    degradation, then the label); None when there is none (a point costing full depth or more reduces nothing)."""
+    ok = [p for p in points if p.state in states and finite(p.flops_ratio) and p.flops_ratio < 1.0]
     return min(ok, key=lambda p: (p.flops_ratio, p.value if finite(p.value) else math.inf, p.label), default=None)
 
 

@@ -89,11 +89,12 @@ def verdict_markdown(verdicts: Mapping[str, ModelVerdict]) -> str:
     out = []
     for model, v in verdicts.items():
         t = v.thresholds
+        judged = f" (the method ran on these only, of {', '.join(v.model_domains)})" if v.subset else ""
         lines = [f"### {model} — method: {'/'.join(v.methods)}", "",
                  f"- **C1 {v.c1.outcome}.** {v.c1.sentence()}",
                  f"- {v.c1.literal_sentence(t.min_flops_reduction)}",
                  f"- **C2 {v.c2.outcome}.** {v.c2.sentence()}",
-                 f"- Domains: {', '.join(v.domains)}. Tolerances: perplexity +{t.ppl_rel_tol:.0%} relative, other "
+                 f"- Domains: {', '.join(v.domains)}{judged}. Tolerances: perplexity +{t.ppl_rel_tol:.0%} relative, other "
                  f"metrics −{100 * t.acc_abs_tol:g} point absolute; FLOPs token-weighted over domains."]
         if v.incomplete:
             lines.append(f"- Not on every domain (left out): {', '.join(v.incomplete)}.")
@@ -258,8 +259,8 @@ def _families(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, ModelVerdic
 def _headline(curve: Curve, v: ModelVerdict) -> dict[str, Any]:
     ppl = curve.at(curve.target, "perplexity").value if "perplexity" in curve.metrics else None
     ok = curve.largest_ok
-    return _clean({"c1": v.c1.outcome, "c2": v.c2.outcome, "tolerance_used_at_target": curve.at_target.value,
-                   "perplexity_at_target": ppl, "max_reduction": ok.reduction if ok else None})
+    return _clean({"c1": v.c1.outcome, "c2": v.c2.outcome, "tolerance_multiple_at_target": curve.at_target.value,
+                   "perplexity_change_at_target": ppl, "max_reduction_within_tolerance": ok.reduction if ok else None})
 
 
 def metrics_summary(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, ModelVerdict],
@@ -267,11 +268,11 @@ def metrics_summary(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, Model
     """reports/metrics.json, headline numbers only: ``{model: {family: headline}}``, no nulls.
 
     A headline (:mod:`emad.report.curves`, read on the family's curve over the model's domains): ``c1``, ``c2``
-    (``pass``, ``fail`` = falsified, ``unresolved`` at this sample size); ``tolerance_used_at_target`` (the
-    largest change / tolerance over the checks, 1 = at the tolerance) and ``perplexity_at_target`` (relative
-    rise, worst domain) at the FLOPs ratio 1 − ``min_flops_reduction``, interpolated on the envelope (left out
-    when the curve does not reach it); ``max_reduction``: the largest FLOPs reduction of a point with no check
-    violated (left out when there is none). Families are those of ``family_verdicts`` (judged alone; computed
+    (``pass``, ``fail`` = falsified, ``unresolved`` at this sample size); ``tolerance_multiple_at_target`` (the
+    largest change / tolerance over the checks, 1 = at the tolerance) and ``perplexity_change_at_target``
+    (relative rise, ratio − 1, worst domain) at the FLOPs ratio 1 − ``min_flops_reduction``, interpolated on the
+    envelope (left out when the curve does not reach it); ``max_reduction_within_tolerance``: the largest positive
+    FLOPs reduction of a point with no check violated (left out when there is none). Families are those of ``family_verdicts`` (judged alone; computed
     from ``runs`` with the thresholds of ``verdicts`` when None) plus the judged method of ``verdicts`` under its
     joined name (``emad/emad+tuned``) when it spans several. The per-run detail is :func:`run_details`.
     """

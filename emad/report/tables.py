@@ -207,18 +207,19 @@ def domain_shift_markdown(cells: Sequence[dict[str, Any]]) -> str:
 
 
 def ablation_markdown(tables: dict[str, list[dict[str, Any]]]) -> str:
-    """One markdown table per factor (``backfill_share`` only for the policy factor)."""
+    """One markdown table per factor, with the calibration source of each row (``backfill_share`` only for the
+    policy factor)."""
     if not tables:
         return "_No single-factor ablations among the runs._"
     out = []
     for factor, rows in tables.items():
         metrics = sorted({m for r in rows for m in r["quality"]})
         extra = ["backfill share"] if factor == "policy" else []
-        header = ["model", "domain", factor, "point"] + metrics + ["FLOPs ratio", "speed-up"] + extra
+        header = ["model", "domain", "calibration", factor, "point"] + metrics + ["FLOPs ratio", "speed-up"] + extra
         body = []
         for r in rows:
             value = f"**{r['value']}** (default)" if r["is_default"] else str(r["value"])
-            line = [r["model"], r["domain"], value, r["point"]] + [
+            line = [r["model"], r["domain"], r["calibration"] or "–", value, r["point"]] + [
                 fmt_quality(r["quality"].get(m), r.get("intervals", {}).get(m)) for m in metrics]
             line += [fmt(r["flops_ratio"]), fmt(r["speedup"], ".2f")]
             line += [fmt(r["backfill_share"])] if extra else []

@@ -2,7 +2,8 @@
 
 - Reference: the ``full`` run of the model on each domain.
 - Operating point: runs with the same point name and calibration source; only points evaluated on every domain
-  of the model count (the others are listed as incomplete).
+  the judged families ran on count (the others are listed as incomplete). A family run on fewer domains than the
+  model is judged on those domains, and the report names them.
 - FLOPs reduction of a point: ``1 − Σ_d tokens_d · flops_ratio_d / Σ_d tokens_d`` — token-weighted over its
   domains (``cost.tokens``; an unweighted mean when a run lacks a token count).
 - Speed-up of a point: time the full-depth runs would take for the point's tokens over the time the point took,
@@ -12,8 +13,9 @@
 - Tolerances, per domain and quality metric present in the full run: a lower-better metric (perplexity) may rise
   by ``ppl_rel_tol`` relative; a higher-better one (accuracies in [0, 1]) may drop by ``acc_abs_tol`` absolute.
   Each check (:mod:`emad.report.checks`) is ``met`` (the change's paired 95% interval lies within the tolerance),
-  ``violated`` (wholly beyond it) or ``unresolved`` (it straddles the tolerance, or is undefined). A point is
-  violated when one of its checks is, met when all are, unresolved otherwise.
+  ``violated`` (wholly beyond it) or ``unresolved`` (it straddles the tolerance, or is undefined); every paired
+  unit equal is the interval {0}, met. Only checks on ≥ 8 units enter a point's state: it is violated when one of
+  them is, met when all are, unresolved otherwise (also when none rests on 8 units).
 - C1: passes when some point reducing FLOPs by ≥ ``min_flops_reduction`` is met. It is falsified only when no
   such point is met or unresolved (every one has a violated check, or none reaches the reduction); otherwise C1
   is unresolved at this sample size: no point is shown within the tolerances, none of the candidates is shown
@@ -90,7 +92,7 @@ class PointAssessment:
     @property
     def worst(self) -> Check | None:
         """The check furthest from being met: a violated one before an unresolved one, then by severity."""
-        return max(self.checks, key=lambda c: c.rank, default=None)
+        return max(self.checks, key=lambda c: (c.counted, c.rank), default=None)
 
     def to_dict(self) -> dict[str, Any]:
         worst = self.worst
@@ -186,6 +188,12 @@ class ModelVerdict:
     incomplete: list[str]
     c1: C1Result
     c2: C2Result
+    model_domains: list[str] = field(default_factory=list)
+
+    @property
+    def subset(self) -> bool:
+        """Judged on fewer domains than the model ran on (the method ran on those only)."""
+        return bool(self.model_domains) and self.domains != self.model_domains
 
     def sentence(self) -> str:
         """Human text: one line per criterion, then the literal reading."""
@@ -195,7 +203,7 @@ class ModelVerdict:
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "methods": list(self.methods), "domains": self.domains,
-                "thresholds": asdict(self.thresholds), "c1": self.c1.to_dict(), "c2": self.c2.to_dict(),
+                "model_domains": self.model_domains, "thresholds": asdict(self.thresholds), "c1": self.c1.to_dict(), "c2": self.c2.to_dict(),
                 "incomplete": self.incomplete, "points": [p.to_dict() for p in self.points]}
 
 
@@ -337,17 +345,19 @@ def model_verdict(runs: Sequence[dict], model: str, methods: Sequence[str] = ("e
     base = baselines(runs)
     if not any(r["model"] == model for r in runs):
         raise ValueError(f"no runs for model {model!r}")
-    domains = _model_domains(runs, base, model)
+    model_domains = _model_domains(runs, base, model)
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in runs:
         if r["model"] == model and r.get("family") in methods:
             groups.setdefault((r["point"], r.get("calibration") or ""), []).append(r)
+    # judged on the domains the method ran on (a family run on fewer domains than the model is judged on those)
+    domains = sorted({r["domain"] for g in groups.values() for r in g}) or model_domains
     complete = {k: g for k, g in groups.items() if sorted(r["domain"] for r in g) == domains}
     incomplete = sorted(point_label(g[0]) for k, g in groups.items() if k not in complete)
     points = sorted((assess_point(g, base, thr) for g in complete.values()), key=lambda p: p.label)
     fam = "/".join(methods)
     return ModelVerdict(model, tuple(methods), domains, thr, points, incomplete,
-                        _c1(points, thr, fam, domains), _c2(points, thr))
+                        _c1(points, thr, fam, domains), _c2(points, thr), model_domains)
 
 
 def verdict(runs: Sequence[dict], methods: Sequence[str] = ("emad",), *, min_flops_reduction: float = 0.15,
