@@ -320,7 +320,7 @@ def test_report_markdown_and_metrics(tmp_path):
     assert "![m--code--perplexity](figures/m--code--perplexity.png)" in md
     assert "MLflow runs: `abc`, `def`" in md
     assert "### m · code" in md and "`dvc repro`" in md and "`make mlflow`" in md
-    assert "| fixed | m | fail |" in md
+    assert "| fixed | m | code, prose | fail |" in md
     details = run_details(runs, verdicts)["models"]
     assert details["m"]["verdict"] == {"c1": True, "c2": True, "c1_outcome": "pass", "c2_outcome": "pass",
                                        "c1_literal": False}
@@ -452,4 +452,5 @@ def test_a_family_run_on_fewer_domains_is_judged_on_those():
     v = family_verdicts(runs)["ead"]["m"]
     assert v.domains == ["prose"] and v.model_domains == list(DOMAINS) and v.subset
     assert [p.label for p in v.points] == ["ead-a"] and not v.incomplete
-    assert "the method ran on these only" in report_markdown(runs, verdict(runs, ("ead",)), {}, [])
+    md = report_markdown(runs, verdict(runs, ("ead",)), {}, [], family_verdicts=family_verdicts(runs))
+    assert "the method ran on these only" in md and "| ead | m | prose (only these) |" in md

@@ -109,16 +109,17 @@ def verdict_markdown(verdicts: Mapping[str, ModelVerdict]) -> str:
 
 
 def baselines_markdown(family_verdicts: Mapping[str, Mapping[str, ModelVerdict]]) -> str:
-    """One row per family × model: does a baseline pass the same criteria?"""
+    """One row per family × model: does a baseline pass the same criteria, on which domains (those it ran on)?"""
     rows = []
     for family, per_model in family_verdicts.items():
         for model, v in per_model.items():
-            rows.append([family, model, v.c1.outcome, v.c1.deciding.label if v.c1.deciding else "–",
+            domains = ", ".join(v.domains) + (" (only these)" if v.subset else "")
+            rows.append([family, model, domains, v.c1.outcome, v.c1.deciding.label if v.c1.deciding else "–",
                          v.c2.outcome, v.c2.deciding.label if v.c2.deciding else "–",
                          fmt(v.c2.deciding.speedup if v.c2.deciding else None, ".2f")])
     if not rows:
         return "_No families to compare._"
-    return markdown_table(["family", "model", "C1", "C1 deciding point", "C2", "C2 deciding point", "speed-up"],
+    return markdown_table(["family", "model", "domains judged", "C1", "C1 deciding point", "C2", "C2 deciding point", "speed-up"],
                           rows)
 
 
