@@ -152,8 +152,10 @@ def test_a_stage_interrupted_by_a_real_sigint_mid_work_says_so_and_leaves_no_out
     """prepare_model converting the embedded GGUF: SIGINT once its staging folder exists."""
     out = tmp_path / "model"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    # a shell starts background jobs with SIGINT ignored, and Python keeps it ignored: the child gets the default
     proc = subprocess.Popen([sys.executable, str(ROOT / "pipeline" / "prepare_model.py"), "--spec", "smollm2-135m",
-                             "--out", str(out)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                             "--out", str(out)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while not list(tmp_path.glob(".model.tmp-*")):
         assert proc.poll() is None, f"finished before it could be interrupted: {proc.stderr.read()}"
