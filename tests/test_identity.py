@@ -1,4 +1,4 @@
-"""The identity of a curve (emad.evaluation.identity): one value type, its family, profile, label and run names."""
+"""The identity of a curve (emad.evaluation.identity): one value type, its family, profile and run names."""
 
 from __future__ import annotations
 
@@ -20,17 +20,16 @@ def test_family_marks_the_readout_unless_logit_and_splits_back():
         assert family_of(*split_family(family)) == family
 
 
-def test_curve_of_a_run_names_its_family_profile_and_label():
+def test_curve_of_a_run_names_its_family_and_profile():
     run = {"model": "m", "family": "emad+tuned", "readout": "tuned", "calibration": "prose", "domain": "code",
            "options": {"estimator": "topk"}}
     cid = CurveId.of_run(run)
     assert cid == CurveId("m", "emad", "tuned", "topk", "prose", "code")
-    assert (cid.family, cid.profile, cid.label) == ("emad+tuned", "prose+tuned", "emad+tuned (cal prose)")
+    assert (cid.family, cid.profile) == ("emad+tuned", "prose+tuned")
     assert not cid.in_domain and cid.calibrated_on("code").in_domain
     assert cid.on(None).in_domain and cid.on(None).domain is None
     plain = CurveId.of_run({"model": "m", "family": "fixed", "calibration": "", "domain": "code"})
-    assert (plain.family, plain.readout, plain.calibration, plain.profile, plain.label) == (
-        "fixed", "logit", None, None, "fixed")
+    assert (plain.family, plain.readout, plain.calibration, plain.profile) == ("fixed", "logit", None, None)
     assert plain.in_domain
 
 

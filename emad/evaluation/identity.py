@@ -7,7 +7,6 @@ is named by; nothing else builds or parses them:
   :func:`family_of` / :func:`split_family`.
 - ``profile``: the profile a run reads (``<source>`` or ``<source>+<readout>``), the key of an oracle bound;
   :func:`profile_in_domain` reads it back.
-- ``label``: how a legend or table names the curve (``emad+tuned (cal stdlib-prose)``).
 - a point's artifact folder (:func:`point_folder`: ``<point>--cal-<source>``), run id (:func:`run_id`) and label
   (:func:`point_label`: ``<point>@<source>``).
 """
@@ -83,11 +82,6 @@ class CurveId:
     def in_domain(self) -> bool:
         """True when calibrated on the domain it is evaluated on, or without calibration (no profile)."""
         return self.calibration is None or self.domain is None or self.calibration == self.domain
-
-    @property
-    def label(self) -> str:
-        """``emad+tuned`` or ``emad+tuned (cal stdlib-prose)``: the curve's name in legends and tables."""
-        return self.family if self.calibration is None else f"{self.family} (cal {self.calibration})"
 
     def on(self, domain: str | None) -> CurveId:
         """The same curve on another domain (None: over every domain)."""
