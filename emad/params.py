@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
-from pydantic import AfterValidator, RootModel, StringConstraints
+from pydantic import AfterValidator, Field, RootModel, StringConstraints, field_validator
 
 from emad.calibration.config import CalibrateConfig, EstimatorsConfig, ReadoutsConfig, SmoothConfig
 from emad.config import ConfigError, Section, read_params, validate_section
@@ -37,9 +37,66 @@ class ModelsConfig(RootModel[dict[Annotated[str, StringConstraints(pattern=NAME)
     """The ``models`` section: name → spec (embedded alias, local folder or hub id, optionally ``+idle<N>``)."""
 
 
+class ControlConfig(Section):
+    """The ``control`` section: the positive control, a model with known redundant depth run at small scope beside
+    the models, on which early exit must win (:mod:`emad.engine.idle`).
+
+    Attributes:
+        model: its name (folders, run ids, the report), e.g. ``smollm2-135m+idle30``.
+        spec: a model with idle layers appended, ``<base spec>+idle<N>`` (the base an embedded alias, a local
+            folder or a hub id).
+        source: its one calibration source (readouts, profiles and estimators are fitted on it), one of
+            ``calibrate.sources``.
+        decode: its decode section: ``domains``, ``baselines`` and ``points`` of its own, the other keys of
+            :data:`CONTROL_INHERITS` from ``decode`` unless given; it runs no ablations and no related methods, and
+            every point reads the profiles of ``source``.
+    """
+
+    model: str = Field(pattern=r"^[A-Za-z0-9_+-]+$")
+    spec: str
+    source: str = "stdlib-prose"
+    decode: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("spec")
+    @classmethod
+    def _idle(cls, value: str) -> str:
+        if parse_idle_spec(value) is None:
+            raise ValueError(f"{value!r} has no idle layers: the control is a model with known redundant depth, "
+                             f"<base spec>+idle<N> (e.g. smollm2-135m+idle30)")
+        return value
+
+
+CONTROL_OWN = ("domains", "baselines", "points")  # the control's decode gives these itself
+CONTROL_INHERITS = ("tasks", "heatmap_texts", "swept_prompts", "unserved_tokens", "speed_repeats", "speed_pairs",
+                    "speed_tokens", "device", "dtype")  # ... and takes these from decode (its DVC params)
+
+
+def control_decode(raw: dict[str, Any]) -> DecodeConfig:
+    """The control's decode section: ``control.decode`` over the keys of ``decode`` it inherits
+    (:data:`CONTROL_INHERITS`; no ablations, no related methods). Errors name ``control.decode.<key>``."""
+    own = (raw.get("control") or {}).get("decode") or {}
+    missing = [k for k in CONTROL_OWN if k not in own]
+    if missing:
+        raise ConfigError(f"control.decode: give {', '.join(missing)} (the control's own; it inherits only "
+                          f"decode.{', decode.'.join(CONTROL_INHERITS)})")
+    base = {k: v for k, v in (raw.get("decode") or {}).items() if k in CONTROL_INHERITS}
+    return validate_section("control.decode", {**base, **own}, DecodeConfig)
+
+
+def load_decode(path: str | Path = "params.yaml", control: bool = False) -> DecodeConfig:
+    """The decode section (``control``: the control's, :func:`control_decode`) after checking the whole file."""
+    if not control:
+        return load_section("decode", DecodeConfig, path)
+    validate_params(path)
+    raw = read_params(path)
+    if not raw.get("control"):
+        raise ConfigError(f"params file {path}: no control section (control.model, control.source, control.decode)")
+    return control_decode(raw)
+
+
 def sections() -> dict[str, type[Section] | type[RootModel]]:
     """Section name → its typed model."""
-    return {"models": ModelsConfig, "corpus": CorpusConfig, "readouts": ReadoutsConfig, "calibrate": CalibrateConfig,
+    return {"models": ModelsConfig, "control": ControlConfig, "corpus": CorpusConfig, "readouts": ReadoutsConfig, "calibrate": CalibrateConfig,
             "smooth": SmoothConfig,
             "estimators": EstimatorsConfig, "decode": DecodeConfig, "risk": RiskConfig,
             "aggregate": AggregateConfig}
@@ -61,7 +118,7 @@ def validate_params(path: str | Path = "params.yaml") -> dict[str, Any]:
     if unknown:
         raise ConfigError(f"params file {path}: unknown section(s) {', '.join(unknown)}; valid: {', '.join(known)}")
     cfg = {name: validate_section(name, raw[name], known[name]) for name in known if name in raw}
-    _check_across(cfg)
+    _check_across({**cfg, "control.decode": control_decode(raw)} if "control" in cfg else cfg)
     return cfg
 
 
@@ -89,16 +146,19 @@ def _check_across(cfg: dict[str, Any]) -> None:
     if "risk" in cfg and cfg["risk"].searches and cfg["risk"].domain not in sampled:
         raise ConfigError(f"risk.domain: {cfg['risk'].domain!r} is not sampled; add it to corpus.sources "
                           f"({', '.join(sorted(sampled))})")
-    for domain, tasks in cfg["decode"].domains.items() if "decode" in cfg else []:
-        if domain not in sampled:
-            raise ConfigError(f"decode.domains.{domain}: the domain is not sampled; add it to corpus.sources "
-                              f"({', '.join(sorted(sampled))})")
-        for task in tasks:
-            items = TASKS.get(task).corpus_items
-            if items is not None and not cfg["corpus"].tasks.builds(domain, items):
-                raise ConfigError(f"decode.domains.{domain}: task {task!r} reads items that sample_corpus builds "
-                                  f"only when corpus.tasks.{items} is set and corpus.tasks.sources (null: all) "
-                                  f"holds {domain!r}")
+    if "control" in cfg:
+        _check_calibrated("control.source", cfg["control"].source, calibrated)
+    for section in ("decode", "control.decode"):
+        for domain, tasks in cfg[section].domains.items() if section in cfg else []:
+            if domain not in sampled:
+                raise ConfigError(f"{section}.domains.{domain}: the domain is not sampled; add it to "
+                                  f"corpus.sources ({', '.join(sorted(sampled))})")
+            for task in tasks:
+                items = TASKS.get(task).corpus_items
+                if items is not None and not cfg["corpus"].tasks.builds(domain, items):
+                    raise ConfigError(f"{section}.domains.{domain}: task {task!r} reads items that sample_corpus "
+                                      f"builds only when corpus.tasks.{items} is set and corpus.tasks.sources "
+                                      f"(null: all) holds {domain!r}")
 
 
 def _check_calibrated(key: str, source: str, calibrated: list[str]) -> None:

@@ -19,6 +19,7 @@ from emad.params import load_section
 from emad.report import (
     Thresholds,
     ablation_tables,
+    families_of,
     family_verdicts,
     metrics_summary,
     pareto_data,
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cfg = load_section("aggregate", AggregateConfig, args.params)
     runs = [r.to_dict() for r in load_records(args.runs)]  # the report reads each record as its dict
-    verdicts = verdict(runs, tuple(cfg.methods), **cfg.thresholds())
+    verdicts = verdict(runs, families_of(runs, cfg.methods), **cfg.thresholds())
     others = family_verdicts(runs, **cfg.thresholds())
     tables = {"ablations": ablation_tables(runs, default_point=args.default_point)
               if any(r["point"] == args.default_point for r in runs) else {},

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from tqdm import tqdm
@@ -42,15 +43,22 @@ from emad.evaluation.operating_point import (
 )
 from emad.evaluation.record import RunRecord, profile_facts
 from emad.evaluation.speed import point_speedup
+from emad.exits.criteria import Full
+from emad.exits.estimators import ESTIMATORS
 from emad.io import atomic_write_text
-from emad.params import load_section
+from emad.params import load_decode, load_section
+from emad.report.checks import screen
+from emad.report.config import AggregateConfig
+from emad.report.frontier import FULL
 from emad.report.heatmap import heatmap_html
 from emad.report.plots import depth_histogram_figure, save_figure
+from emad.report.verdict import Thresholds
 from emad.stage import run_stage
 from emad.tasks.registry import Shared
 
 KINDS = ["baseline", "point", "ablation", "related"]
 STAGES = {"baseline": "decode", "point": "decode", "ablation": "decode_ablation", "related": "decode_related"}
+REFERENCE = "full depth (reference)"  # scored beside the points when no full point runs with them
 
 
 @dataclass
@@ -89,6 +97,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--readouts", help="readouts.safetensors (stage fit_readouts) for readout: tuned; {source} "
                         "in the path is replaced by the point's calibration source, or --readout-source without one")
     parser.add_argument("--readout-source", help="the source whose readouts serve points without a calibration")
+    parser.add_argument("--estimators", help="estimators.json (stage fit_estimators) for points whose estimator is "
+                        "fitted (topk, lowrank); {readout} in the path is replaced by the point's readout. Default: "
+                        "beside each point's profile")
+    parser.add_argument("--control", action="store_true", help="the positive control: the points of params "
+                        "control.decode (decode with its keys replaced), logged as stage control_decode")
     parser.add_argument("--out", type=Path, required=True, help="folder for the run files (one per point x domain)")
     parser.add_argument("--artifacts", type=Path, required=True,
                         help="folder for the histograms and heat maps (a <point>/<domain>/ each)")
@@ -136,9 +149,15 @@ def _readouts(args: argparse.Namespace, calibration: str | None) -> Path | None:
     return Path(args.readouts.replace("{source}", source))
 
 
+def _calibrations(cfg: DecodeConfig, name: str, every: list[str], given: list[str] | None) -> list[str]:
+    """The calibration sources point ``name`` runs with: those given (``--calibration``), else every source for a
+    point of the domain-shift matrix (``decode.shift_points``), else ``decode.ablation_calibration``."""
+    return every if given or cfg.shifts(name) else [cfg.ablation_calibration]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    cfg = load_section("decode", DecodeConfig, args.params)
+    cfg = load_decode(args.params, control=args.control)
     kinds = list(dict.fromkeys(args.kind))
     selected = _selected(cfg, kinds, args.point)
     domains = _domains(cfg, kinds, args.domain)
@@ -149,13 +168,15 @@ def main(argv: list[str] | None = None) -> int:
     calibrations = args.calibration or (load_section("calibrate", CalibrateConfig, args.params).sources
                                         if needy else [])
     jobs = [Job(kind, name, point, cal) for (kind, name), point in points.items()
-            for cal in (calibrations if point.needs_profile else [None])]
+            for cal in (_calibrations(cfg, name, calibrations, args.calibration) if point.needs_profile else [None])]
     loaded = load_model(args.model_dir, device=cfg.device, dtype=cfg.dtype)
     stack = LayerStack(loaded.model)
     for job in jobs:  # every method checked before any decoding
         template = args.profile.replace("{calibration}", job.calibration) if job.calibration else None
         profile_path = readout_path(template, job.point.readout)
+        fitted = ESTIMATORS.get(job.point.estimator).needs_fit and args.estimators
         job.method = build_method(job.point, stack.n_layers, loaded.fingerprint.as_dict(), profile_path,
+                                  readout_path(args.estimators, job.point.readout) if fitted else None,
                                   load=model_loader(cfg.device, cfg.dtype),
                                   readouts_path=_readouts(args, job.calibration))
         job.method.bind(stack, loaded.tokenizer)  # one method for every domain, as for every task of a domain
@@ -163,18 +184,43 @@ def main(argv: list[str] | None = None) -> int:
                                   job.method)
     prepared = {d: prepare(cfg.tasks_of(kinds[0], d), cfg.tasks, args.corpora / d if args.corpora else None,
                            loaded.tokenizer) for d in domains}
+    thresholds = Thresholds(**load_section("aggregate", AggregateConfig, args.params).thresholds())
+    full = next((job for job in jobs if job.point.method == FULL), None)
+    reference = full.label if full else REFERENCE  # full depth's teacher-forced results: the screen's reference
+    methods = {job.label: job.method for job in jobs} | ({} if full else {REFERENCE: Full()})
     for domain in domains:
         shared = Shared()
         print(f"decode: {domain}: teacher-forced tasks of {len(jobs)} points", file=sys.stderr)
-        scores = score_all(stack, loaded.tokenizer, {job.label: job.method for job in jobs}, prepared[domain],
-                           shared, cfg.unserved_tokens)
+        scores = score_all(stack, loaded.tokenizer, methods, prepared[domain], shared, cfg.unserved_tokens)
+        teacher = [p for p in prepared[domain] if p.task.teacher_forced]
+        screen_of = partial(screen, domain, reference=evaluate(stack, loaded.tokenizer, methods[reference], teacher,
+                                                               shared, scores[reference]).tasks,
+                            tolerance=thresholds.tolerance)
         for job in tqdm(jobs, desc=domain, unit="point"):
-            _run(args, cfg, loaded, stack, job, domain, prepared[domain], shared, scores.pop(job.label))
+            _run(args, cfg, loaded, stack, job, domain, prepared[domain], shared, scores.pop(job.label), screen_of)
     return 0
 
 
+def _speed(cfg: DecodeConfig, stack: LayerStack, tokenizer, job: Job, prepared: list, result, limit: int | None,
+           screen_of) -> dict:
+    """The point's speed-up against full depth: ``speed_pairs`` timed pairs of ``speed_tokens`` new tokens (C2's
+    interval), or the cheap ``speed_repeats`` measure for full depth itself, a point that never exits (it runs
+    every layer and its probes: it cannot be faster) and a point a teacher-forced check rules out."""
+    teacher = {p.name: result.tasks[p.name] for p in prepared if p.task.teacher_forced}
+    ruled_out = screen_of(teacher)
+    depths = set(result.depth_histogram())
+    why = ("full depth" if job.point.method == FULL else
+           f"violates {', '.join(c.metric for c in ruled_out)} (teacher forced)" if ruled_out else
+           "never exits" if depths and depths <= {stack.n_layers} else None)
+    if why is None:
+        timed = point_speedup(stack, tokenizer, job.method, prepared, result, 1, cfg.speed_pairs, cfg.speed_tokens)
+    else:
+        timed = point_speedup(stack, tokenizer, job.method, prepared, result, limit, cfg.speed_repeats)
+    return {**timed, "speed_timing": "pairs" if why is None else f"cheap: {why}"}
+
+
 def _run(args, cfg: DecodeConfig, loaded, stack: LayerStack, job: Job, domain: str, prepared: list, shared: Shared,
-         scores: dict) -> None:
+         scores: dict, screen_of) -> None:
     """One (point, calibration, domain): evaluate its tasks, write the run file and artifacts, log one MLflow run."""
     method = job.method
     limit = cfg.swept_prompts if cfg.is_swept(job.name) else None
@@ -186,16 +232,16 @@ def _run(args, cfg: DecodeConfig, loaded, stack: LayerStack, job: Job, domain: s
         method=method.describe(), **job.facts)
     rid = record.run_id
     settings = {"tasks": {p.name: p.settings.model_dump() for p in prepared}, "free_prompts": limit,
-                "speed_repeats": cfg.speed_repeats, "unserved_tokens": cfg.unserved_tokens, "device": cfg.device,
+                "speed_repeats": cfg.speed_repeats, "speed_pairs": cfg.speed_pairs, "speed_tokens": cfg.speed_tokens, "unserved_tokens": cfg.unserved_tokens, "device": cfg.device,
                 "dtype": cfg.dtype}
     print(f"decode: {rid}: {', '.join(p.name for p in prepared)}", file=sys.stderr)
-    with tracking.stage_run(STAGES[job.kind], record.mlflow_params(), record.mlflow_tags(),
+    stage = "control_decode" if args.control else STAGES[job.kind]
+    with tracking.stage_run(stage, record.mlflow_params(), record.mlflow_tags(),
                             run_name=record.mlflow_run_name()) as run:
         run.log_dict(settings, "decode_settings.json")
         result = evaluate(stack, loaded.tokenizer, method, prepared, shared, scores, limit)
         hist = result.depth_histogram()
-        cost = {**result.cost(),
-                **point_speedup(stack, loaded.tokenizer, method, prepared, result, limit, cfg.speed_repeats)}
+        cost = {**result.cost(), **_speed(cfg, stack, loaded.tokenizer, job, prepared, result, limit, screen_of)}
         record = record.with_results(result.tasks, cost, hist, run.run_id)
         artifacts = args.artifacts / job.label / domain
         hist_png = save_figure(depth_histogram_figure(hist, stack.n_layers, rid), artifacts / "depth.png")

@@ -21,6 +21,17 @@ from emad.params import load_section
 from emad.stage import run_stage
 
 
+def _check_sizes(cfg: EstimatorsConfig, stack: LayerStack, model_dir: str) -> None:
+    """K and r fit the model, before any fitting: K ≤ the vocabulary, r ≤ the hidden size."""
+    if cfg.topk is not None and cfg.topk.k > stack.vocab_size:
+        raise ValueError(f"estimators.topk.k = {cfg.topk.k} exceeds the vocabulary size of {model_dir}; valid: "
+                         f"1..{stack.vocab_size}")
+    hidden = stack.head.weight.shape[1]
+    if cfg.lowrank is not None and cfg.lowrank.rank > hidden:
+        raise ValueError(f"estimators.lowrank.rank = {cfg.lowrank.rank} exceeds the hidden size of {model_dir}; "
+                         f"valid: 1..{hidden}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", required=True)
@@ -29,20 +40,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--readouts", type=Path, help="readouts.safetensors, for a profile calibrated through "
                         "the tuned readout (estimators are fitted through the profile's readout)")
     parser.add_argument("--out", type=Path, required=True, help="estimators.json to write")
+    parser.add_argument("--only", action="append", help="fit only this estimator of the estimators section "
+                        "(repeat for several; default: every one)")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
     cfg = load_section("estimators", EstimatorsConfig, args.params)
+    chosen = cfg.fitted()
+    stray = [name for name in args.only or [] if name not in chosen]
+    if stray:
+        raise ValueError(f"--only {', '.join(stray)}: not fitted by the estimators section; valid: "
+                         f"{', '.join(chosen) or 'none'}")
+    chosen = {k: v for k, v in chosen.items() if not args.only or k in args.only}
     profile = Profile.load(args.profile)
     texts, corpus_hash = read_split(args.corpus, "calib")
     loaded = load_model(args.model_dir)
     profile.check_model(loaded.fingerprint.as_dict())
     stack = LayerStack(loaded.model)
+    _check_sizes(cfg, stack, args.model_dir)
     stack = stack.with_readout(load_readout(profile.readout, args.readouts, loaded.fingerprint.as_dict(),
                                             profile.probe_layers, stack.n_layers))
     docs = [loaded.tokenizer(t)["input_ids"] for t in texts]
     sample = collect(stack, cap_tokens(windows(docs, cfg.window), cfg.tokens), profile.probe_layers)
     fitted = {}
-    for name, options in cfg.fitted().items():
+    for name, options in chosen.items():
         estimator = build(name, options, stack, sample)
         report = fit(stack, estimator, sample, cfg.holdout)
         fitted[name] = {"options": estimator.options(), **report}

@@ -49,10 +49,14 @@ BASE = {
         "ablation_domains": ["stdlib-prose"],
         "related": {"ead": {"method": "ead", "small_layers": 1, "tau": 1.0}},
         "related_domains": ["gsm8k"],
+        "speed_pairs": 2, "speed_tokens": 4,
         "device": "cpu", "dtype": "float32",
     },
     "risk": {"domain": "stdlib-prose", "prompts": 22, "delta": 0.1, "epsilon": 0.1,
              "searches": {"m": {"point": {"method": "emad"}, "knob": "margin", "values": [1.0, 0.5]}}},
+    "control": {"model": "tiny+idle2", "spec": "tiny-folder+idle2", "source": "stdlib-prose",
+                "decode": {"domains": {"stdlib-prose": ["perplexity"]}, "baselines": {"full": {"method": "full"}},
+                           "points": {"p": {"method": "emad", "margin": 1}}}},
     "aggregate": {"min_flops_reduction": 0.15},
 }
 
@@ -95,6 +99,17 @@ PARAMS_CASES = [  # (path with '/' between keys, value, what the message must na
     ("decode/points/p/margin", "wide", r"decode\.points\.p\.margin.*'wide'"),
     ("decode/points/p/strata", "all", r"decode\.points\.p\.strata.*valid: none, position, confidence, both"),
     ("decode/points/p/policy", "rewind", r"decode\.points\.p\.policy.*'rewind'"),
+    ("decode/points/p", {"method": "emad", "margin": [0.5, 1], "estimator": "topq"},
+     r"decode\.points\.p_0\.5\.estimator.*unknown estimator 'topq'; valid: .*topk"),
+    ("decode/shift_points", ["nope"], r"shift_points \['nope'\] are not points or sweeps of points"),
+    ("decode/speed_pairs", 1, r"decode\.speed_pairs.*greater than or equal to 2"),
+    ("control/spec", "smollm2-135m", r"control\.spec.*has no idle layers.*\+idle<N>"),
+    ("control/spec", "smollm2-135m+idle0", r"control\.spec.*idle-layer count.*positive integer"),
+    ("control/spec", "smollm2-135m+idle2.5", r"control\.spec.*idle-layer count.*positive integer"),
+    ("control/model", "a/b", r"control\.model.*should match pattern"),
+    ("control/source", "shakespeare", r"control\.source: 'shakespeare' is not a calibration source"),
+    ("control/decode/points/p/margin", "wide", r"control\.decode\.points\.p\.margin.*'wide'"),
+    ("control/decode", {"domains": {"stdlib-prose": ["perplexity"]}}, r"control\.decode: give baselines, points"),
     ("decode/points/p.1", {"method": "emad", "margin": 1.0}, r"no dots.*p\.1"),
     ("decode/baselines/fixed", {"method": "fixed", "depht": 2}, r"decode\.baselines\.fixed\.depht"),
     ("decode/default_point", "nope", r"default_point 'nope'"),
@@ -303,3 +318,21 @@ def test_a_completion_that_deletes_files_cannot(tmp_path):
     victim.write_text("precious")
     outcome = run_sandboxed(f"import os\nos.remove({str(victim)!r})\n", timeout=3.0)
     assert not outcome.passed and victim.read_text() == "precious"
+
+
+@pytest.mark.parametrize("section, value, culprit", [
+    ("topk", {"k": 10**6}, r"estimators\.topk\.k = 1000000 exceeds the vocabulary size of .*; valid: 1\.\.\d+"),
+    ("lowrank", {"rank": 4096}, r"estimators\.lowrank\.rank = 4096 exceeds the hidden size of .*; valid: 1\.\.\d+"),
+])
+def test_an_estimator_larger_than_the_model_is_named_before_fitting(workspace, tmp_path, section, value, culprit):
+    import pipeline.fit_estimators as stage
+
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"estimators": {"topk": None, section: value}}))
+    corpus = _corpus(tmp_path / "corpus", "")
+    (corpus / "calib.jsonl").write_text(json.dumps({"id": "0", "text": TEXT}) + "\n")
+    out = tmp_path / "out" / "estimators.json"
+    with pytest.raises(ValueError, match=culprit):
+        stage.main(["--model-dir", str(workspace / "model"), "--corpus", str(corpus),
+                    "--profile", str(workspace / "profile.json"), "--out", str(out), "--params", str(params)])
+    assert not out.parent.exists()

@@ -184,7 +184,7 @@ def test_related_runs_report_their_statistics(workspace, monkeypatch):
     assert spec["cost"]["flops_ratio"] > 0
     assert _decode(workspace, "related", "gap-prune", monkeypatch) == 0
     gap = _record(workspace, "related-gap-prune")
-    assert gap["family"] == "softmax" and gap["options"]["prune_k"] == 32 and gap["method"]["estimator"] == "prune"
+    assert gap["family"] == "softmax:prune" and gap["options"]["prune_k"] == 32 and gap["method"]["estimator"] == "prune"
 
 
 def test_strata_ablation_uses_the_variant_and_refuses_a_missing_one(workspace, monkeypatch):
@@ -265,7 +265,8 @@ def test_a_swept_stage_writes_one_run_per_value_each_timed_against_full_depth_he
     sweep = {**DECODE, "domains": {"toy": ["perplexity", "agreement", "fidelity"]},
              "tasks": {**DECODE["tasks"], "agreement": {"prompts": 2, "prompt_tokens": 12, "new_tokens": 6}},
              "baselines": {"conf": {"method": "confidence", "threshold": [0.5, 8, 1000], "probe_every": 1}},
-             "swept_prompts": 1, "speed_repeats": 2}
+             "swept_prompts": 1, "speed_repeats": 2,
+             "speed_pairs": 2, "speed_tokens": 4}
     params.write_text(yaml.safe_dump({"decode": sweep}))
     assert _decode(workspace, "baseline", "conf", monkeypatch, runs="sweep-runs", params=params) == 0
     records = sorted((runfile.load(p) for p in (workspace / "sweep-runs" / "baseline-conf").glob("*.json")),

@@ -13,19 +13,21 @@ from emad.evaluation.identity import (
 )
 
 
-def test_family_marks_the_readout_unless_logit_and_splits_back():
+def test_family_marks_the_readout_unless_logit_and_the_estimator_unless_exact_and_splits_back():
     assert family_of("emad") == "emad" and family_of("emad", "tuned") == "emad+tuned"
-    assert split_family("emad+tuned") == ("emad", "tuned") and split_family("emad") == ("emad", "logit")
-    for family in ("emad", "emad+tuned", "emad/emad+tuned", "fixed"):
+    assert family_of("emad", "logit", "exact") == "emad" and family_of("emad", "tuned", "topk") == "emad+tuned:topk"
+    assert split_family("emad+tuned") == ("emad", "tuned", None) and split_family("emad") == ("emad", "logit", None)
+    assert split_family("confidence:lowrank") == ("confidence", "logit", "lowrank")
+    for family in ("emad", "emad+tuned", "emad/emad+tuned", "fixed", "emad:topk", "emad+tuned:lowrank"):
         assert family_of(*split_family(family)) == family
 
 
 def test_curve_of_a_run_names_its_family_and_profile():
-    run = {"model": "m", "family": "emad+tuned", "readout": "tuned", "calibration": "prose", "domain": "code",
+    run = {"model": "m", "family": "emad+tuned:topk", "readout": "tuned", "calibration": "prose", "domain": "code",
            "options": {"estimator": "topk"}}
     cid = CurveId.of_run(run)
     assert cid == CurveId("m", "emad", "tuned", "topk", "prose", "code")
-    assert (cid.family, cid.profile) == ("emad+tuned", "prose+tuned")
+    assert (cid.family, cid.profile) == ("emad+tuned:topk", "prose+tuned")
     assert not cid.in_domain and cid.calibrated_on("code").in_domain
     assert cid.on(None).in_domain and cid.on(None).domain is None
     plain = CurveId.of_run({"model": "m", "family": "fixed", "calibration": "", "domain": "code"})

@@ -168,3 +168,25 @@ def test_one_unit_that_differs_breaks_the_exact_zero():
     full = [1, 1, 1, 1, 1, 1, 1, 1]
     iv = change_interval("acc", full[:-1] + [0], full, relative=False)
     assert iv.hi > 0 and iv.method.startswith("exact-paired")
+
+
+def test_speed_interval_covers_a_known_ratio_and_floor_states_follow_it():
+    """Synthetic timings: a point 1.25x as fast as full depth, each timing with multiplicative noise. Over many
+    draws the 95% interval covers 1.25 about 95% of the time; met / violated / unresolved follow the interval."""
+    from emad.evaluation.intervals import floor_state, ratio_interval
+
+    rng = np.random.default_rng(1)
+    covered = 0
+    for _ in range(400):
+        ref = 100 * np.exp(rng.normal(0, 0.05, 5))
+        own = 125 * np.exp(rng.normal(0, 0.05, 5))
+        iv = ratio_interval(list(own / ref))
+        covered += iv.lo <= 1.25 <= iv.hi
+    assert 0.90 <= covered / 400 <= 0.99
+    tight = ratio_interval([1.25, 1.26, 1.24, 1.25, 1.255])
+    assert tight.n == 5 and tight.lo < 1.25 < tight.hi
+    assert floor_state(tight, 1.1) == "met" and floor_state(tight, 1.4) == "violated"
+    assert floor_state(tight, 1.25) == "unresolved"
+    assert floor_state(ratio_interval([1.3]), 1.1) == "unresolved"  # one pair: no interval
+    assert ratio_interval([1.2, 1.2]).lo == pytest.approx(1.2)  # equal timings: zero width
+    assert not ratio_interval([1.2, -1.0]).defined

@@ -75,7 +75,7 @@ def test_params_is_the_only_module_that_knows_every_section():
     modules = _modules()
     importers = {name for name, path in modules.items() if "emad.params" in _imports(name, path, set(modules))}
     assert importers <= {"emad.cli"}, importers
-    assert set(params.sections()) == {"models", "corpus", "readouts", "calibrate", "smooth", "estimators", "decode",
+    assert set(params.sections()) == {"models", "control", "corpus", "readouts", "calibrate", "smooth", "estimators", "decode",
                                       "risk", "aggregate"}
 
 

@@ -48,6 +48,7 @@ from emad.calibration.config import CalibrateConfig, EstimatorsConfig, ReadoutsC
 from emad.calibration.stats import CalibrationStats
 from emad.corpus import build_source, read_split
 from emad.corpus.config import CorpusConfig
+from emad.engine.idle import parse_idle_spec
 from emad.evaluation.config import DecodeConfig
 from emad.exits.readouts import TunedLens
 from emad.params import load_section, validate_params
@@ -311,6 +312,9 @@ def workspace(tmp_path_factory) -> Path:
         raw["models"][name] = str(save_tiny_pretrained(root / "hub" / name, tokenizer, shape.model_type,
                                                        shape.layers, max_position_embeddings=shape.context,
                                                        **TINY[shape.model_type]))
+    hub_to_local = {hub_id: raw["models"][name] for name, hub_id in _plan()["models"].items()}
+    base, idle = parse_idle_spec(raw["control"]["spec"])  # the control: the same tiny model, idle layers appended
+    raw["control"]["spec"] = f"{hub_to_local[base]}+idle{idle}"
     for section in DEVICE_SECTIONS:
         raw[section]["device"] = "cpu"
     (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))

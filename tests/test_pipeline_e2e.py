@@ -30,7 +30,7 @@ BIN = Path(sys.executable).parent
 def _params(model_dir: Path) -> dict:
     return {
         "models": {"tiny": str(model_dir)},
-        "corpus": {"seed": 0, "calib_tokens": 600, "eval_tokens": 400, "tokenizer_model": str(model_dir),
+        "corpus": {"seed": 0, "calib_tokens": 600, "eval_tokens": 1200, "tokenizer_model": str(model_dir),
                    "sources": ["stdlib-prose"]},
         "readouts": {"layers": 1, "tokens": 256, "holdout": 64, "window": 32, "epochs": 2, "batch_tokens": 64,
                      "vocab_sample": 32, "top_k": 4, "source": "stdlib-prose", "device": "cpu", "dtype": "float32"},
@@ -46,8 +46,10 @@ def _params(model_dir: Path) -> dict:
                       "fidelity": {"prompts": 2, "prompt_tokens": 16, "new_tokens": 8}},
             "baselines": {"full": {"method": "full"}, "fixed-2-tuned": {"method": "fixed", "depth": 2,
                                                                         "readout": "tuned"},
+                          "fixed": {"method": "fixed", "depth": [3]},
                           "conf": {"method": "confidence", "threshold": [0.5, 3, 100], "probe_every": 1}},
-            "swept_prompts": 1, "speed_repeats": 2, "unserved_tokens": 64,
+            "swept_prompts": 1, "speed_repeats": 2, "speed_pairs": 5, "speed_tokens": 8,
+            "shift_points": None, "unserved_tokens": 64,
             "points": {"emad-m0": {"method": "emad", "margin": 0.0},
                        "emad-m0-tuned": {"method": "emad", "margin": 0.0, "readout": "tuned"}},
             "default_point": "emad-m0",
@@ -61,8 +63,19 @@ def _params(model_dir: Path) -> dict:
         "risk": {"domain": "stdlib-prose", "calibration": "stdlib-prose", "prompts": 4, "fresh_prompts": 2, "prompt_tokens": 8, "new_tokens": 4,
                  "delta": 0.3, "epsilon": 0.3, "loss": "agreement", "device": "cpu", "dtype": "float32",
                  "searches": {"margin": {"point": {"method": "emad"}, "knob": "margin", "values": [10.0, 0.0]}}},
-        "aggregate": {"methods": ["emad"]},
+        # the positive control: the tiny model with 40 idle layers; fixed depth 4 (the tiny model's own) is lossless
+        "control": {"model": "tiny+idle40", "spec": f"{model_dir}+idle40", "source": "stdlib-prose",
+                    "decode": {"domains": {"stdlib-prose": ["perplexity", "agreement"]},
+                               "tasks": CONTROL_TASKS,
+                               "baselines": {"full": {"method": "full"}, "fixed": {"method": "fixed", "depth": [3, 4]}},
+                               "points": {"emad-topk": {"method": "emad", "margin": 0.0, "estimator": "topk"}}}},
+        "aggregate": {"methods": ["emad"], "ppl_rel_tol": 0.01, "acc_abs_tol": 0.01},
     }
+
+
+# ≥ 8 units per check (perplexity windows, prompts), so that the control's checks enter the verdict
+CONTROL_TASKS = {"perplexity": {"tokens": 512, "window": 64, "prefix": 16},
+                 "agreement": {"prompts": 8, "prompt_tokens": 16, "new_tokens": 8}}
 
 
 def _env() -> dict:
@@ -112,7 +125,9 @@ def repo(tmp_path_factory, smollm2) -> Path:
 def test_repro_writes_every_output(repo):
     runs = sorted(p.name for p in (repo / "reports" / "runs").rglob("*.json"))
     assert runs == sorted([
-        "tiny--full--stdlib-prose.json", "tiny--fixed-2-tuned--stdlib-prose.json",
+        "tiny--full--stdlib-prose.json", "tiny--fixed-2-tuned--stdlib-prose.json", "tiny--fixed_3--stdlib-prose.json",
+        "tiny+idle40--full--stdlib-prose.json", "tiny+idle40--fixed_3--stdlib-prose.json",
+        "tiny+idle40--fixed_4--stdlib-prose.json", "tiny+idle40--emad-topk--cal-stdlib-prose--stdlib-prose.json",
         "tiny--emad-m0--cal-stdlib-prose--stdlib-prose.json", "tiny--emad-m0-tuned--cal-stdlib-prose--stdlib-prose.json",
         "tiny--backfill--cal-stdlib-prose--stdlib-prose.json", "tiny--ead-k2--stdlib-prose.json",
         *(f"tiny--conf_{v}--stdlib-prose.json" for v in ("0.5", "3", "100"))])
@@ -143,18 +158,40 @@ def test_repro_writes_every_output(repo):
     assert "changed" not in status
 
 
+def test_the_positive_control_passes_c1_with_fixed_depth_and_the_model_without_idle_layers_fails(repo):
+    """Full depth of the control equals the tiny model's; fixed depth 4 (the tiny model's own depth) of 44 is lossless,
+    so the fixed family passes C1 on the control, and fails on the tiny model itself."""
+    def run(name: str) -> dict:
+        (path,) = (repo / "reports" / "runs").rglob(f"{name}--stdlib-prose.json")
+        return json.loads(path.read_text())
+
+    control, base = run("tiny+idle40--full"), run("tiny--full")
+    assert control["n_layers"] == 44 and base["n_layers"] == 4
+    assert control["tasks"]["perplexity"]["samples"]["perplexity"][:2] == \
+        base["tasks"]["perplexity"]["samples"]["perplexity"][:2]  # the same windows, the same NLL, bit for bit
+    lossless = run("tiny+idle40--fixed_4")
+    assert lossless["tasks"]["perplexity"]["samples"] == control["tasks"]["perplexity"]["samples"]
+    assert lossless["cost"]["flops_ratio"] < 0.85 and lossless["cost"]["speed_timing"] == "pairs"
+    assert len(lossless["cost"]["speed_pairs"]) == 5
+    families = json.loads((repo / "reports" / "metrics.json").read_text())
+    assert families["tiny+idle40"]["fixed"]["c1"] == "pass"
+    assert families["tiny"]["fixed"]["c1"] == "fail"
+    assert "tiny+idle40" in (repo / "reports" / "report.md").read_text()
+
+
 def test_mlflow_holds_one_run_per_stage_execution(repo):
     runs = _mlflow_runs(repo)
     stages = runs["tags.dvc_stage"].value_counts().to_dict()
-    assert stages == {"fit_readouts": 1, "calibrate": 2, "smooth": 2, "fit_estimators": 2, "decode": 7,
-                      "decode_ablation": 1, "decode_related": 1, "risk": 1, "aggregate": 1}
+    # the control (tiny+idle40) runs its own fit_readouts, calibrate, smooth and fit_estimators instances
+    assert stages == {"fit_readouts": 2, "calibrate": 4, "smooth": 4, "fit_estimators": 4, "decode": 8,
+                      "control_decode": 4, "decode_ablation": 1, "decode_related": 1, "risk": 1, "aggregate": 1}
     names = dict(zip(runs["tags.mlflow.runName"], runs["tags.dvc_stage"]))
     assert {"fit_readouts tiny stdlib-prose", "calibrate tiny stdlib-prose tuned", "smooth tiny stdlib-prose logit",
             "fit_estimators tiny stdlib-prose tuned", "risk tiny margin stdlib-prose", "aggregate"} <= set(names)
     check_store(f"sqlite:///{repo / 'mlflow.db'}")  # names, no None params, uniform decode params and metrics
     parent = runs[runs["tags.dvc_stage"] == "aggregate"].iloc[0]["run_id"]
     nested = runs[runs["tags.mlflow.parentRunId"] == parent]
-    assert len(nested) == 9
+    assert len(nested) == 8 + 4 + 1 + 1  # every decode run, the control's included
     swept = runs[runs["tags.run_id"].str.contains("--conf_", na=False)]
     assert sorted(swept["tags.run_id"]) == [f"tiny--conf_{v}--stdlib-prose" for v in ("0.5", "100", "3")]
     tuned = json.loads((repo / "reports/runs/tiny--decode"
@@ -184,9 +221,9 @@ def test_queued_two_job_sweep_keeps_every_mlflow_run(repo):
     assert "Failed" not in status, _sh(repo, "dvc", "queue", "logs", status.split()[0]) if status else status
     runs = _mlflow_runs(repo).iloc[: len(_mlflow_runs(repo)) - before]
     per_stage = runs["tags.dvc_stage"].value_counts().to_dict()
-    # each experiment reruns the decode stage (its 7 runs: the baselines beside the EMAD points, scored in one pass),
-    # the ablations built on emad-m0, and the aggregate
-    assert per_stage == {"decode": 14, "decode_ablation": 2, "aggregate": 2}, per_stage
+    # each experiment reruns the decode stage (its 8 runs: the baselines beside the EMAD points, scored in one pass),
+    # the ablations built on emad-m0, and the aggregate; not the control, whose points are its own
+    assert per_stage == {"decode": 16, "decode_ablation": 2, "aggregate": 2}, per_stage
     decode = runs[runs["tags.dvc_stage"] == "decode"]
     margins = sorted(float(m) for m in decode[decode["tags.run_id"].str.contains("--emad-m0--")]
                      ["params.margin"])

@@ -35,7 +35,10 @@ class DecodeConfig(Section):
         ablation_tasks: the tasks the ablations run, each among every ablation domain's tasks (null = all of
             them).
         ablation_calibration: the calibration source whose profiles the ablations read (one of
-            ``calibrate.sources``).
+            ``calibrate.sources``), and the points outside ``shift_points``; its fitted estimators
+            (``estimators.json``) serve every point with a fitted estimator.
+        shift_points: the points (or sweeps) of ``points`` run with the profiles of every calibration source (the
+            domain-shift matrix); the others read those of ``ablation_calibration`` only (null: every point).
         related: methods from related work without a profile (softmax response, contrastive, EAD, speculative
             decoding ...): one run per model × related domain.
         related_domains: domains the related methods run on (each also in ``domains``).
@@ -46,7 +49,10 @@ class DecodeConfig(Section):
         unserved_tokens: scored perplexity tokens for points the sweep scorer cannot serve (policies other than
             monotone, strategies): they score token by token (null = ``decode.tasks.perplexity.tokens``).
         speed_repeats: timed generations per point, each beside a full-depth one of the same prompts (speed-up =
-            the median of their tokens/s ratios; 0 = no speed measurement).
+            the median of their tokens/s ratios; 0 = no speed measurement): the cheap measure of points a
+            teacher-forced check already rules out, or that never exit.
+        speed_pairs: timed pairs (point, full depth, alternating which goes first) of every other point, on its
+            first speed prompt, ``speed_tokens`` new tokens each: C2's 95% interval rests on them.
         curves: filled from the points' value lists (not set by hand): expanded point → its :class:`SweepPosition`.
 
     A point of ``baselines``, ``points`` or ``related`` may give a list for its method's knob (``margin``,
@@ -64,6 +70,7 @@ class DecodeConfig(Section):
     ablation_domains: list[str] = Field(default_factory=list)
     ablation_tasks: list[str] | None = None
     ablation_calibration: str = "stdlib-prose"
+    shift_points: list[str] | None = None
     related: dict[str, PointConfig] = Field(default_factory=dict)
     related_domains: list[str] = Field(default_factory=list)
     related_tasks: list[str] | None = None
@@ -71,6 +78,8 @@ class DecodeConfig(Section):
     swept_prompts: int | None = Field(None, ge=1)
     unserved_tokens: int | None = Field(None, ge=2)
     speed_repeats: int = Field(3, ge=0)
+    speed_pairs: int = Field(5, ge=2)
+    speed_tokens: int = Field(32, ge=1)
     curves: dict[str, SweepPosition] = Field(default_factory=dict)
     device: str = "auto"
     dtype: str = "auto"
@@ -134,6 +143,11 @@ class DecodeConfig(Section):
                     raise ValueError(f"point names must be unique across {', '.join(tables)}: {name!r} is in "
                                      f"{seen[name]} and {table}")
                 seen[name] = table
+        sweeps = {self.curves[n].curve if n in self.curves else n for n in self.points}
+        stray = [n for n in self.shift_points or [] if n not in sweeps]
+        if stray:
+            raise ValueError(f"shift_points {stray} are not points or sweeps of points "
+                             f"({', '.join(sorted(sweeps)) or 'none'})")
         stray = [d for d in self.related_domains if d not in self.domains]
         if stray:
             raise ValueError(f"related_domains {stray} are not in domains ({', '.join(self.domains)})")
@@ -198,6 +212,11 @@ class DecodeConfig(Section):
         knob = knob_of(point.method)
         value = getattr(point, knob) if knob else None
         return SweepPosition(curve=name, knob=knob, value=None if value is None else float(value))
+
+    def shifts(self, name: str) -> bool:
+        """Point ``name`` runs with every calibration source's profiles (``shift_points``)."""
+        return self.shift_points is None or name in self.shift_points or (
+            name in self.curves and self.curves[name].curve in self.shift_points)
 
     def is_swept(self, name: str) -> bool:
         return name in self.curves

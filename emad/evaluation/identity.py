@@ -3,8 +3,9 @@
 One value type, :class:`CurveId`, built from a point's config or read back from a run record, and the strings it
 is named by; nothing else builds or parses them:
 
-- ``family``: the method as reports group it, marked with its readout unless ``logit`` (``emad``, ``emad+tuned``):
-  :func:`family_of` / :func:`split_family`.
+- ``family``: the method as reports group it, marked with its readout unless ``logit`` and with its entropy
+  estimator unless ``exact`` (``emad``, ``emad+tuned``, ``emad+tuned:topk``): :func:`family_of` /
+  :func:`split_family`.
 - ``profile``: the profile a run reads (``<source>`` or ``<source>+<readout>``), the key of an oracle bound;
   :func:`profile_in_domain` reads it back.
 - a point's artifact folder (:func:`point_folder`: ``<point>--cal-<source>``), run id (:func:`run_id`) and label
@@ -17,18 +18,22 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 LOGIT = "logit"
+EXACT = "exact"
 
 
-def family_of(method: str, readout: str = LOGIT) -> str:
-    """``emad`` for the logit readout, ``emad+tuned`` for another: the name verdicts and figures group by."""
-    return method if readout == LOGIT else f"{method}+{readout}"
+def family_of(method: str, readout: str = LOGIT, estimator: str | None = None) -> str:
+    """``emad`` for the logit readout and the exact estimator, ``emad+tuned`` for another readout,
+    ``emad+tuned:topk`` for another estimator: the name verdicts, curves and figures group by."""
+    family = method if readout == LOGIT else f"{method}+{readout}"
+    return family if estimator in (None, EXACT) else f"{family}:{estimator}"
 
 
-def split_family(family: str) -> tuple[str, str]:
-    """``("emad", "tuned")`` for ``"emad+tuned"``, ``("emad", "logit")`` for ``"emad"`` (inverse of
-    :func:`family_of`)."""
+def split_family(family: str) -> tuple[str, str, str | None]:
+    """``("emad", "tuned", "topk")`` for ``"emad+tuned:topk"``, ``("emad", "logit", None)`` for ``"emad"``
+    (inverse of :func:`family_of`; None: the exact estimator or none)."""
+    family, _, estimator = family.partition(":")
     method, _, readout = family.partition("+")
-    return method, readout or LOGIT
+    return method, readout or LOGIT, estimator or None
 
 
 def point_folder(point: str, calibration: str | None) -> str:
@@ -49,7 +54,7 @@ def point_label(point: str, calibration: str | None) -> str:
 @dataclass(frozen=True, order=True)
 class CurveId:
     """Which curve a run sits on. ``calibration`` is None for methods without a profile, ``domain`` None for a
-    curve over every domain of the model, ``estimator`` None for methods without one."""
+    curve over every domain of the model, ``estimator`` None for the exact estimator or a method without one."""
 
     model: str
     method: str
@@ -61,14 +66,13 @@ class CurveId:
     @classmethod
     def of_run(cls, run: dict[str, Any]) -> CurveId:
         """The curve of a run record (``emad-run`` file or :class:`~emad.evaluation.record.RunRecord` dict)."""
-        method, readout = split_family(run.get("family") or "?")
-        estimator = (run.get("options") or {}).get("estimator")
+        method, readout, estimator = split_family(run.get("family") or "?")
         return cls(run.get("model") or "?", method, run.get("readout") or readout, estimator,
                    run.get("calibration") or None, run.get("domain") or None)
 
     @property
     def family(self) -> str:
-        return family_of(self.method, self.readout)
+        return family_of(self.method, self.readout, self.estimator)
 
     @property
     def profile(self) -> str | None:

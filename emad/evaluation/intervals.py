@@ -246,6 +246,36 @@ def _change_interval(key: str, point: tuple, full: tuple, relative: bool) -> Int
                       f", unpaired (n {np_} vs {nf})")
 
 
+def ratio_interval(ratios: Sequence[float]) -> Interval:
+    """The geometric mean of positive ratios (a point's tokens/s over full depth's, one per timed pair) with its 95%
+    Student-t interval on the log scale: timings are noisy multiplicatively, and a handful of pairs is too few for
+    a bootstrap. Undefined with fewer than 2 ratios or a ratio that is not positive and finite; equal ratios give
+    a zero-width interval (the timings agree exactly)."""
+    x = np.asarray(ratios, dtype=np.float64)
+    n = len(x)
+    if n == 0 or not (np.isfinite(x).all() and (x > 0).all()):
+        return _undefined(None, n, "no pairs" if n == 0 else "a ratio that is not positive and finite")
+    logs = np.log(x)
+    value = float(np.exp(logs.mean()))
+    if n < 2:
+        return _undefined(value, n, "fewer than 2 pairs")
+    half = float(stats.t.ppf(1 - (1 - LEVEL) / 2, n - 1) * logs.std(ddof=1) / math.sqrt(n))
+    return Interval(value, float(np.exp(logs.mean() - half)), float(np.exp(logs.mean() + half)), n,
+                    "student-t on log ratios")
+
+
+def floor_state(interval: Interval, floor: float) -> str:
+    """:data:`MET` when the interval lies at or above ``floor`` (a speed-up that must reach it), :data:`VIOLATED`
+    when it lies wholly below, :data:`UNRESOLVED` when it straddles it or is undefined."""
+    if not interval.defined:
+        return UNRESOLVED
+    if interval.lo >= floor - EPS:
+        return MET
+    if interval.hi < floor - EPS:
+        return VIOLATED
+    return UNRESOLVED
+
+
 def tolerance_state(interval: Interval, tolerance: float) -> str:
     """:data:`MET` when the interval of a change lies within ``tolerance`` (a change above it is worse),
     :data:`VIOLATED` when it lies wholly above, :data:`UNRESOLVED` when it straddles it or is undefined.

@@ -135,9 +135,11 @@ class PointConfig(Section):
 
     @property
     def family(self) -> str:
-        """The method family as reports group it: the method, marked with its readout unless ``logit``
-        (``emad``, ``emad+tuned``), so verdicts and figures read family × readout."""
-        return family_of(self.method, self.readout)
+        """The method family as reports group it: the method, marked with its readout unless ``logit`` and with
+        its entropy estimator unless ``exact`` (``emad``, ``emad+tuned``, ``emad:topk``), so verdicts and figures
+        read family × readout × estimator."""
+        estimates = not self.is_strategy and CRITERIA.get(self.method).needs_estimate
+        return family_of(self.method, self.readout, self.estimator if estimates else None)
 
     @property
     def is_strategy(self) -> bool:

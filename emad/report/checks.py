@@ -13,11 +13,12 @@ enter a point's state (DESIGN.md §4); a point none of whose checks enters is un
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from emad.evaluation.intervals import MET, UNRESOLVED, VIOLATED, Interval, change_interval, tolerance_state
-from emad.evaluation.metrics import relative_tolerance, samples_of
+from emad.evaluation.metrics import quality_of, relative_tolerance, samples_of
 
 STATE_RANK = {MET: 0, UNRESOLVED: 1, VIOLATED: 2}
 MIN_UNITS = 8  # no check in the verdict rests on fewer units
@@ -127,6 +128,17 @@ def build_check(domain: str, metric: str, point_run: dict, full_run: dict, toler
                      method=f"undefined: no per-unit samples in {', '.join(missing)}", state=UNRESOLVED)
     return Check(domain, metric, full, value, change, tolerance, relative, iv.lo, iv.hi, iv.n, iv.method,
                  tolerance_state(iv, tolerance))
+
+
+def screen(domain: str, tasks: dict[str, dict], reference: dict[str, dict],
+           tolerance: Callable[[str], float]) -> list[Check]:
+    """The counted checks a point's teacher-forced results (``tasks``, a run record's ``tasks``) violate against
+    full depth's on the same units (``reference``) on ``domain``, as the verdict will judge them; ``tolerance`` of
+    a metric name. Empty: the point may still decide the verdict (the decode stage then times it precisely)."""
+    point, full = {"run_id": "point", "tasks": tasks, "quality": quality_of(tasks)}, \
+        {"run_id": "full depth", "tasks": reference, "quality": quality_of(reference)}
+    checks = [build_check(domain, m, point, full, tolerance(m)) for m in sorted(full["quality"])]
+    return [c for c in checks if c.counted and c.state == VIOLATED]
 
 
 def combined_state(checks: list[Check]) -> str:

@@ -11,7 +11,8 @@ class AggregateConfig(Section):
     """Params of stage ``aggregate`` (DESIGN.md §4).
 
     Attributes:
-        methods: families judged by the verdict (others are judged alone, for comparison).
+        methods: what the verdict judges: a method (``emad``: every family of it, each readout and estimator) or
+            one family (``emad+tuned:topk``); every family is also judged alone, for comparison.
         min_flops_reduction: C1's FLOPs reduction (0.15 = 15%).
         ppl_rel_tol: allowed relative perplexity rise (0.01 = 1%).
         acc_abs_tol: allowed absolute drop of every other quality metric (0.01 = 1 point).

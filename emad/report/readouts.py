@@ -39,10 +39,14 @@ def frontier_shift(family_verdicts: Mapping[str, Mapping[str, ModelVerdict]]) ->
     """Per family with a tuned twin and model: C1's deciding point under each readout (its FLOPs reduction and
     its check furthest past or closest to the tolerance)."""
     rows = []
+    def twin(family: str) -> str:
+        method, _, estimator = split_family(family)
+        return family_of(method, TUNED, estimator)
+
     for family in sorted(f for f in family_verdicts
-                         if split_family(f)[1] == LOGIT and family_of(f, TUNED) in family_verdicts):
+                         if split_family(f)[1] == LOGIT and twin(f) in family_verdicts):
         for model, logit in sorted(family_verdicts[family].items()):
-            tuned = family_verdicts[family_of(family, TUNED)].get(model)
+            tuned = family_verdicts[twin(family)].get(model)
             if tuned is None:
                 continue
             rows.append([family, model, logit.c1.outcome, _closest(logit), tuned.c1.outcome, _closest(tuned)])

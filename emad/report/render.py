@@ -45,9 +45,12 @@ UNCERTAINTY_RULE = (
     "tolerance, *violated* when it lies wholly beyond, *unresolved* when it straddles the tolerance or is n/a "
     "(fewer than 2 units, or units without variation). C1 passes when some point with the required reduction has "
     "every check met; it is falsified only when no such point is met or unresolved; otherwise it is unresolved at "
-    "this sample size. C2 likewise: it passes when a point with every check met reaches the speed gain, is "
-    "falsified when no met-or-unresolved point reaches it, and is unresolved otherwise. The literal reading counts "
-    "the points with a violated check.")
+    "this sample size. C2 reads a speed-up with a 95% interval (Student t on the log ratios of ≥ 5 timed pairs, "
+    "point and full depth alternating in one process, per domain): it passes when a point with every check met has "
+    "its whole interval at or above the gain, is falsified when every met-or-unresolved point that exits early has "
+    "its interval wholly below it, and is unresolved otherwise. Points a teacher-forced check rules out, and points "
+    "that never exit (they run every layer and their probes), keep one cheap timed pair for the figures. The "
+    "literal reading counts the points with a violated check.")
 
 
 def _point_rows(v: ModelVerdict) -> list[list[str]]:
@@ -55,7 +58,7 @@ def _point_rows(v: ModelVerdict) -> list[list[str]]:
     for p in sorted(v.points, key=lambda p: (-p.reduction, p.label)):
         worst = p.worst
         counts = ", ".join(f"{sum(c.state == s for c in p.checks)} {s}" for s in ("met", "unresolved", "violated"))
-        rows.append([p.label, p.family, fmt(p.reduction, ".1%"), fmt(p.speedup, ".2f"), p.state, counts,
+        rows.append([p.label, p.family, fmt(p.reduction, ".1%"), p.speed_text(), p.state, counts,
                      worst.describe() if worst else "–"])
     return rows
 
@@ -90,7 +93,8 @@ def verdict_markdown(verdicts: Mapping[str, ModelVerdict]) -> str:
     for model, v in verdicts.items():
         t = v.thresholds
         judged = f" (the method ran on these only, of {', '.join(v.model_domains)})" if v.subset else ""
-        lines = [f"### {model} — method: {'/'.join(v.methods)}", "",
+        judged_families = f" (families: {', '.join(v.methods)})" if len(v.methods) > 1 else ""
+        lines = [f"### {model} — method: {v.name}{judged_families}", "",
                  f"- **C1 {v.c1.outcome}.** {v.c1.sentence()}",
                  f"- {v.c1.literal_sentence(t.min_flops_reduction)}",
                  f"- **C2 {v.c2.outcome}.** {v.c2.sentence()}",
@@ -116,7 +120,7 @@ def baselines_markdown(family_verdicts: Mapping[str, Mapping[str, ModelVerdict]]
             domains = ", ".join(v.domains) + (" (only these)" if v.subset else "")
             rows.append([family, model, domains, v.c1.outcome, v.c1.deciding.label if v.c1.deciding else "–",
                          v.c2.outcome, v.c2.deciding.label if v.c2.deciding else "–",
-                         fmt(v.c2.deciding.speedup if v.c2.deciding else None, ".2f")])
+                         v.c2.deciding.speed_text() if v.c2.deciding else "–"])
     if not rows:
         return "_No families to compare._"
     return markdown_table(["family", "model", "domains judged", "C1", "C1 deciding point", "C2", "C2 deciding point", "speed-up"],
@@ -253,7 +257,7 @@ def _families(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, ModelVerdic
         family_verdicts = judge_families(runs, **(asdict(thr) if thr else {}))
     out = {f: dict(per) for f, per in family_verdicts.items()}
     for model, v in verdicts.items():
-        out.setdefault("/".join(v.methods), {}).setdefault(model, v)
+        out.setdefault(v.name, {}).setdefault(model, v)
     return out
 
 

@@ -20,8 +20,14 @@
   such point is met or unresolved (every one has a violated check, or none reaches the reduction); otherwise C1
   is unresolved at this sample size: no point is shown within the tolerances, none of the candidates is shown
   beyond them.
-- C2: passes when a met point (matched accuracy) has a speed-up ≥ ``1 + min_speed_gain``. Falsified only when no
-  met or unresolved point reaches that speed-up; otherwise unresolved (only unresolved points reach it).
+- C2: each point that can decide it (no violated check, and it exits: a point that never exits runs every layer
+  and its probes) was timed in ≥ :data:`MIN_SPEED_PAIRS` alternating pairs against full depth in the decode
+  process (``cost.speed_pairs``); its speed-up over its domains per pair,
+  ``Σ_d (tokens_d / tps_full_d,i) / Σ_d (tokens_d / tps_d,i)``, gives a 95% interval (Student t on the log
+  ratios, :func:`emad.evaluation.intervals.ratio_interval`). Its speed state is met when the interval lies at or
+  above ``1 + min_speed_gain``, violated when wholly below, unresolved otherwise. C2 passes when a met point has
+  a met speed state; it is falsified when no met or unresolved point has a met or unresolved speed state;
+  otherwise unresolved.
 - Literal reading: "some operating point with ≥ 15% reduction degrades more than the tolerance" — true when some
   such point is violated, with those points (it can be true while C1 passes); unresolved ones are named apart.
 
@@ -34,12 +40,14 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from emad.evaluation.intervals import MET, UNRESOLVED, VIOLATED
+from emad.evaluation.identity import split_family
+from emad.evaluation.intervals import MET, UNRESOLVED, VIOLATED, Interval, floor_state, ratio_interval
 from emad.evaluation.metrics import relative_tolerance
 from emad.report.checks import Check, build_check, combined_state
 from emad.report.frontier import FULL, baselines, finite, point_label
 
 EPS = 1e-9
+MIN_SPEED_PAIRS = 5  # C2 reads a speed-up only from this many timed pairs per domain
 
 
 @dataclass(frozen=True)
@@ -74,10 +82,17 @@ class PointAssessment:
     curve: str | None = None
     knob: str | None = None
     value: float | None = None
+    speed: Interval | None = None
+    load_avg: float | None = None
 
     @property
     def reduction(self) -> float:
         return 1.0 - self.flops_ratio
+
+    @property
+    def named(self) -> str:
+        """The label with the family (method, readout, estimator): ``emad-topk_1@stdlib-prose (emad:topk)``."""
+        return f"{self.label} ({self.family})"
 
     @property
     def state(self) -> str:
@@ -88,6 +103,19 @@ class PointAssessment:
     def within_tolerance(self) -> bool:
         """Every tolerance is met at this sample size."""
         return self.state == MET
+
+    def speed_state(self, floor: float) -> str | None:
+        """C2's state of this point's speed-up interval against ``floor`` (None: not timed in pairs)."""
+        return None if self.speed is None else floor_state(self.speed, floor)
+
+    def speed_text(self) -> str:
+        """``1.62× (95% CI 1.55 to 1.70, 5 pairs, load 1.9)``, or the one cheap measure when not timed in pairs."""
+        if self.speed is None:
+            return "n/a" if self.speedup is None else f"{self.speedup:.2f}× (one pair, not timed for C2)"
+        ci = (f"95% CI {self.speed.lo:.2f} to {self.speed.hi:.2f}" if self.speed.defined
+              else f"95% CI n/a: {self.speed.method.removeprefix('undefined: ')}")
+        load = f", load {self.load_avg:.1f}" if self.load_avg is not None else ""
+        return f"{self.speed.value:.2f}× ({ci}, {self.speed.n} pairs{load})"
 
     @property
     def worst(self) -> Check | None:
@@ -100,6 +128,7 @@ class PointAssessment:
                 "domains": self.domains, "run_ids": self.run_ids, "mlflow_run_ids": self.mlflow_run_ids,
                 "curve": self.curve, "knob": self.knob, "value": self.value,
                 "flops_ratio": self.flops_ratio, "flops_reduction": self.reduction, "speedup": self.speedup,
+                "speed": self.speed.to_dict() if self.speed else None, "load_avg": self.load_avg,
                 "flops_by_domain": self.flops_by_domain,
                 "state": self.state, "within_tolerance": self.within_tolerance,
                 "worst": worst.describe() if worst else None,
@@ -172,7 +201,10 @@ class C2Result(CriterionResult):
     unresolved: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
+        speed = self.deciding.speed if self.deciding else None
         return {**self._head(), "speedup": self.deciding.speedup if self.deciding else None,
+                "speed": speed.to_dict() if speed else None,
+                "load_avg": self.deciding.load_avg if self.deciding else None,
                 "matched": self.matched, "unresolved": self.unresolved, "text": self.text}
 
 
@@ -191,13 +223,22 @@ class ModelVerdict:
     model_domains: list[str] = field(default_factory=list)
 
     @property
+    def name(self) -> str:
+        """What is judged: the family, or ``<method> (all)`` for every family of one method (each readout and
+        estimator), else the families joined by ``/``."""
+        if len(self.methods) == 1:
+            return self.methods[0]
+        bases = sorted({split_family(m)[0] for m in self.methods})
+        return f"{bases[0]} (all)" if len(bases) == 1 else "/".join(self.methods)
+
+    @property
     def subset(self) -> bool:
         """Judged on fewer domains than the model ran on (the method ran on those only)."""
         return bool(self.model_domains) and self.domains != self.model_domains
 
     def sentence(self) -> str:
         """Human text: one line per criterion, then the literal reading."""
-        who = f"{self.model} ({'/'.join(self.methods)})"
+        who = f"{self.model} ({self.name})"
         return "\n".join([f"{who} — {self.c1.sentence()}", f"{who} — {self.c2.sentence()}",
                           f"{who} — {self.c1.literal_sentence(self.thresholds.min_flops_reduction)}"])
 
@@ -231,6 +272,18 @@ def _aggregate_speedup(runs: Sequence[dict], bases: Sequence[dict], weights: Seq
     return full_time / time if time > 0 else None
 
 
+def _pair_speed(runs: Sequence[dict], weights: Sequence[float]) -> Interval | None:
+    """The speed-up's interval from the runs' timed pairs (the i-th pair of every domain together), or None when a
+    run has fewer than :data:`MIN_SPEED_PAIRS` or the runs differ in their count."""
+    pairs = [r.get("cost", {}).get("speed_pairs") or [] for r in runs]
+    n = len(pairs[0])
+    if n < MIN_SPEED_PAIRS or any(len(p) != n for p in pairs):
+        return None
+    ratios = [sum(w / p[i][1] for w, p in zip(weights, pairs)) / sum(w / p[i][0] for w, p in zip(weights, pairs))
+              for i in range(n)]
+    return ratio_interval(ratios)
+
+
 def assess_point(runs: Sequence[dict], base: dict[tuple[str, str], dict], thr: Thresholds) -> PointAssessment:
     """Aggregate one operating point's runs (one per domain) and check every tolerance."""
     runs = sorted(runs, key=lambda r: r["domain"])
@@ -245,7 +298,9 @@ def assess_point(runs: Sequence[dict], base: dict[tuple[str, str], dict], thr: T
                            [r["run_id"] for r in runs], [r["mlflow_run_id"] for r in runs if r.get("mlflow_run_id")],
                            flops, _aggregate_speedup(runs, bases, weights), checks,
                            {r["domain"]: r["cost"]["flops_ratio"] for r in runs}, first.get("curve"),
-                           first.get("knob"), first.get("value"))
+                           first.get("knob"), first.get("value"), _pair_speed(runs, weights),
+                           max((r["cost"]["load_avg"] for r in runs if finite(r.get("cost", {}).get("load_avg"))),
+                               default=None))
 
 
 def _by_reduction(points: list[PointAssessment]) -> list[PointAssessment]:
@@ -261,7 +316,7 @@ def _c1(points: list[PointAssessment], thr: Thresholds, methods: str, domains: l
     open_labels = sorted(p.label for p in unresolved)
     if met:
         p, w = met[0], met[0].worst
-        text = (f"C1 passes (not falsified): {p.label} cuts FLOPs by {p.reduction:.1%} (token-weighted over "
+        text = (f"C1 passes (not falsified): {p.named} cuts FLOPs by {p.reduction:.1%} (token-weighted over "
                 f"{len(p.domains)} domains) with every tolerance met at this sample size"
                 + (f"; tightest check: {w.describe()}." if w else "."))
         return C1Result(PASS, p, bool(literal), literal, text, open_labels)
@@ -270,27 +325,23 @@ def _c1(points: list[PointAssessment], thr: Thresholds, methods: str, domains: l
         text = (f"C1 unresolved at this sample size (neither shown nor falsified): no operating point with "
                 f"≥ {need:.0%} FLOP reduction is shown within every tolerance, but {len(unresolved)} "
                 f"({', '.join(open_labels)}) {'is' if len(unresolved) == 1 else 'are'} not shown beyond them "
-                f"either; largest reduction: {p.label} ({p.reduction:.1%}), its least certain check: "
+                f"either; largest reduction: {p.named}, {p.reduction:.1%}, its least certain check: "
                 f"{p.worst.describe()}.")
         return C1Result(UNRESOLVED, p, bool(literal), literal, text, open_labels)
     if big:
         p = min(big, key=lambda p: (p.worst.severity, -p.reduction, p.label))
         text = (f"C1 fails (falsified): every operating point with ≥ {need:.0%} FLOP reduction violates a "
-                f"tolerance; closest: {p.label} ({p.reduction:.1%} reduction), worst violation: "
+                f"tolerance; closest: {p.named}, {p.reduction:.1%} reduction, worst violation: "
                 f"{p.worst.describe()}.")
         return C1Result(FAIL, p, True, literal, text)
     if points:
         p = _by_reduction(points)[0]
         text = (f"C1 fails (falsified): no operating point reaches a {need:.0%} FLOP reduction; the largest is "
-                f"{p.label} with {p.reduction:.1%}.")
+                f"{p.named} with {p.reduction:.1%}.")
         return C1Result(FAIL, p, False, [], text)
     text = (f"C1 fails (falsified): no operating point of family {methods} was evaluated on every domain "
             f"({', '.join(domains)}).")
     return C1Result(FAIL, None, False, [], text)
-
-
-def _by_speed(points: list[PointAssessment]) -> list[PointAssessment]:
-    return sorted((p for p in points if p.speedup is not None), key=lambda p: (-p.speedup, p.label))
 
 
 def _c2(points: list[PointAssessment], thr: Thresholds) -> C2Result:
@@ -298,31 +349,34 @@ def _c2(points: list[PointAssessment], thr: Thresholds) -> C2Result:
     met = [p for p in points if p.state == MET]
     unresolved = [p for p in points if p.state == UNRESOLVED]
     labels, open_labels = sorted(p.label for p in met), sorted(p.label for p in unresolved)
-    fast_met, fast_open = _by_speed(met), _by_speed(unresolved)
-    if fast_met and fast_met[0].speedup >= need - EPS:
-        p = fast_met[0]
+    timed = sorted((p for p in met + unresolved if p.speed is not None and p.speed.value is not None),
+                   key=lambda p: (-(p.speed.lo if p.speed.defined else 0.0), -p.speed.value, p.label))
+    gain = f"{thr.min_speed_gain:.0%}"
+    passing = [p for p in timed if p.state == MET and p.speed_state(need) == MET]
+    if passing:
+        p = passing[0]
         return C2Result(PASS, p, labels, f"C2 passes (not falsified): at matched accuracy (every tolerance met) "
-                        f"the best point, {p.label}, runs {p.speedup:.2f}× the full-depth tokens/s (gain "
-                        f"{p.speedup - 1:+.1%} ≥ {thr.min_speed_gain:.0%}).", open_labels)
-    if fast_open and fast_open[0].speedup >= need - EPS:
-        p = fast_open[0]
-        best_met = (f"; the best point with every tolerance met runs {fast_met[0].speedup:.2f}× "
-                    f"({fast_met[0].label})" if fast_met else "; no timed point has every tolerance met")
-        return C2Result(UNRESOLVED, p, labels, f"C2 unresolved at this sample size: {p.label} runs "
-                        f"{p.speedup:.2f}× the full-depth tokens/s, but whether it keeps accuracy is unresolved "
-                        f"({p.worst.describe()}){best_met}.", open_labels)
+                        f"{p.named} runs {p.speed_text()} the full-depth tokens/s: the whole interval is at or above "
+                        f"the gain of {gain}.", open_labels)
+    open_ = [p for p in timed if p.speed_state(need) != VIOLATED]
+    if open_:
+        p = max(open_, key=lambda p: (p.speed.value, p.label))
+        why = (f"whether it keeps accuracy is unresolved ({p.worst.describe()})" if p.state == UNRESOLVED
+               else f"its interval straddles the gain of {gain}")
+        return C2Result(UNRESOLVED, p, labels, f"C2 unresolved at this sample size: {p.named} runs "
+                        f"{p.speed_text()} the full-depth tokens/s, but {why}.", open_labels)
     if not met and not unresolved:
         return C2Result(FAIL, None, [], "C2 fails (falsified): no operating point stays within the quality "
                                         "tolerances (every one violates a tolerance).")
-    timed = _by_speed(met + unresolved)
     if not timed:
-        return C2Result(FAIL, None, labels, "C2 fails (falsified): no tokens/s measurement for the points "
-                        f"within (or possibly within) the tolerances ({', '.join(labels + open_labels)}).",
-                        open_labels)
-    p = timed[0]
-    return C2Result(FAIL, p, labels, f"C2 fails (falsified): no point within (or possibly within) the tolerances "
-                    f"reaches the gain; the best, {p.label} ({p.state}), runs {p.speedup:.2f}× the full-depth "
-                    f"tokens/s (gain {p.speedup - 1:+.1%} < {thr.min_speed_gain:.0%}).", open_labels)
+        return C2Result(FAIL, None, labels, "C2 fails (falsified): no point within (or possibly within) the "
+                        f"tolerances ({', '.join(labels + open_labels)}) was timed in {MIN_SPEED_PAIRS} pairs: the "
+                        "decode stage times only the points that exit early (one that runs every layer and its "
+                        "probes cannot be faster than full depth).", open_labels)
+    p = max(timed, key=lambda p: (p.speed.value, p.label))
+    return C2Result(FAIL, p, labels, f"C2 fails (falsified): every point within (or possibly within) the tolerances "
+                    f"that exits early is slower than the gain of {gain} requires; the best, {p.named} "
+                    f"({p.state}), runs {p.speed_text()} the full-depth tokens/s.", open_labels)
 
 
 def _model_domains(runs: Sequence[dict], base: dict, model: str) -> list[str]:
@@ -360,6 +414,15 @@ def model_verdict(runs: Sequence[dict], model: str, methods: Sequence[str] = ("e
                         _c1(points, thr, fam, domains), _c2(points, thr), model_domains)
 
 
+def families_of(runs: Sequence[dict], methods: Sequence[str]) -> tuple[str, ...]:
+    """The families of ``runs`` that ``methods`` name: a family given whole (``emad+tuned:topk``), or every family of
+    a method given bare (``emad``: each readout and estimator), so that the verdict judges a method over all its
+    configurations. Sorted; names that match no run are kept (the verdict then says no point was evaluated)."""
+    present = {r["family"] for r in runs if r.get("family")}
+    found = {f for f in present if f in methods or split_family(f)[0] in methods}
+    return tuple(sorted(found | {m for m in methods if not any(split_family(f)[0] == m for f in found)}))
+
+
 def verdict(runs: Sequence[dict], methods: Sequence[str] = ("emad",), *, min_flops_reduction: float = 0.15,
             ppl_rel_tol: float = 0.01, acc_abs_tol: float = 0.01,
             min_speed_gain: float = 0.10) -> dict[str, ModelVerdict]:
@@ -386,6 +449,11 @@ def verdict(runs: Sequence[dict], methods: Sequence[str] = ("emad",), *, min_flo
 
 
 def family_verdicts(runs: Sequence[dict], **thresholds: float) -> dict[str, dict[str, ModelVerdict]]:
-    """:func:`verdict` for each non-full family present, alone: ``{family: {model: ModelVerdict}}``."""
+    """:func:`verdict` for each non-full family present, alone, on the models it ran on:
+    ``{family: {model: ModelVerdict}}``."""
     families = sorted({r["family"] for r in runs if r.get("family") and r["family"] != FULL})
-    return {f: verdict(runs, (f,), **thresholds) for f in families}
+    out = {}
+    for f in families:  # each family on the models it ran on
+        models = {r["model"] for r in runs if r.get("family") == f}
+        out[f] = {m: v for m, v in verdict(runs, (f,), **thresholds).items() if m in models}
+    return out

@@ -1,4 +1,5 @@
-"""How each family is drawn: a fixed (colour, marker) pair per family, the same in every figure."""
+"""How each family is drawn: a fixed (colour, marker) pair per family, the same in every figure: the colour
+names the method and readout, the marker the readout and estimator."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ _TUNED_COLOURS = {"emad": "#7f0000", "fixed": "#08306b", "confidence": "#a63603"
                   "contrastive": "#3f007d", "ead": "#4a2b20", "speculative": "#8e0152", "calm": "#0b5c66",
                   "related": "#6b6b00"}
 _READOUT_MARKERS = {"logit": "o", "tuned": "s"}
+_ESTIMATOR_MARKERS = {"topk": ("^", "v"), "lowrank": ("D", "d"), "prune": ("P", "X")}  # (logit, tuned) readout
 _FIXED_STYLES = {FULL: ("black", "*"), ORACLE: ("#2ca02c", "x")}
 # Fallback combinations for families not in the table: probed in order from a hash of the name.
 _SPARE_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
@@ -35,11 +37,14 @@ class Style:
 def _table_style(family: str) -> Style | None:
     if family in _FIXED_STYLES:
         return Style(*_FIXED_STYLES[family])
-    method, readout = split_family(family)
-    if method not in _METHOD_COLOURS or readout not in _READOUT_MARKERS:
+    method, readout, estimator = split_family(family)
+    if method not in _METHOD_COLOURS or readout not in _READOUT_MARKERS or (
+            estimator is not None and estimator not in _ESTIMATOR_MARKERS):
         return None
     colours = _METHOD_COLOURS if readout == LOGIT else _TUNED_COLOURS
-    return Style(colours[method], _READOUT_MARKERS[readout])
+    if estimator is None:
+        return Style(colours[method], _READOUT_MARKERS[readout])
+    return Style(colours[method], _ESTIMATOR_MARKERS[estimator][readout != LOGIT])
 
 
 def family_styles(families: Iterable[str]) -> dict[str, Style]:
