@@ -65,6 +65,16 @@ def _readout_fits(folder: Path | None) -> dict[str, dict]:
             for p in sorted(folder.glob("*/*/metrics.json"))}
 
 
+def verdict_notes(verdicts: dict, others: dict) -> dict[str, str]:
+    """Per model, the verdict in a line: the judged method's C1 / C2 and every family that passes C1."""
+    notes = {}
+    for model, v in verdicts.items():
+        passing = sorted(f for f, per in others.items() if model in per and per[model].c1.passed)
+        notes[model] = (f"{v.name}: C1 {v.c1.outcome}, C2 {v.c2.outcome}"
+                        + (f"; C1 passes: {', '.join(passing)}" if passing else "; no family passes C1"))
+    return notes
+
+
 def verdict_log(v, prefix: str) -> tuple[dict[str, float], dict[str, str]]:
     """MLflow metrics and tags of one verdict (a :class:`emad.report.verdict.ModelVerdict`), names under
     ``prefix`` (``smollm2-135m`` or ``family.emad.smollm2-135m``): ``c1_passed``, ``c2_passed``, ``c1_literal``
@@ -107,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(dir=args.figures.parent if args.figures.parent.exists() else None) as tmp:
         staged = Path(tmp)  # figures and plot data appear whole, or not at all
         index = write_pareto_figures(series, staged / "figures", thresholds)
-        summaries = [p for p in (write_overview_figure(series, staged / "figures" / OVERVIEW, thresholds=thresholds),
+        summaries = [p for p in (write_overview_figure(series, staged / "figures" / OVERVIEW, thresholds=thresholds,
+                                                       notes=verdict_notes(verdicts, others)),
                                  write_domain_shift_figure(series, staged / "figures" / DOMAIN_SHIFT,
                                                            thresholds=thresholds)) if p]
         _write_plot_data(series, staged / "pareto", thresholds)

@@ -336,3 +336,14 @@ def test_an_estimator_larger_than_the_model_is_named_before_fitting(workspace, t
         stage.main(["--model-dir", str(workspace / "model"), "--corpus", str(corpus),
                     "--profile", str(workspace / "profile.json"), "--out", str(out), "--params", str(params)])
     assert not out.parent.exists()
+
+
+def test_fit_estimators_only_names_the_estimators_it_may_fit(workspace, tmp_path):
+    import pipeline.fit_estimators as stage
+
+    out = tmp_path / "out" / "estimators.json"
+    with pytest.raises(ValueError, match=r"--only topq: not fitted by the estimators section; valid: topk, lowrank"):
+        stage.main(["--model-dir", str(workspace / "model"), "--corpus", str(workspace / "corpora" / "stdlib-prose"),
+                    "--profile", str(workspace / "profile.json"), "--out", str(out), "--only", "topq",
+                    "--params", str(workspace / "params.yaml")])
+    assert not out.parent.exists()

@@ -123,8 +123,10 @@ def _grid(n_rows: int, n_cols: int, w: float = 4.2, h: float = 3.4):
 
 
 def overview_figure(series_list: Sequence[ParetoSeries], metric: str = "perplexity",
-                    thresholds: Thresholds | None = None, *, ratio_cap: float = RATIO_CAP):
-    """Small multiples of ``metric`` against the FLOPs ratio: one row per model, one panel per domain.
+                    thresholds: Thresholds | None = None, *, ratio_cap: float = RATIO_CAP,
+                    notes: dict[str, str] | None = None):
+    """Small multiples of ``metric`` against the FLOPs ratio: one row per model, one panel per domain; ``notes``
+    (model → text, e.g. its verdict) is printed under each of the model's panel titles.
 
     Raises:
         ValueError: no series of ``metric``.
@@ -144,7 +146,8 @@ def overview_figure(series_list: Sequence[ParetoSeries], metric: str = "perplexi
         ax = axes[models.index(s.model)][domains.index(s.domain)]
         ax.set_visible(True)
         draw_panel(ax, s, "flops_ratio", thr, styles, drawn, ratio_cap=ratio_cap)
-        ax.set_title(f"{s.model} · {s.domain}", fontsize=10)
+        note = (notes or {}).get(s.model)
+        ax.set_title(f"{s.model} · {s.domain}" + (f"\n{note}" if note else ""), fontsize=10 if not note else 8.5)
     _legend(fig, styles, drawn)
     fig.suptitle(f"{metric} against compute: one line per method family")
     return fig
@@ -193,11 +196,11 @@ def domain_shift_figure(series_list: Sequence[ParetoSeries], metric: str = "perp
 
 
 def write_overview_figure(series_list: Sequence[ParetoSeries], path: str | Path, metric: str = "perplexity",
-                          thresholds: Thresholds | None = None) -> Path | None:
+                          thresholds: Thresholds | None = None, notes: dict[str, str] | None = None) -> Path | None:
     """Write :func:`overview_figure` to ``path``; None (nothing written) when no series has ``metric``."""
     if not any(s.metric == metric for s in series_list):
         return None
-    return save_figure(overview_figure(series_list, metric, thresholds), path)
+    return save_figure(overview_figure(series_list, metric, thresholds, notes=notes), path)
 
 
 def write_domain_shift_figure(series_list: Sequence[ParetoSeries], path: str | Path, metric: str = "perplexity",
