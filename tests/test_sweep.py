@@ -70,6 +70,10 @@ def _family_methods(profiles, readout: str, lens) -> dict[str, Method]:
                     continue
                 crit = Emad(profiles[readout, variant], margin, min_exit_layer=2 if margin == 0.25 else 1)
                 methods[f"emad-{variant}-{margin}-{est_name}"] = Method(crit, readout=lens, **_fresh(extra, make))
+                if variant != "both":  # every 2nd probe (confidence strata keep their first probe)
+                    crit = Emad(profiles[readout, variant], margin, probe_stride=2)
+                    methods[f"emad-{variant}-{margin}-{est_name}/2"] = Method(crit, readout=lens,
+                                                                              **_fresh(extra, make))
         if est_name in ("exact", "prune", "prune-decay", "prune-adaptive"):
             for gap in (0.0, 0.05, 0.2, 0.5, 2.0):
                 methods[f"softmax-{gap}-{est_name}"] = Method(SoftmaxResponse(gap, probe_every=1), readout=lens,

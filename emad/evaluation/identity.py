@@ -1,13 +1,14 @@
-"""The identity of a run's curve: which (model, method, readout, estimator, calibration, domain) it belongs to.
+"""The identity of a run's curve: which (model, method, readout, estimator, probe stride, calibration, domain) it
+belongs to.
 
 One value type, :class:`CurveId`, built from a point's config or read back from a run record, and the strings it
 is named by; nothing else builds or parses them:
 
-- ``family``: the method as reports group it, marked with its readout unless ``logit`` and with its entropy
-  estimator unless ``exact`` (``emad``, ``emad+tuned``, ``emad+tuned:topk``): :func:`family_of` /
-  :func:`split_family`.
+- ``family``: the method as reports group it, marked with its readout unless ``logit``, with its entropy
+  estimator unless ``exact`` and with its probe stride unless 1 (``emad``, ``emad+tuned``, ``emad+tuned:topk``,
+  ``emad+tuned:topk/2``: every 2nd probe layer of the profile): :func:`family_of` / :func:`split_family`.
 - ``profile``: the profile a run reads (``<source>`` or ``<source>+<readout>``), the key of an oracle bound;
-  :func:`profile_in_domain` reads it back.
+  :func:`split_profile` and :func:`profile_in_domain` read it back.
 - a point's artifact folder (:func:`point_folder`: ``<point>--cal-<source>``), run id (:func:`run_id`) and label
   (:func:`point_label`: ``<point>@<source>``).
 """
@@ -21,19 +22,22 @@ LOGIT = "logit"
 EXACT = "exact"
 
 
-def family_of(method: str, readout: str = LOGIT, estimator: str | None = None) -> str:
-    """``emad`` for the logit readout and the exact estimator, ``emad+tuned`` for another readout,
-    ``emad+tuned:topk`` for another estimator: the name verdicts, curves and figures group by."""
+def family_of(method: str, readout: str = LOGIT, estimator: str | None = None, probe_stride: int = 1) -> str:
+    """``emad`` for the logit readout, the exact estimator and every probe, ``emad+tuned`` for another readout,
+    ``emad+tuned:topk`` for another estimator, ``emad+tuned:topk/2`` for every 2nd probe: the name verdicts,
+    curves and figures group by."""
     family = method if readout == LOGIT else f"{method}+{readout}"
-    return family if estimator in (None, EXACT) else f"{family}:{estimator}"
+    family = family if estimator in (None, EXACT) else f"{family}:{estimator}"
+    return family if probe_stride == 1 else f"{family}/{probe_stride}"
 
 
-def split_family(family: str) -> tuple[str, str, str | None]:
-    """``("emad", "tuned", "topk")`` for ``"emad+tuned:topk"``, ``("emad", "logit", None)`` for ``"emad"``
-    (inverse of :func:`family_of`; None: the exact estimator or none)."""
+def split_family(family: str) -> tuple[str, str, str | None, int]:
+    """``("emad", "tuned", "topk", 1)`` for ``"emad+tuned:topk"``, ``("emad", "logit", None, 2)`` for
+    ``"emad/2"`` (inverse of :func:`family_of`; None: the exact estimator or none)."""
+    family, _, stride = family.partition("/")
     family, _, estimator = family.partition(":")
     method, _, readout = family.partition("+")
-    return method, readout or LOGIT, estimator or None
+    return method, readout or LOGIT, estimator or None, int(stride or 1)
 
 
 def point_folder(point: str, calibration: str | None) -> str:
@@ -54,25 +58,27 @@ def point_label(point: str, calibration: str | None) -> str:
 @dataclass(frozen=True, order=True)
 class CurveId:
     """Which curve a run sits on. ``calibration`` is None for methods without a profile, ``domain`` None for a
-    curve over every domain of the model, ``estimator`` None for the exact estimator or a method without one."""
+    curve over every domain of the model, ``estimator`` None for the exact estimator or a method without one,
+    ``probe_stride`` k when the point reads every k-th probe of its profile."""
 
     model: str
     method: str
     readout: str = LOGIT
     estimator: str | None = None
+    probe_stride: int = 1
     calibration: str | None = None
     domain: str | None = None
 
     @classmethod
     def of_run(cls, run: dict[str, Any]) -> CurveId:
         """The curve of a run record (``emad-run`` file or :class:`~emad.evaluation.record.RunRecord` dict)."""
-        method, readout, estimator = split_family(run.get("family") or "?")
-        return cls(run.get("model") or "?", method, run.get("readout") or readout, estimator,
+        method, readout, estimator, stride = split_family(run.get("family") or "?")
+        return cls(run.get("model") or "?", method, run.get("readout") or readout, estimator, stride,
                    run.get("calibration") or None, run.get("domain") or None)
 
     @property
     def family(self) -> str:
-        return family_of(self.method, self.readout, self.estimator)
+        return family_of(self.method, self.readout, self.estimator, self.probe_stride)
 
     @property
     def profile(self) -> str | None:
@@ -96,6 +102,13 @@ class CurveId:
         return replace(self, calibration=source)
 
 
+def split_profile(profile: str) -> tuple[str, str]:
+    """``("stdlib-prose", "tuned")`` for the profile key ``"stdlib-prose+tuned"`` (inverse of
+    :attr:`CurveId.profile`)."""
+    source, _, readout = profile.partition("+")
+    return source, readout or LOGIT
+
+
 def profile_in_domain(profile: str | None, domain: str) -> bool:
     """True when a profile key (:attr:`CurveId.profile`) was calibrated on ``domain``, or there is none."""
-    return not profile or split_family(profile)[0] == domain
+    return not profile or split_profile(profile)[0] == domain

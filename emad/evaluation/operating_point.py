@@ -135,11 +135,11 @@ class PointConfig(Section):
 
     @property
     def family(self) -> str:
-        """The method family as reports group it: the method, marked with its readout unless ``logit`` and with
-        its entropy estimator unless ``exact`` (``emad``, ``emad+tuned``, ``emad:topk``), so verdicts and figures
-        read family × readout × estimator."""
+        """The method family as reports group it: the method, marked with its readout unless ``logit``, with its
+        entropy estimator unless ``exact`` and with its probe stride unless 1 (``emad``, ``emad+tuned``,
+        ``emad:topk``, ``emad:topk/2``), so verdicts and figures read family × readout × estimator × probes."""
         estimates = not self.is_strategy and CRITERIA.get(self.method).needs_estimate
-        return family_of(self.method, self.readout, self.estimator if estimates else None)
+        return family_of(self.method, self.readout, self.estimator if estimates else None, self.probe_stride or 1)
 
     @property
     def is_strategy(self) -> bool:

@@ -40,8 +40,8 @@ def frontier_shift(family_verdicts: Mapping[str, Mapping[str, ModelVerdict]]) ->
     its check furthest past or closest to the tolerance)."""
     rows = []
     def twin(family: str) -> str:
-        method, _, estimator = split_family(family)
-        return family_of(method, TUNED, estimator)
+        method, _, estimator, stride = split_family(family)
+        return family_of(method, TUNED, estimator, stride)
 
     for family in sorted(f for f in family_verdicts
                          if split_family(f)[1] == LOGIT and twin(f) in family_verdicts):

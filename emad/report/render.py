@@ -279,7 +279,7 @@ def metrics_summary(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, Model
     envelope (left out when the curve does not reach it); ``max_reduction_within_tolerance``: the largest positive
     FLOPs reduction of a point with no check violated (left out when there is none). Families are those of ``family_verdicts`` (judged alone; computed
     from ``runs`` with the thresholds of ``verdicts`` when None) plus the judged method of ``verdicts`` under its
-    joined name (``emad/emad+tuned``) when it spans several. The per-run detail is :func:`run_details`.
+    joined name (``emad (all)``, or ``emad, confidence``) when it spans several. The per-run detail is :func:`run_details`.
     """
     families = _families(runs, verdicts, family_verdicts)
     curves = {(c.model, c.family): c for c in model_curves(families)}

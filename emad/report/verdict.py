@@ -225,11 +225,11 @@ class ModelVerdict:
     @property
     def name(self) -> str:
         """What is judged: the family, or ``<method> (all)`` for every family of one method (each readout and
-        estimator), else the families joined by ``/``."""
+        estimator), else the families joined by ``, ``."""
         if len(self.methods) == 1:
             return self.methods[0]
         bases = sorted({split_family(m)[0] for m in self.methods})
-        return f"{bases[0]} (all)" if len(bases) == 1 else "/".join(self.methods)
+        return f"{bases[0]} (all)" if len(bases) == 1 else ", ".join(self.methods)
 
     @property
     def subset(self) -> bool:
@@ -294,7 +294,7 @@ def assess_point(runs: Sequence[dict], base: dict[tuple[str, str], dict], thr: T
               for r, b in zip(runs, bases) for m in sorted(b.get("quality", {}))]
     first = runs[0]
     return PointAssessment(point_label(first), first["point"], first.get("calibration"),
-                           "/".join(sorted({r["family"] for r in runs})), [r["domain"] for r in runs],
+                           ", ".join(sorted({r["family"] for r in runs})), [r["domain"] for r in runs],
                            [r["run_id"] for r in runs], [r["mlflow_run_id"] for r in runs if r.get("mlflow_run_id")],
                            flops, _aggregate_speedup(runs, bases, weights), checks,
                            {r["domain"]: r["cost"]["flops_ratio"] for r in runs}, first.get("curve"),
@@ -409,7 +409,7 @@ def model_verdict(runs: Sequence[dict], model: str, methods: Sequence[str] = ("e
     complete = {k: g for k, g in groups.items() if sorted(r["domain"] for r in g) == domains}
     incomplete = sorted(point_label(g[0]) for k, g in groups.items() if k not in complete)
     points = sorted((assess_point(g, base, thr) for g in complete.values()), key=lambda p: p.label)
-    fam = "/".join(methods)
+    fam = ", ".join(methods)
     return ModelVerdict(model, tuple(methods), domains, thr, points, incomplete,
                         _c1(points, thr, fam, domains), _c2(points, thr), model_domains)
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from emad.evaluation.identity import split_family
+from emad.evaluation.identity import split_family, split_profile
 from emad.report.figures.draw import (
     Drawn,
     draw_lines,
@@ -59,7 +59,7 @@ def draw_panel(ax, series: ParetoSeries, x_key: str, thr: Thresholds, styles: di
     else:  # the oracle bounds of profiles read through the family's own readout
         readout = split_family(family)[1]
         def keys(profile: str) -> bool:
-            return split_family(profile)[1] == readout
+            return split_profile(profile)[1] == readout
     draw_reference(ax, series, x_key, scale, lim, drawn, keys)
     if family is None:
         draw_lines(ax, cs, x_key, scale, series.full_quality, lim, lambda c: styles[c.family])

@@ -37,8 +37,8 @@ class Style:
 def _table_style(family: str) -> Style | None:
     if family in _FIXED_STYLES:
         return Style(*_FIXED_STYLES[family])
-    method, readout, estimator = split_family(family)
-    if method not in _METHOD_COLOURS or readout not in _READOUT_MARKERS or (
+    method, readout, estimator, stride = split_family(family)
+    if stride != 1 or method not in _METHOD_COLOURS or readout not in _READOUT_MARKERS or (
             estimator is not None and estimator not in _ESTIMATOR_MARKERS):
         return None
     colours = _METHOD_COLOURS if readout == LOGIT else _TUNED_COLOURS
