@@ -15,7 +15,7 @@ export MLFLOW_DISABLE_TELEMETRY ?= true
 export TOKENIZERS_PARALLELISM ?= false
 export DVC_NO_ANALYTICS ?= 1
 
-.PHONY: setup test test-heavy repro lint bench mlflow clean-venv
+.PHONY: setup test test-heavy repro lint bench mlflow tracking-server clean-venv
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,11 @@ test-heavy: $(STAMP)
 
 repro: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/dvc repro
+
+# A shared tracking store: PostgreSQL (data under .tracking/) + `mlflow server`; prints the MLFLOW_TRACKING_URI to
+# export (Ctrl-C stops both). Needs PostgreSQL's server binaries (apt-get install postgresql).
+tracking-server: $(STAMP)
+	$(BIN)/python tools/tracking_server.py
 
 MLFLOW_PORT ?= 5000
 mlflow: $(STAMP)

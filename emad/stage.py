@@ -21,6 +21,8 @@ EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130, as a shell reports a process ende
 def run_stage(name: str, main: Callable[[], int | None]) -> NoReturn:
     """Runs a stage's ``main()`` and exits the process with its outcome.
 
+    - first, the tracking store ``MLFLOW_TRACKING_URI`` names must answer (:func:`emad.tracking.require_store`);
+      a store that does not is a user error, before any work.
     - ``main`` returns: exit with its return value (``None`` is 0).
     - a user error (:data:`USER_ERRORS`): ``<name>: error: <message>`` on stderr, exit 2.
     - SIGINT (KeyboardInterrupt): ``<name>: interrupted`` on stderr, exit 130.
@@ -30,7 +32,10 @@ def run_stage(name: str, main: Callable[[], int | None]) -> NoReturn:
         name: the stage, as dvc.yaml names it.
         main: the stage's entry point; it reads ``sys.argv``.
     """
+    from emad.tracking import require_store  # no mlflow import: the standard library only
+
     try:
+        require_store()
         code = main()
     except KeyboardInterrupt:
         print(f"{name}: interrupted", file=sys.stderr)

@@ -2,8 +2,10 @@
 
 The URI comes from ``MLFLOW_TRACKING_URI``, else an absolute ``sqlite:///<repo>/mlflow.db`` — for a stage run by
 ``dvc exp run --queue`` in a temporary copy under ``<repo>/.dvc/tmp/exps/``, ``<repo>`` is the original
-repository, so queued runs land in the same store. When the store cannot be opened the stage still writes its
-files and says loudly that MLflow was skipped.
+repository, so queued runs land in the same store. A tracking server or database the URI names must answer before a
+stage starts (:func:`require_store`: a clear error naming the URI); when the local SQLite store cannot be opened the
+stage still writes its files and says loudly that MLflow was skipped. Many processes (DVC's queue, several hosts)
+may open the experiment at once: it is created once (:func:`_experiment`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -70,6 +74,28 @@ def repo_root(start: Path | None = None) -> Path:
 def tracking_uri() -> str:
     """``MLFLOW_TRACKING_URI`` or the absolute sqlite store of the project."""
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{repo_root() / 'mlflow.db'}"
+
+
+DB_PORTS = {"postgresql": 5432, "mysql": 3306, "mssql": 1433}
+
+
+def require_store(timeout: float = 10.0) -> None:
+    """Raise ConnectionError naming ``MLFLOW_TRACKING_URI`` when the tracking server (``http(s)://``: its
+    ``/health``) or database (``postgresql://`` ...: its port) it names does not answer; the local SQLite default and
+    file stores are made on demand and pass."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or ""
+    parts = urllib.parse.urlsplit(uri)
+    scheme = parts.scheme.split("+")[0]
+    try:
+        if scheme in ("http", "https"):
+            urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout).close()
+        elif scheme in DB_PORTS:
+            socket.create_connection((parts.hostname or "127.0.0.1", parts.port or DB_PORTS[scheme]),
+                                     timeout=timeout).close()
+    except (OSError, ValueError) as err:
+        raise ConnectionError(f"MLFLOW_TRACKING_URI={uri}: the tracking store does not answer ({err}); start it "
+                              f"(`make tracking-server`), or unset MLFLOW_TRACKING_URI for the local SQLite "
+                              f"store") from err
 
 
 def git_rev() -> str:
@@ -197,7 +223,8 @@ _OPENED: set[tuple[str, str]] = set()  # (store, experiment) made ready in this 
 
 
 def _open(stage: str):
-    """Import mlflow, point it at the store, make sure the experiment exists (creation serialised by a lock).
+    """Import mlflow, point it at the store, make sure the experiment exists (on SQLite serialised by a file lock,
+    elsewhere race-free through :func:`_experiment`).
 
     Once per store and experiment in a process: a stage logging several runs pays for it once.
     """
@@ -211,16 +238,31 @@ def _open(stage: str):
     mlflow.set_tracking_uri(uri)
     db = Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
     with FileLock(str(db.with_name(db.name + ".lock"))) if db else contextlib.nullcontext():
-        if db is not None and mlflow.get_experiment_by_name(EXPERIMENT) is None:
-            # artifacts beside the store, absolute: never under whatever the working directory happens to be
-            mlflow.create_experiment(EXPERIMENT, artifact_location=(db.parent / "mlruns").resolve().as_uri())
-        experiment = mlflow.set_experiment(EXPERIMENT)
+        # artifacts beside a SQLite store, absolute: never under whatever the working directory happens to be
+        experiment = _experiment(mlflow, (db.parent / "mlruns").resolve().as_uri() if db else None)
+        mlflow.set_experiment(experiment_id=experiment.experiment_id)
         if experiment.tags.get(NOTE) != DESCRIPTION:  # new store, or one made before this text: say what it holds
             mlflow.MlflowClient().set_experiment_tag(experiment.experiment_id, NOTE, DESCRIPTION)
         if KIND not in experiment.tags:  # the UI opens on the runs table, not on the GenAI trace overview
             mlflow.MlflowClient().set_experiment_tag(experiment.experiment_id, KIND, "custom_model_development")
     _OPENED.add((uri, EXPERIMENT))
     return mlflow
+
+
+def _experiment(mlflow, artifact_location: str | None):
+    """The experiment, created when missing. Processes racing to create it (on a shared server, where no file lock
+    reaches) all end with the one that won: a creation refused because it exists reads the existing one."""
+    client = mlflow.MlflowClient()
+    for _ in range(3):
+        found = client.get_experiment_by_name(EXPERIMENT)
+        if found is not None:
+            return found
+        try:
+            client.create_experiment(EXPERIMENT, artifact_location=artifact_location)
+        except mlflow.exceptions.MlflowException as err:
+            if err.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+    raise RuntimeError(f"experiment {EXPERIMENT!r}: neither found nor created in {tracking_uri()}")
 
 
 @contextlib.contextmanager
@@ -232,7 +274,7 @@ def stage_run(stage: str, params: dict, tags: dict[str, Any] | None = None,
     SystemExit and SIGTERM (turned into SystemExit 143) included. The SIGTERM handler is installed before the run
     is created, and a SIGTERM that arrives while the run is being created, tagged or closed is held back until the
     run can be ended FAILED, so no SIGTERM leaves it RUNNING. A SIGKILL cannot be caught: the next run of the same
-    stage and name on this host ends such an orphan FAILED (tags ``host`` and ``pid`` tell whose it was). If the
+    stage on this host ends such an orphan FAILED (tags ``host`` and ``pid`` tell whose it was). If the
     store cannot be opened, a warning goes to stderr and a :class:`NullRun` is yielded, so the stage still produces
     its files. ``enabled=False`` (e.g. ranks other than 0) yields a NullRun.
     """
@@ -242,7 +284,7 @@ def stage_run(stage: str, params: dict, tags: dict[str, Any] | None = None,
     with _sigterm_as_exit() as sigterm:
         try:
             mlflow = _open(stage)
-            _fail_orphans(mlflow, stage, run_name or stage)
+            _fail_orphans(mlflow, stage)
             sigterm.hold()  # the run exists from inside start_run on: a SIGTERM now waits until it can end FAILED
             run_id = mlflow.start_run(run_name=run_name or stage).info.run_id
         except Exception as err:  # noqa: BLE001 - any store failure must not stop the stage
@@ -316,14 +358,23 @@ def _sigterm_as_exit() -> Iterator[_Sigterm]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _fail_orphans(mlflow, stage: str, run_name: str) -> None:
-    """End FAILED the RUNNING runs of this stage and name whose process on this host is gone (killed)."""
+_SWEPT: set[tuple[str, str]] = set()  # (store, stage) whose orphans this process has ended
+
+
+def _fail_orphans(mlflow, stage: str) -> None:
+    """End FAILED the RUNNING runs of this stage whose process on this host is gone (killed).
+
+    Once per store and stage in a process (a decode call logs hundreds of runs): the first run of the stage ends
+    the orphans of every one of its names, since a process that is gone has no run left to finish."""
+    if (tracking_uri(), stage) in _SWEPT:
+        return
+    _SWEPT.add((tracking_uri(), stage))
     host = socket.gethostname()
     query = f"tags.dvc_stage = '{stage}' and attributes.status = 'RUNNING' and tags.host = '{host}'"
     client = mlflow.MlflowClient()
     for run in mlflow.search_runs(filter_string=query, output_format="list"):
         pid = int(run.data.tags.get("pid", "0") or 0)
-        if run.info.run_name != run_name or (pid and _alive(pid)):
+        if pid and _alive(pid):
             continue
         client.set_tag(run.info.run_id, "error", f"killed: process {pid} on {host} ended without closing its run")
         client.set_terminated(run.info.run_id, status="FAILED")

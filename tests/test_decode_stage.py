@@ -127,6 +127,7 @@ def test_baselines_and_points_of_every_calibration_share_one_pass(workspace, mon
     teacher-forced tasks of all of them scored by one call per domain; each run as the point's own call writes it."""
     import shutil
 
+    import emad.evaluation.decoder as decoder
     import pipeline.decode as stage
 
     for cal in ("a", "b"):
@@ -134,8 +135,8 @@ def test_baselines_and_points_of_every_calibration_share_one_pass(workspace, mon
                         dirs_exist_ok=True)
         shutil.copy(workspace / "profile.json", workspace / "cals" / cal / "profile.json")
     scored = []
-    real = stage.score_all
-    monkeypatch.setattr(stage, "score_all", lambda stack, tok, methods, *rest: scored.append(sorted(methods))
+    real = decoder.score_all
+    monkeypatch.setattr(decoder, "score_all", lambda stack, tok, methods, *rest: scored.append(sorted(methods))
                         or real(stack, tok, methods, *rest))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{workspace / 'mlflow.db'}")
     common = ["--model", "tiny", "--model-dir", str(workspace / "model"), "--corpora", str(workspace / "corpora"),

@@ -260,19 +260,20 @@ def check_fit_estimators(raw, argv, mp):
     assert set(fitted) == set(only or load_section("estimators", EstimatorsConfig).fitted())
 
 
-def _stops_at_decoding(stage, name: str, argv, mp) -> None:
+def _stops_at_decoding(stage, name: str, argv, mp, module=None) -> None:
     def decoding(*args, **kwargs):
         raise Decoding
 
-    mp.setattr(stage, name, decoding)
+    mp.setattr(module or stage, name, decoding)
     with pytest.raises(Decoding):
         stage.main(argv)
 
 
 def check_decode(raw, argv, mp):
+    import emad.evaluation.decoder as decoder
     import pipeline.decode as stage
 
-    _stops_at_decoding(stage, "score_all", argv, mp)  # the teacher-forced pass of every point comes first
+    _stops_at_decoding(stage, "score_all", argv, mp, decoder)  # the teacher-forced pass of every point comes first
 
 
 def check_risk(raw, argv, mp):

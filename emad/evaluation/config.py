@@ -54,6 +54,11 @@ class DecodeConfig(Section):
         speed_pairs: timed pairs (point, full depth, alternating which goes first) of every other point, on its
             first speed prompt, ``speed_tokens`` new tokens each: C2's 95% interval rests on them.
         curves: filled from the points' value lists (not set by hand): expanded point → its :class:`SweepPosition`.
+        executor: who runs the work units (one per domain): ``serial`` (this process) or ``ray`` (actors on the
+            cluster ``RAY_ADDRESS`` names, or on Ray started inside the stage); ``$EMAD_DECODE_EXECUTOR`` overrides
+            it; the stage checks the name before any work. Outputs are the same either way
+            (:mod:`emad.evaluation.executors`).
+        workers: Ray actors (null: one per GPU of the cluster, else 2).
 
     A point of ``baselines``, ``points`` or ``related`` may give a list for its method's knob (``margin``,
     ``threshold``, ``depth``, ``tau``, ``exit_layer``): it stands for one point per value
@@ -81,6 +86,8 @@ class DecodeConfig(Section):
     speed_pairs: int = Field(5, ge=2)
     speed_tokens: int = Field(32, ge=1)
     curves: dict[str, SweepPosition] = Field(default_factory=dict)
+    executor: str = "serial"
+    workers: int | None = Field(None, ge=1)
     device: str = "auto"
     dtype: str = "auto"
 

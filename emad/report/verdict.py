@@ -445,7 +445,13 @@ def verdict(runs: Sequence[dict], methods: Sequence[str] = ("emad",), *, min_flo
         raise ValueError("no full-depth run (family 'full') among the runs: the verdict needs one per model and "
                          "domain as the reference")
     thr = Thresholds(min_flops_reduction, ppl_rel_tol, acc_abs_tol, min_speed_gain)
-    return {m: model_verdict(runs, m, methods, thr) for m in sorted({r["model"] for r in runs})}
+    return {m: model_verdict(runs, m, _ran_on(runs, m, methods), thr) for m in sorted({r["model"] for r in runs})}
+
+
+def _ran_on(runs: Sequence[dict], model: str, methods: Sequence[str]) -> tuple[str, ...]:
+    """The families of ``methods`` that ran on ``model`` (all of ``methods`` when none did: no point evaluated)."""
+    ran = {r.get("family") for r in runs if r["model"] == model}
+    return tuple(f for f in methods if f in ran) or tuple(methods)
 
 
 def family_verdicts(runs: Sequence[dict], **thresholds: float) -> dict[str, dict[str, ModelVerdict]]:

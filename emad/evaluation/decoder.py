@@ -1,0 +1,192 @@
+"""The compute half of the decode stages: one model with every job's method bound, run one unit (domain) at a time.
+
+A :class:`Decoder` is what a work unit needs: the model loaded once, every job's method built and bound, every
+domain's tasks prepared. :meth:`Decoder.run` scores one domain — the teacher-forced tasks of every job in one
+sweep pass (:func:`emad.evaluation.evaluate.score_all`), then each job's free-running tasks, its speed-up against
+full depth in this process and its heat-map inputs — and returns plain values (:class:`Outcome`), so the same
+unit gives the same outcome whether the stage's own process or a Ray actor ran it
+(:mod:`emad.evaluation.executors`); the stage writes them (run files, artifacts, MLflow).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from emad.engine.models import load_model
+from emad.engine.stack import LayerStack
+from emad.evaluation import identity
+from emad.evaluation.config import DecodeConfig
+from emad.evaluation.evaluate import evaluate, heatmap_inputs, prepare, score_all
+from emad.evaluation.operating_point import (
+    PointConfig,
+    build_method,
+    model_loader,
+    profile_file,
+    readout_path,
+)
+from emad.evaluation.record import profile_facts
+from emad.evaluation.speed import point_speedup
+from emad.exits.criteria import Full
+from emad.exits.estimators import ESTIMATORS
+from emad.report.checks import screen
+from emad.report.frontier import FULL
+from emad.report.verdict import Thresholds
+from emad.tasks.registry import Shared
+
+REFERENCE = "full depth (reference)"  # scored beside the points when no full point runs with them
+
+
+@dataclass
+class Job:
+    """One operating point with one calibration source's profile (None without a profile), ready to run."""
+
+    kind: str
+    name: str
+    point: PointConfig
+    calibration: str | None
+    method: object = None
+    facts: dict = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        """Unique within a call: the point's name, with its calibration when it has one."""
+        return identity.point_folder(self.name, self.calibration)
+
+
+@dataclass(frozen=True)
+class Sources:
+    """Where a decode call's files are: the prepared model, sampled corpora, profiles, readouts and estimators
+    (path templates as the stage's flags give them; see ``pipeline/decode.py``)."""
+
+    model_dir: str
+    corpora: Path | None = None
+    profile: str | None = None
+    readouts: str | None = None
+    readout_source: str | None = None
+    estimators: str | None = None
+
+    def readouts_of(self, calibration: str | None) -> Path | None:
+        """The readouts file of a point calibrated on ``calibration`` (None: of ``readout_source``)."""
+        if self.readouts is None or "{source}" not in self.readouts:
+            return None if self.readouts is None else Path(self.readouts)
+        source = calibration or self.readout_source
+        if source is None:
+            raise ValueError("--readouts has {source} in its path: give --readout-source for points without a "
+                             "calibration")
+        return Path(self.readouts.replace("{source}", source))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A decode call, checked: its config, jobs (methods not yet built), domains and where its files are."""
+
+    cfg: DecodeConfig
+    jobs: tuple[Job, ...]
+    tasks_of: dict[str, list[str]]  # domain -> the tasks its jobs run
+    sources: Sources
+    thresholds: Thresholds
+
+    @property
+    def domains(self) -> list[str]:
+        return list(self.tasks_of)
+
+
+@dataclass
+class Outcome:
+    """What one job gave on one domain, as plain values: the model's and method's facts, its results, cost
+    (speed-up included), depth histogram and heat-map inputs; the stage turns it into a run file, artifacts and an
+    MLflow run. ``host`` names the process that ran it (not part of the results)."""
+
+    label: str
+    domain: str
+    fingerprint: str
+    n_layers: int
+    method: dict[str, Any]
+    facts: dict[str, Any]
+    tasks: dict[str, Any]
+    cost: dict[str, Any]
+    histogram: dict[int, int]
+    heatmap: tuple  # (texts, prompts, full depth's texts): emad.report.heatmap.heatmap_html's inputs
+    free_prompts: int | None
+    settings: dict[str, Any]
+    host: str = ""
+
+
+class Decoder:
+    """The model loaded once, every job's method built and bound (bad input fails here, before any decoding), every
+    domain's tasks prepared; :meth:`run` scores one domain."""
+
+    def __init__(self, plan: Plan):
+        cfg, src = plan.cfg, plan.sources
+        self.plan = plan
+        self.loaded = load_model(src.model_dir, device=cfg.device, dtype=cfg.dtype)
+        self.stack = LayerStack(self.loaded.model)
+        self.jobs = [Job(j.kind, j.name, j.point, j.calibration) for j in plan.jobs]
+        fingerprint = self.loaded.fingerprint.as_dict()
+        for job in self.jobs:
+            template = src.profile.replace("{calibration}", job.calibration) if job.calibration else None
+            profile_path = readout_path(template, job.point.readout)
+            fitted = ESTIMATORS.get(job.point.estimator).needs_fit and src.estimators
+            job.method = build_method(job.point, self.stack.n_layers, fingerprint, profile_path,
+                                      readout_path(src.estimators, job.point.readout) if fitted else None,
+                                      load=model_loader(cfg.device, cfg.dtype),
+                                      readouts_path=src.readouts_of(job.calibration))
+            job.method.bind(self.stack, self.loaded.tokenizer)  # one method for every domain and task
+            job.facts = profile_facts(profile_file(profile_path, job.point.strata) if profile_path else None,
+                                      job.method)
+        self.prepared = {d: prepare(tasks, cfg.tasks, src.corpora / d if src.corpora else None,
+                                    self.loaded.tokenizer) for d, tasks in plan.tasks_of.items()}
+
+    def run(self, domain: str, host: str = "") -> list[Outcome]:
+        """Every job on ``domain``: the teacher-forced tasks of all of them in one pass, then each job's own."""
+        cfg, stack, tokenizer, prepared = self.plan.cfg, self.stack, self.loaded.tokenizer, self.prepared[domain]
+        full = next((job for job in self.jobs if job.point.method == FULL), None)
+        reference = full.label if full else REFERENCE  # full depth's teacher-forced results: the screen's reference
+        methods = {job.label: job.method for job in self.jobs} | ({} if full else {REFERENCE: Full()})
+        shared = Shared()
+        print(f"decode: {domain}: teacher-forced tasks of {len(self.jobs)} points", file=sys.stderr)
+        scores = score_all(stack, tokenizer, methods, prepared, shared, cfg.unserved_tokens)
+        teacher = [p for p in prepared if p.task.teacher_forced]
+        screen_of = partial(screen, domain, reference=evaluate(stack, tokenizer, methods[reference], teacher, shared,
+                                                               scores[reference]).tasks,
+                            tolerance=self.plan.thresholds.tolerance)
+        out = []
+        for job in tqdm(self.jobs, desc=domain, unit="point"):
+            limit = cfg.swept_prompts if cfg.is_swept(job.name) else None
+            result = evaluate(stack, tokenizer, job.method, prepared, shared, scores.pop(job.label), limit)
+            cost = {**result.cost(), **self._speed(job, prepared, result, limit, screen_of)}
+            heat = heatmap_inputs(stack, tokenizer, result, prepared, shared, cfg.heatmap_texts, limit)
+            settings = {"tasks": {p.name: p.settings.model_dump() for p in prepared}, "free_prompts": limit,
+                        "speed_repeats": cfg.speed_repeats, "speed_pairs": cfg.speed_pairs,
+                        "speed_tokens": cfg.speed_tokens, "unserved_tokens": cfg.unserved_tokens,
+                        "device": cfg.device, "dtype": cfg.dtype}
+            out.append(Outcome(job.label, domain, self.loaded.fingerprint.digest, stack.n_layers,
+                               job.method.describe(), job.facts, result.tasks, cost, result.depth_histogram(), heat,
+                               limit, settings, host))
+        return out
+
+    def _speed(self, job: Job, prepared: list, result, limit: int | None, screen_of) -> dict:
+        """The point's speed-up against full depth: ``speed_pairs`` timed pairs of ``speed_tokens`` new tokens (C2's
+        interval), or the cheap ``speed_repeats`` measure for full depth itself, an ablation (one factor of one
+        point, on a subset of domains: the verdict does not judge it), a point that never exits (it runs every
+        layer and its probes: it cannot be faster) and a point a teacher-forced check rules out."""
+        cfg, stack, tokenizer = self.plan.cfg, self.stack, self.loaded.tokenizer
+        teacher = {p.name: result.tasks[p.name] for p in prepared if p.task.teacher_forced}
+        ruled_out = screen_of(teacher)
+        depths = set(result.depth_histogram())
+        why = ("full depth" if job.point.method == FULL else
+               "an ablation (not judged)" if job.kind == "ablation" else
+               f"violates {', '.join(c.metric for c in ruled_out)} (teacher forced)" if ruled_out else
+               "never exits" if depths and depths <= {stack.n_layers} else None)
+        if why is None:
+            timed = point_speedup(stack, tokenizer, job.method, prepared, result, 1, cfg.speed_pairs,
+                                  cfg.speed_tokens)
+        else:
+            timed = point_speedup(stack, tokenizer, job.method, prepared, result, limit, cfg.speed_repeats)
+        return {**timed, "speed_timing": "pairs" if why is None else f"cheap: {why}"}

@@ -1,0 +1,86 @@
+"""Who runs a decode call's work units: ``serial`` (the stage's own process, the default) or ``ray``.
+
+A unit is one eval domain with every job of the call (the one-pass sweep shares its teacher-forced pass across
+them). An executor takes the checked :class:`~emad.evaluation.decoder.Plan` and the units, and returns each unit's
+outcomes **in unit order**, whatever order they were submitted or finished in; only the stage's process (the
+driver) writes files and logs to MLflow. With ``ray``, ``ray.init()`` joins the cluster ``RAY_ADDRESS`` names, or
+starts Ray inside the stage when it is unset; one actor per worker (``decode.workers``, default: one per GPU of
+the cluster, else 2) loads the model once and scores the units it is given (``num_gpus=1`` each when the cluster
+has GPUs). A unit whose actor dies is retried on another (Ray's ``max_task_retries``); when none is left the stage
+fails before writing anything.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable, Sequence
+
+from emad.evaluation.decoder import Decoder, Outcome, Plan
+from emad.registry import Registry
+
+EXECUTORS: Registry[Callable] = Registry("decode executor")
+ENV = "EMAD_DECODE_EXECUTOR"  # overrides decode.executor (outputs are the same either way)
+
+
+def executor_name(configured: str) -> str:
+    """The executor a call uses: ``$EMAD_DECODE_EXECUTOR`` when set, else ``decode.executor``; checked."""
+    name = os.environ.get(ENV) or configured
+    if name not in EXECUTORS:
+        where = f"${ENV}" if os.environ.get(ENV) else "decode.executor"
+        raise ValueError(f"{where} = {name!r}: not a decode executor; valid: {', '.join(EXECUTORS.names())}")
+    return name
+
+
+def serial(plan: Plan, units: Sequence[str], workers: int | None = None) -> list[list[Outcome]]:
+    """Every unit in this process, in order (the model loaded once)."""
+    decoder = Decoder(plan)
+    return [decoder.run(domain, socket.gethostname()) for domain in units]
+
+
+EXECUTORS.add("serial", serial)
+
+
+class _Worker:
+    """A Ray actor's state: one :class:`Decoder` (the model loaded once per actor)."""
+
+    def __init__(self, plan: Plan):
+        self.decoder = Decoder(plan)
+
+    def run(self, index: int, domain: str) -> tuple[int, list[Outcome]]:
+        return index, self.decoder.run(domain, f"{socket.gethostname()}:{os.getpid()}")
+
+
+def ray_executor(plan: Plan, units: Sequence[str], workers: int | None = None,
+                 order: Callable[[list[int]], list[int]] = lambda ix: ix) -> list[list[Outcome]]:
+    """The units on Ray actors (``order`` permutes the submission order: the outcome order never changes)."""
+    import ray
+    from ray.util import ActorPool
+
+    if not ray.is_initialized():
+        address = os.environ.get("RAY_ADDRESS")
+        _reachable(address)
+        ray.init(address=address or None, log_to_driver=True,
+                 runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith(("HF_", "EMAD_"))}})
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    n = max(1, min(len(units), workers or gpus or 2))
+    actor = ray.remote(num_cpus=1, num_gpus=1 if gpus else 0, max_restarts=1, max_task_retries=1)(_Worker)
+    pool = ActorPool([actor.remote(plan) for _ in range(n)])
+    indices = order(list(range(len(units))))
+    done = dict(pool.map_unordered(lambda a, i: a.run.remote(i, units[i]), indices))
+    return [done[i] for i in range(len(units))]
+
+
+EXECUTORS.add("ray", ray_executor)
+
+
+def _reachable(address: str | None, timeout: float = 5.0) -> None:
+    """Fail fast, naming ``RAY_ADDRESS``, when nothing listens at its ``host:port`` (``auto`` and unset pass)."""
+    if not address or address == "auto":
+        return
+    host, _, port = address.split("://")[-1].rpartition(":")
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout).close()
+    except (OSError, ValueError) as err:
+        raise ConnectionError(f"RAY_ADDRESS={address!r}: no Ray cluster answers there ({err}); unset RAY_ADDRESS "
+                              f"to start Ray inside the stage, or start one with `ray start --head`") from err
