@@ -125,18 +125,12 @@ def plan(args: argparse.Namespace) -> Plan:
                                         if needy else [])
     jobs = [Job(kind, name, point, cal) for (kind, name), point in points.items()
             for cal in (_calibrations(cfg, name, calibrations, args.calibration) if point.needs_profile else [None])]
-    sources = Sources(str(Path(args.model_dir).resolve()), args.corpora.resolve() if args.corpora else None,
-                      *(_absolute(p) for p in (args.profile, args.readouts)), args.readout_source,
-                      _absolute(args.estimators))
+    sources = Sources(args.model_dir, args.corpora, args.profile, args.readouts, args.readout_source,
+                      args.estimators)
     for job in jobs:
         sources.readouts_of(job.calibration)  # a missing --readout-source fails here, before any model loads
     thresholds = Thresholds(**load_section("aggregate", AggregateConfig, args.params).thresholds())
     return Plan(cfg, tuple(jobs), {d: cfg.tasks_of(kinds[0], d) for d in domains}, sources, thresholds)
-
-
-def _absolute(template: str | None) -> str | None:
-    """A path template made absolute (a Ray worker may run elsewhere than the stage's directory)."""
-    return None if template is None else str(Path(template).absolute())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -228,3 +228,41 @@ def test_queued_two_job_sweep_keeps_every_mlflow_run(repo):
     margins = sorted(float(m) for m in decode[decode["tags.run_id"].str.contains("--emad-m0--")]
                      ["params.margin"])
     assert margins == [0.5, 1.0]
+
+
+def test_two_clones_share_experiments_through_a_dvc_remote(repo, tmp_path):
+    """docs/scaling.md's recipe: a bare git remote and a directory DVC remote shared by two clones."""
+    git, store, other = tmp_path / "emad.git", tmp_path / "dvc-store", tmp_path / "b"
+    _sh(repo, "git", "add", "-A")
+    _sh(repo, "git", "commit", "-qm", "before sharing", "--allow-empty")
+    _sh(tmp_path, "git", "init", "-q", "--bare", str(git))
+    _sh(repo, "git", "remote", "add", "origin", str(git))
+    _sh(repo, "dvc", "remote", "add", "-d", "shared", str(store))
+    _sh(repo, "git", "add", ".dvc/config")
+    _sh(repo, "git", "commit", "-qm", "DVC remote")
+    _sh(repo, "git", "push", "-q", "origin", "HEAD:main")
+    _sh(repo, "dvc", "push", "--run-cache")
+    _sh(repo, "dvc", "exp", "run", "-n", "margin-a", "-S", "decode.points.emad-m0.margin=0.25", timeout=900)
+    _sh(repo, "dvc", "exp", "push", "origin", "margin-a")
+
+    _sh(tmp_path, "git", "clone", "-q", str(git), str(other))
+    _sh(other, "dvc", "pull", "--run-cache")
+    restored = _sh(other, "dvc", "repro")
+    assert "Running stage" not in restored, restored  # restored from the run cache, nothing recomputed
+    assert "changed" not in _sh(other, "dvc", "status")
+    _sh(other, "dvc", "exp", "run", "-n", "margin-b", "-S", "decode.points.emad-m0.margin=0.75", timeout=900)
+    _sh(other, "dvc", "exp", "pull", "origin", "margin-a")
+
+    def experiments(clone: Path) -> dict[str, dict]:
+        """``dvc exp show --json``: experiment name -> its rev, params, metrics and output hashes."""
+        out = {}
+        for baseline in json.loads(_sh(clone, "dvc", "exp", "show", "--json")):
+            for experiment in baseline.get("experiments") or []:
+                for rev in experiment["revs"]:
+                    out[rev["name"]] = {"rev": rev["rev"], **{k: rev["data"].get(k) for k in ("params", "metrics",
+                                                                                              "outs")}}
+        return out
+
+    here, there = experiments(repo), experiments(other)
+    assert {"margin-a", "margin-b"} <= set(there)
+    assert there["margin-a"] == here["margin-a"]  # the same commit, params, metrics and output hashes

@@ -42,9 +42,11 @@ EXECUTORS.add("serial", serial)
 
 
 class _Worker:
-    """A Ray actor's state: one :class:`Decoder` (the model loaded once per actor)."""
+    """A Ray actor's state: one :class:`Decoder` (the model loaded once per actor), built in the driver's working
+    directory (the plan's paths are relative to it; on a cluster it is a path every node mounts)."""
 
-    def __init__(self, plan: Plan):
+    def __init__(self, plan: Plan, cwd: str):
+        os.chdir(cwd)
         self.decoder = Decoder(plan)
 
     def run(self, index: int, domain: str) -> tuple[int, list[Outcome]]:
@@ -65,7 +67,7 @@ def ray_executor(plan: Plan, units: Sequence[str], workers: int | None = None,
     gpus = int(ray.cluster_resources().get("GPU", 0))
     n = max(1, min(len(units), workers or gpus or 2))
     actor = ray.remote(num_cpus=1, num_gpus=1 if gpus else 0, max_restarts=1, max_task_retries=1)(_Worker)
-    pool = ActorPool([actor.remote(plan) for _ in range(n)])
+    pool = ActorPool([actor.remote(plan, os.getcwd()) for _ in range(n)])
     indices = order(list(range(len(units))))
     done = dict(pool.map_unordered(lambda a, i: a.run.remote(i, units[i]), indices))
     return [done[i] for i in range(len(units))]
