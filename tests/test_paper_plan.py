@@ -342,7 +342,7 @@ def built(workspace, graph) -> Counter:
         mp.chdir(workspace)
         mp.setattr(tracking, "stage_run", no_mlflow)
         mp.setattr(registry, "arc_items", arc_stand_in)
-        for stage in ("pipeline.calibrate", "pipeline.fit_estimators", "pipeline.decode", "pipeline.risk"):
+        for stage in ("pipeline.calibrate", "pipeline.fit_estimators", "emad.evaluation.decoder", "pipeline.risk"):
             mp.setattr(f"{stage}.load_model", load_model_cached)
         for name, cmd in graph:
             argv = shlex.split(cmd)

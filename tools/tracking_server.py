@@ -67,7 +67,7 @@ def start_postgres(data: Path, port: int) -> str:
                             text=True, check=True).stdout.strip()
     if exists != "1":
         subprocess.run([*psql, "CREATE DATABASE mlflow"], check=True, stdout=subprocess.DEVNULL)
-    return f"postgresql://emad@127.0.0.1:{port}/mlflow"
+    return f"postgresql+psycopg2://emad@127.0.0.1:{port}/mlflow"  # the driver the project installs
 
 
 def stop_postgres(data: Path) -> None:

@@ -50,14 +50,19 @@ class _Worker:
         self.decoder = Decoder(plan)
 
     def run(self, index: int, domain: str) -> tuple[int, list[Outcome]]:
-        return index, self.decoder.run(domain, f"{socket.gethostname()}:{os.getpid()}")
+        import ray
+
+        node = ray.get_runtime_context().get_node_id()[:12]
+        return index, self.decoder.run(domain, f"{socket.gethostname()}:{os.getpid()} node {node}")
 
 
 def ray_executor(plan: Plan, units: Sequence[str], workers: int | None = None,
                  order: Callable[[list[int]], list[int]] = lambda ix: ix) -> list[list[Outcome]]:
-    """The units on Ray actors (``order`` permutes the submission order: the outcome order never changes)."""
+    """The units on Ray actors (``order`` permutes the submission order: the outcome order never changes).
+
+    Each actor takes the next unit when it finishes one; an actor with no unit left is ended, so that its CPU or
+    GPU is free for an actor restarted after its node was lost (its unit is retried there)."""
     import ray
-    from ray.util import ActorPool
 
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS")
@@ -67,9 +72,22 @@ def ray_executor(plan: Plan, units: Sequence[str], workers: int | None = None,
     gpus = int(ray.cluster_resources().get("GPU", 0))
     n = max(1, min(len(units), workers or gpus or 2))
     actor = ray.remote(num_cpus=1, num_gpus=1 if gpus else 0, max_restarts=1, max_task_retries=1)(_Worker)
-    pool = ActorPool([actor.remote(plan, os.getcwd()) for _ in range(n)])
-    indices = order(list(range(len(units))))
-    done = dict(pool.map_unordered(lambda a, i: a.run.remote(i, units[i]), indices))
+    queue = order(list(range(len(units))))
+    running = {}
+    for a in [actor.options(scheduling_strategy="SPREAD").remote(plan, os.getcwd()) for _ in range(n)]:
+        i = queue.pop(0)
+        running[a.run.remote(i, units[i])] = a
+    done: dict[int, list[Outcome]] = {}
+    while running:
+        (ready,), _ = ray.wait(list(running), num_returns=1)
+        a = running.pop(ready)
+        index, outcomes = ray.get(ready)  # a unit that failed after its retry raises here: nothing is written
+        done[index] = outcomes
+        if queue:
+            i = queue.pop(0)
+            running[a.run.remote(i, units[i])] = a
+        else:
+            ray.kill(a)
     return [done[i] for i in range(len(units))]
 
 
