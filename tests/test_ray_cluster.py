@@ -39,7 +39,8 @@ def _decode(root: Path, out: str, env: dict) -> subprocess.Popen:
 
 
 def _env(root: Path, **extra: str) -> dict:
-    return {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'cluster.db'}", **extra}
+    # one torch thread: each one-CPU node hosts one actor, computing as the serial run does
+    return {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'cluster.db'}", "OMP_NUM_THREADS": "1", **extra}
 
 
 def _runs(root: Path):

@@ -6,7 +6,8 @@ outcomes **in unit order**, whatever order they were submitted or finished in; o
 driver) writes files and logs to MLflow. With ``ray``, ``ray.init()`` joins the cluster ``RAY_ADDRESS`` names, or
 starts Ray inside the stage when it is unset; one actor per worker (``decode.workers``, default: one per GPU of
 the cluster, else 2) loads the model once and scores the units it is given (``num_gpus=1`` each when the cluster
-has GPUs). A unit whose actor dies is retried on another (Ray's ``max_task_retries``); when none is left the stage
+has GPUs; on CPUs each actor takes as many CPUs as the stage has torch threads and computes with that many, since
+CPU results depend on the thread count). A unit whose actor dies is retried on another (Ray's ``max_task_retries``); when none is left the stage
 fails before writing anything.
 """
 
@@ -45,8 +46,11 @@ class _Worker:
     """A Ray actor's state: one :class:`Decoder` (the model loaded once per actor), built in the driver's working
     directory (the plan's paths are relative to it; on a cluster it is a path every node mounts)."""
 
-    def __init__(self, plan: Plan, cwd: str):
+    def __init__(self, plan: Plan, cwd: str, threads: int):
+        import torch
+
         os.chdir(cwd)
+        torch.set_num_threads(threads)  # as the stage's own process: CPU results depend on the thread count
         self.decoder = Decoder(plan)
 
     def run(self, index: int, domain: str) -> tuple[int, list[Outcome]]:
@@ -69,12 +73,20 @@ def ray_executor(plan: Plan, units: Sequence[str], workers: int | None = None,
         _reachable(address)
         ray.init(address=address or None, log_to_driver=True,
                  runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith(("HF_", "EMAD_"))}})
+    import torch
+
     gpus = int(ray.cluster_resources().get("GPU", 0))
     n = max(1, min(len(units), workers or gpus or 2))
-    actor = ray.remote(num_cpus=1, num_gpus=1 if gpus else 0, max_restarts=1, max_task_retries=1)(_Worker)
+    threads = torch.get_num_threads()  # each actor computes with the stage's thread count: the same numbers
+    cpus = 1 if gpus else threads
+    largest = max((node["Resources"].get("CPU", 0) for node in ray.nodes() if node["Alive"]), default=0)
+    if cpus > largest:
+        raise ValueError(f"decode.executor ray: each actor needs {cpus} CPUs (the stage's torch threads), the "
+                         f"largest Ray node has {largest:g}; set OMP_NUM_THREADS={int(largest)} for the stage")
+    actor = ray.remote(num_cpus=cpus, num_gpus=1 if gpus else 0, max_restarts=1, max_task_retries=1)(_Worker)
     queue = order(list(range(len(units))))
     running = {}
-    for a in [actor.options(scheduling_strategy="SPREAD").remote(plan, os.getcwd()) for _ in range(n)]:
+    for a in [actor.options(scheduling_strategy="SPREAD").remote(plan, os.getcwd(), threads) for _ in range(n)]:
         i = queue.pop(0)
         running[a.run.remote(i, units[i])] = a
     done: dict[int, list[Outcome]] = {}
