@@ -67,14 +67,13 @@ def ray_executor(plan: Plan, units: Sequence[str], workers: int | None = None,
     Each actor takes the next unit when it finishes one; an actor with no unit left is ended, so that its CPU or
     GPU is free for an actor restarted after its node was lost (its unit is retried there)."""
     import ray
+    import torch
 
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS")
         _reachable(address)
         ray.init(address=address or None, log_to_driver=True,
                  runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith(("HF_", "EMAD_"))}})
-    import torch
-
     gpus = int(ray.cluster_resources().get("GPU", 0))
     n = max(1, min(len(units), workers or gpus or 2))
     threads = torch.get_num_threads()  # each actor computes with the stage's thread count: the same numbers
@@ -84,22 +83,24 @@ def ray_executor(plan: Plan, units: Sequence[str], workers: int | None = None,
         raise ValueError(f"decode.executor ray: each actor needs {cpus} CPUs (the stage's torch threads), the "
                          f"largest Ray node has {largest:g}; set OMP_NUM_THREADS={int(largest)} for the stage")
     actor = ray.remote(num_cpus=cpus, num_gpus=1 if gpus else 0, max_restarts=1, max_task_retries=1)(_Worker)
-    queue = order(list(range(len(units))))
-    running = {}
-    for a in [actor.options(scheduling_strategy="SPREAD").remote(plan, os.getcwd(), threads) for _ in range(n)]:
+    queue, running = order(list(range(len(units)))), {}
+
+    def submit(worker) -> None:
         i = queue.pop(0)
-        running[a.run.remote(i, units[i])] = a
+        running[worker.run.remote(i, units[i])] = worker
+
+    for _ in range(n):
+        submit(actor.options(scheduling_strategy="SPREAD").remote(plan, os.getcwd(), threads))
     done: dict[int, list[Outcome]] = {}
     while running:
         (ready,), _ = ray.wait(list(running), num_returns=1)
-        a = running.pop(ready)
+        worker = running.pop(ready)
         index, outcomes = ray.get(ready)  # a unit that failed after its retry raises here: nothing is written
         done[index] = outcomes
         if queue:
-            i = queue.pop(0)
-            running[a.run.remote(i, units[i])] = a
+            submit(worker)
         else:
-            ray.kill(a)
+            ray.kill(worker)
     return [done[i] for i in range(len(units))]
 
 
