@@ -9,15 +9,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from emad.calibration.calibrate import calibrate_texts
-from emad.calibration.config import CalibrateConfig
-from emad.calibration.profile import smooth, smooth_variants, variant_path
+from emad.calibration.profile import variant_path
 from emad.config import ConfigError, validate_section
-from emad.engine.models import load_model
 from emad.evaluation import runfile
 from emad.evaluation.config import DecodeConfig
 from emad.report.heatmap import heatmap_html
-from tests.tiny import save_tiny_pretrained
+from tests.tiny import save_tiny_pretrained, save_tiny_profiles
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = "Entropy falls with depth for easy tokens. The quick brown fox jumps over the lazy dog. " * 12
@@ -49,13 +46,7 @@ def workspace(tmp_path_factory, smollm2):
     docs = [{"id": str(i), "text": TEXT[i * 5:], "n_tokens": 0} for i in range(3)]
     (corpus / "eval.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
     (corpus / "manifest.json").write_text(json.dumps({"manifest_sha256": "toy"}))
-    loaded = load_model(str(root / "model"), device="cpu", dtype="float32")
-    cfg = CalibrateConfig(window=32, probe_layers=[1, 2, 3], strata={"position_edges": [8]}, device="cpu",
-                          dtype="float32")
-    stats = calibrate_texts(loaded, [TEXT] * 2, cfg, "toy")
-    smooth(stats, min_count=1).save(root / "profile.json")
-    for variant, profile in smooth_variants(stats, min_count=1).items():
-        profile.save(variant_path(root / "profile.json", variant))
+    save_tiny_profiles(root / "model", [TEXT] * 2, root / "profile.json", position_edges=[8])
     (root / "params.yaml").write_text(yaml.safe_dump({"decode": DECODE}))
     return root
 

@@ -9,11 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from emad.calibration.calibrate import calibrate_texts
-from emad.calibration.config import CalibrateConfig
-from emad.calibration.profile import smooth, smooth_variants, variant_path
-from emad.engine.models import load_model
-from tests.tiny import save_tiny_pretrained
+from tests.tiny import save_tiny_pretrained, save_tiny_profiles
 
 TEXT = "Entropy falls with depth for easy tokens. The quick brown fox jumps over the lazy dog. " * 12
 DOMAINS = ("toy-a", "toy-b")
@@ -40,12 +36,7 @@ def workspace(tmp_path_factory, smollm2):
         docs = [{"id": str(j), "text": TEXT[(i + j) * 7:], "n_tokens": 0} for j in range(3)]
         (corpus / "eval.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
         (corpus / "manifest.json").write_text(json.dumps({"manifest_sha256": domain}))
-    loaded = load_model(str(root / "model"), device="cpu", dtype="float32")
-    cfg = CalibrateConfig(window=32, probe_layers=[1, 2, 3], device="cpu", dtype="float32")
-    stats = calibrate_texts(loaded, [TEXT] * 2, cfg, "toy")
-    smooth(stats, min_count=1).save(root / "profile.json")
-    for variant, profile in smooth_variants(stats, min_count=1).items():
-        profile.save(variant_path(root / "profile.json", variant))
+    save_tiny_profiles(root / "model", [TEXT] * 2, root / "profile.json")
     (root / "params.yaml").write_text(yaml.safe_dump({"decode": DECODE}))
     return root
 

@@ -129,3 +129,20 @@ class ScriptedEstimator(Estimator):
 
     def probe_cost(self, cost):
         return 0.0, 0.0
+
+
+def save_tiny_profiles(model_dir, texts: list[str], path, **strata) -> None:
+    """Calibrate the model in ``model_dir`` on ``texts`` (probes 1–3, windows of 32) and save the smoothed
+    profile at ``path`` with every strata variant beside it (``strata/<variant>.json``), as the smooth stage does."""
+    from emad.calibration.calibrate import calibrate_texts
+    from emad.calibration.config import CalibrateConfig
+    from emad.calibration.profile import smooth, smooth_variants, variant_path
+    from emad.engine.models import load_model
+
+    loaded = load_model(str(model_dir), device="cpu", dtype="float32")
+    cfg = CalibrateConfig(window=32, probe_layers=[1, 2, 3], device="cpu", dtype="float32",
+                          **({"strata": strata} if strata else {}))
+    stats = calibrate_texts(loaded, texts, cfg, "toy")
+    smooth(stats, min_count=1).save(path)
+    for variant, profile in smooth_variants(stats, min_count=1).items():
+        profile.save(variant_path(path, variant))
