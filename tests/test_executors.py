@@ -45,7 +45,7 @@ def workspace(tmp_path_factory, smollm2):
 def local_ray():
     """Ray started in this process on 2 CPUs (as the stage starts it when RAY_ADDRESS is unset)."""
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 

@@ -1,126 +1,35 @@
 """`dvc repro` of the whole graph on a tiny random model and a tiny corpus, then a queued 2-job sweep.
 
-The project's dvc.yaml, pipeline/ and emad/ are copied into a fresh git + DVC repository; params.yaml is shrunk
-so the graph runs in about a minute on 2 cores. Checks every output, the report's verdict, `dvc metrics show`,
+The tiny graph (tests/tiny_graph.py) runs in a fresh git + DVC repository. Checks every output, the report's verdict, `dvc metrics show`,
 and that MLflow holds one run per stage execution — including the runs of two experiments run in parallel.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tests.mlflow_checks import check_store
-from tests.tiny import save_tiny_pretrained
+from tests.tiny_graph import make_repo, mlflow_runs, sh
 
 pytestmark = pytest.mark.heavy  # run by `make test-heavy` (and CI), not `make test`
-
-ROOT = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
-
-
-def _params(model_dir: Path) -> dict:
-    return {
-        "models": {"tiny": str(model_dir)},
-        "corpus": {"seed": 0, "calib_tokens": 600, "eval_tokens": 1200, "tokenizer_model": str(model_dir),
-                   "sources": ["stdlib-prose"]},
-        "readouts": {"layers": 1, "tokens": 256, "holdout": 64, "window": 32, "epochs": 2, "batch_tokens": 64,
-                     "vocab_sample": 32, "top_k": 4, "source": "stdlib-prose", "device": "cpu", "dtype": "float32"},
-        "calibrate": {"sources": ["stdlib-prose"], "window": 32, "batch_size": 4, "probe_layers": 1,
-                      "readouts": ["logit", "tuned"], "max_tokens": 256, "device": "cpu", "dtype": "float32"},
-        "smooth": {"statistic": "mean", "min_count": 5},
-        "estimators": {"topk": {"k": 64}, "lowrank": {"rank": 8}, "tokens": 256, "window": 32,
-                       "readouts": ["logit", "tuned"]},
-        "decode": {
-            "domains": {"stdlib-prose": ["perplexity", "agreement", "fidelity"]},
-            "tasks": {"perplexity": {"tokens": 128, "window": 64, "prefix": 16},
-                      "agreement": {"prompts": 2, "prompt_tokens": 16, "new_tokens": 8},
-                      "fidelity": {"prompts": 2, "prompt_tokens": 16, "new_tokens": 8}},
-            "baselines": {"full": {"method": "full"}, "fixed-2-tuned": {"method": "fixed", "depth": 2,
-                                                                        "readout": "tuned"},
-                          "fixed": {"method": "fixed", "depth": [3]},
-                          "conf": {"method": "confidence", "threshold": [0.5, 3, 100], "probe_every": 1}},
-            "swept_prompts": 1, "speed_repeats": 2, "speed_pairs": 5, "speed_tokens": 8,
-            "shift_points": None, "unserved_tokens": 64,
-            "points": {"emad-m0": {"method": "emad", "margin": 0.0},
-                       "emad-m0-tuned": {"method": "emad", "margin": 0.0, "readout": "tuned"}},
-            "default_point": "emad-m0",
-            "ablations": {"backfill": {"policy": "backfill"}},
-            "ablation_domains": ["stdlib-prose"], "ablation_tasks": ["perplexity"],
-            "ablation_calibration": "stdlib-prose",
-            "related": {"ead-k2": {"method": "ead", "small_layers": 2, "tau": 3.0, "window": 2, "d_min": 2}},
-            "related_domains": ["stdlib-prose"], "related_tasks": None,
-            "heatmap_texts": 1, "device": "cpu", "dtype": "float32",
-        },
-        "risk": {"domain": "stdlib-prose", "calibration": "stdlib-prose", "prompts": 4, "fresh_prompts": 2, "prompt_tokens": 8, "new_tokens": 4,
-                 "delta": 0.3, "epsilon": 0.3, "loss": "agreement", "device": "cpu", "dtype": "float32",
-                 "searches": {"margin": {"point": {"method": "emad"}, "knob": "margin", "values": [10.0, 0.0]}}},
-        # the positive control: the tiny model with 40 idle layers; fixed depth 4 (the tiny model's own) is lossless
-        "control": {"model": "tiny+idle40", "spec": f"{model_dir}+idle40", "source": "stdlib-prose",
-                    "decode": {"domains": {"stdlib-prose": ["perplexity", "agreement"]},
-                               "tasks": CONTROL_TASKS,
-                               "baselines": {"full": {"method": "full"}, "fixed": {"method": "fixed", "depth": [3, 4]}},
-                               "points": {"emad-topk": {"method": "emad", "margin": 0.0, "estimator": "topk"}}}},
-        "aggregate": {"methods": ["emad"], "ppl_rel_tol": 0.01, "acc_abs_tol": 0.01},
-    }
-
-
-# ≥ 8 units per check (perplexity windows, prompts), so that the control's checks enter the verdict
-CONTROL_TASKS = {"perplexity": {"tokens": 512, "window": 64, "prefix": 16},
-                 "agreement": {"prompts": 8, "prompt_tokens": 16, "new_tokens": 8}}
-
-
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}  # the repo's own default store
-    return {**env, "PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}", "OMP_NUM_THREADS": "1",
-            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "DVC_NO_ANALYTICS": "1",
-            "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-            "GIT_COMMITTER_EMAIL": "t@t"}
-
-
-def _sh(repo: Path, *cmd: str, timeout: int = 600) -> str:
-    done = subprocess.run(cmd, cwd=repo, env=_env(), capture_output=True, text=True, timeout=timeout)
-    errors = "\n".join(line for line in done.stderr.splitlines() if "/s]" not in line)  # no progress bars
-    assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}\n{errors[-6000:]}"
-    return done.stdout
-
-
-def _mlflow_runs(repo: Path):
-    import mlflow
-
-    mlflow.set_tracking_uri(f"sqlite:///{repo / 'mlflow.db'}")
-    return mlflow.search_runs(experiment_names=["emad"])
 
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory, smollm2) -> Path:
-    base = tmp_path_factory.mktemp("e2e")
-    model_dir = save_tiny_pretrained(base / "tiny-model", smollm2.tokenizer)
-    repo = base / "repo"
-    repo.mkdir()
-    for name in ("pipeline", "emad"):
-        shutil.copytree(ROOT / name, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(ROOT / "dvc.yaml", repo / "dvc.yaml")
-    (repo / "params.yaml").write_text(yaml.safe_dump(_params(model_dir), sort_keys=False))
-    (repo / ".gitignore").write_text("mlflow.db\nmlflow.db.lock\nmlruns/\n/data/\n")
-    _sh(repo, "git", "init", "-q")
-    _sh(repo, "dvc", "init", "-q")
-    shutil.copytree(ROOT / ".dvc" / "plots", repo / ".dvc" / "plots")
-    _sh(repo, "dvc", "config", "plots.html_template", "plots/offline.html")
+    repo = make_repo(tmp_path_factory.mktemp("e2e"), smollm2.tokenizer)
     started = time.perf_counter()
-    _sh(repo, "dvc", "repro", timeout=900)
-    repo_seconds = time.perf_counter() - started
-    print(f"dvc repro of the tiny graph: {repo_seconds:.0f} s")
+    sh(repo, "dvc", "repro", timeout=900)
+    print(f"dvc repro of the tiny graph: {time.perf_counter() - started:.0f} s")
     return repo
+
+
+def _mlflow_runs(repo: Path):
+    return mlflow_runs(f"sqlite:///{repo / 'mlflow.db'}")
 
 
 def test_repro_writes_every_output(repo):
@@ -153,9 +62,9 @@ def test_repro_writes_every_output(repo):
     report = (repo / "reports" / "report.md").read_text()
     assert "C1" in report and "C2" in report and "MLflow runs" in report
     assert "## Risk-controlled thresholds" in report and "| tiny | margin | stdlib-prose | margin |" in report
-    metrics = json.loads(_sh(repo, "dvc", "metrics", "show", "--json"))
+    metrics = json.loads(sh(repo, "dvc", "metrics", "show", "--json"))
     assert "tiny" in json.dumps(metrics)
-    status = _sh(repo, "dvc", "status")
+    status = sh(repo, "dvc", "status")
     assert "changed" not in status
 
 
@@ -201,25 +110,25 @@ def test_mlflow_holds_one_run_per_stage_execution(repo):
 
 
 def test_offline_plots_render(repo):
-    _sh(repo, "dvc", "plots", "show", "--out", "plots-html")
+    sh(repo, "dvc", "plots", "show", "--out", "plots-html")
     page = (repo / "plots-html" / "index.html").read_text()
     assert "<script src" not in page and "flops_ratio" in page
 
 
 def test_queued_two_job_sweep_keeps_every_mlflow_run(repo):
-    _sh(repo, "git", "add", "-A")
-    _sh(repo, "git", "commit", "-qm", "baseline")
+    sh(repo, "git", "add", "-A")
+    sh(repo, "git", "commit", "-qm", "baseline")
     before = len(_mlflow_runs(repo))
     for margin in ("0.5", "1.0"):
-        _sh(repo, "dvc", "exp", "run", "--queue", "-S", f"decode.points.emad-m0.margin={margin}")
-    _sh(repo, "dvc", "queue", "start", "-j", "2")
+        sh(repo, "dvc", "exp", "run", "--queue", "-S", f"decode.points.emad-m0.margin={margin}")
+    sh(repo, "dvc", "queue", "start", "-j", "2")
     deadline = time.time() + 600
     while time.time() < deadline:
-        status = _sh(repo, "dvc", "queue", "status")
+        status = sh(repo, "dvc", "queue", "status")
         if "Queued" not in status and "Running" not in status:
             break
         time.sleep(3)
-    assert "Failed" not in status, _sh(repo, "dvc", "queue", "logs", status.split()[0]) if status else status
+    assert "Failed" not in status, sh(repo, "dvc", "queue", "logs", status.split()[0]) if status else status
     runs = _mlflow_runs(repo).iloc[: len(_mlflow_runs(repo)) - before]
     per_stage = runs["tags.dvc_stage"].value_counts().to_dict()
     # each experiment reruns the decode stage (its 8 runs: the baselines beside the EMAD points, scored in one pass),
@@ -234,32 +143,32 @@ def test_queued_two_job_sweep_keeps_every_mlflow_run(repo):
 def test_two_clones_share_experiments_through_a_dvc_remote(repo, tmp_path):
     """docs/scaling.md's recipe: a bare git remote and a directory DVC remote shared by two clones."""
     git, store, other = tmp_path / "emad.git", tmp_path / "dvc-store", tmp_path / "b"
-    _sh(repo, "git", "add", "-A")
-    _sh(repo, "git", "commit", "-qm", "before sharing", "--allow-empty")
-    _sh(tmp_path, "git", "init", "-q", "--bare", "-b", "main", str(git))
-    _sh(repo, "git", "remote", "add", "origin", str(git))
-    _sh(repo, "dvc", "remote", "add", "-d", "shared", str(store))
-    _sh(repo, "git", "add", ".dvc/config")
-    _sh(repo, "git", "commit", "-qm", "DVC remote")
-    _sh(repo, "git", "push", "-q", "origin", "HEAD:main")
-    _sh(repo, "dvc", "push", "--run-cache")
-    _sh(repo, "dvc", "exp", "run", "-n", "margin-a", "-S", "decode.points.emad-m0.margin=0.25", timeout=900)
-    _sh(repo, "dvc", "exp", "push", "origin", "margin-a")
+    sh(repo, "git", "add", "-A")
+    sh(repo, "git", "commit", "-qm", "before sharing", "--allow-empty")
+    sh(tmp_path, "git", "init", "-q", "--bare", "-b", "main", str(git))
+    sh(repo, "git", "remote", "add", "origin", str(git))
+    sh(repo, "dvc", "remote", "add", "-d", "shared", str(store))
+    sh(repo, "git", "add", ".dvc/config")
+    sh(repo, "git", "commit", "-qm", "DVC remote")
+    sh(repo, "git", "push", "-q", "origin", "HEAD:main")
+    sh(repo, "dvc", "push", "--run-cache")
+    sh(repo, "dvc", "exp", "run", "-n", "margin-a", "-S", "decode.points.emad-m0.margin=0.25", timeout=900)
+    sh(repo, "dvc", "exp", "push", "origin", "margin-a")
 
-    _sh(tmp_path, "git", "clone", "-q", str(git), str(other))
-    _sh(other, "dvc", "pull", "--run-cache")
-    restored = _sh(other, "dvc", "repro")
+    sh(tmp_path, "git", "clone", "-q", str(git), str(other))
+    sh(other, "dvc", "pull", "--run-cache")
+    restored = sh(other, "dvc", "repro")
     ran = re.findall(r"Running stage '([^']+)'", restored)
     # only the models are rebuilt (cache: false, from the embedded wheel); every other stage is restored
     assert ran and all(s.startswith(("prepare_model", "control_model")) for s in ran), restored
-    assert "changed" not in _sh(other, "dvc", "status")
-    _sh(other, "dvc", "exp", "run", "-n", "margin-b", "-S", "decode.points.emad-m0.margin=0.75", timeout=900)
-    _sh(other, "dvc", "exp", "pull", "origin", "margin-a")
+    assert "changed" not in sh(other, "dvc", "status")
+    sh(other, "dvc", "exp", "run", "-n", "margin-b", "-S", "decode.points.emad-m0.margin=0.75", timeout=900)
+    sh(other, "dvc", "exp", "pull", "origin", "margin-a")
 
     def experiments(clone: Path) -> dict[str, dict]:
         """``dvc exp show --json``: experiment name -> its rev, params, metrics and output hashes."""
         out = {}
-        for baseline in json.loads(_sh(clone, "dvc", "exp", "show", "--json")):
+        for baseline in json.loads(sh(clone, "dvc", "exp", "show", "--json")):
             for experiment in baseline.get("experiments") or []:
                 for rev in experiment["revs"]:
                     out[rev["name"]] = {"rev": rev["rev"], **{k: rev["data"].get(k) for k in ("params", "metrics",

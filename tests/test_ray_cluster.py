@@ -1,13 +1,20 @@
-"""Heavy: the decode stage on a Ray cluster of two nodes simulated on this machine (a head and a second node, each
-with one CPU): its units run on both nodes with outputs identical to the serial run; losing the second node mid-stage
-leaves the outputs complete and identical, or absent — never a partial set, never a RUNNING MLflow run."""
+"""Heavy: a Ray cluster of two nodes simulated on this machine — a head and a second node, each started with
+`ray start` on ports of its own, one CPU each, token authentication with a token the hosts share. `RAY_ADDRESS=…
+dvc repro` of the tiny-model graph runs the decode units on both nodes with the outputs of the serial executor and
+leaves `dvc status` clean; losing the second node mid-stage leaves the stage's outputs complete and identical, or
+absent — never a partial set, never a RUNNING MLflow run."""
 
 from __future__ import annotations
 
 import os
+import re
+import secrets
+import shutil
+import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -17,68 +24,131 @@ from tests.test_executors import (
     _outputs,
     workspace,  # noqa: F401 - the tiny two-domain workspace
 )
+from tests.tiny_graph import BIN, env, free_port, make_repo, mlflow_runs, sh
 
 pytestmark = pytest.mark.heavy
 ROOT = Path(__file__).resolve().parent.parent
+DECODE_STAGES = ("decode@tiny", "decode_ablation@tiny", "decode_related@tiny", "control_decode")
 
 
-@pytest.fixture
-def cluster():
-    from ray.cluster_utils import Cluster
-
-    made = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    second = made.add_node(num_cpus=1)
-    made.wait_for_nodes()
-    yield made, second
-    made.shutdown()
+@dataclass
+class Cluster:
+    address: str  # host:port of the head's GCS, what RAY_ADDRESS names
+    auth: dict[str, str]  # the environment every process of the cluster shares (RAY_AUTH_MODE, RAY_AUTH_TOKEN)
+    head: subprocess.Popen  # `ray start --head --block`, leader of its own process group
+    second: subprocess.Popen  # `ray start --address … --block`: the second "host"
 
 
-def _decode(root: Path, out: str, env: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "pipeline/decode.py", *_args(root, out)], cwd=ROOT, env=env,
+def _ray_start(*args: str, auth: dict, log: Path, workers: int) -> subprocess.Popen:
+    """``ray start --block`` with one CPU, in a session of its own (its raylet and workers die with its group);
+    every port it opens is its own, its workers' from ``workers`` on (below the ephemeral range)."""
+    ports = {flag: str(free_port()) for flag in ("--node-manager-port", "--object-manager-port",
+                                                 "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
+                                                 "--metrics-export-port", "--runtime-env-agent-port")}
+    cmd = [str(BIN / "ray"), "start", "--block", "--num-cpus", "1", "--node-ip-address", "127.0.0.1",
+           "--object-store-memory", str(100 * 2**20), "--disable-usage-stats",
+           "--min-worker-port", str(workers), "--max-worker-port", str(workers + 499),
+           *[x for flag, port in ports.items() for x in (flag, port)], *args]
+    return subprocess.Popen(cmd, env={**os.environ, **auth}, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _alive_nodes(address: str, auth: dict) -> int:
+    done = subprocess.run([str(BIN / "ray"), "status", "--address", address], env={**os.environ, **auth},
+                          capture_output=True, text=True, timeout=60)
+    active = done.stdout.split("Active:")[-1].split("Pending:")[0]
+    return len(re.findall(r"node_[0-9a-f]+", active))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("ray-logs")
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    head = _ray_start("--head", "--port", str(port), "--include-dashboard=false", auth=auth, log=logs / "head.log",
+                      workers=21000)
+    second = None
+    try:
+        deadline = time.time() + 120
+        while _alive_nodes(address, auth) < 1 and time.time() < deadline:
+            time.sleep(1)
+        second = _ray_start("--address", address, auth=auth, log=logs / "second.log", workers=21500)
+        while _alive_nodes(address, auth) < 2 and time.time() < deadline:
+            time.sleep(1)
+        assert _alive_nodes(address, auth) == 2, (logs / "head.log").read_text() + (logs / "second.log").read_text()
+        yield Cluster(address, auth, head, second)
+    finally:
+        for node in (second, head):
+            if node and node.poll() is None:
+                os.killpg(node.pid, signal.SIGTERM)
+                node.wait(timeout=60)
+        current = Path("/tmp/ray/ray_current_cluster")  # what `ray start` leaves for `ray.init("auto")`
+        if current.is_file() and current.read_text().strip() == address:
+            current.unlink()
+
+
+def _two_domains_on_ray(values: dict) -> None:
+    """The tiny graph with a second eval domain (two decode units) and ``decode.executor: ray``."""
+    values["corpus"]["sources"] = ["stdlib-prose", "stdlib-code"]
+    decode = values["decode"]
+    decode["domains"] = {"stdlib-prose": decode["domains"]["stdlib-prose"], "stdlib-code": ["perplexity", "agreement"]}
+    decode["executor"] = "ray"
+
+
+def test_dvc_repro_on_the_cluster_runs_units_on_both_nodes_with_the_serial_outputs(tmp_path, smollm2, cluster):
+    graph = make_repo(tmp_path, smollm2.tokenizer, change=_two_domains_on_ray)
+    on_cluster = env(RAY_ADDRESS=cluster.address, **cluster.auth)
+    log = sh(graph, "dvc", "repro", timeout=1200, environ=on_cluster)
+    assert "changed" not in sh(graph, "dvc", "status")
+    for stage in DECODE_STAGES:
+        assert f"Running stage '{stage}'" in log
+
+    runs = mlflow_runs(f"sqlite:///{graph / 'mlflow.db'}")
+    decode = runs[runs["tags.dvc_stage"].isin(["decode", "decode_ablation", "decode_related", "control_decode"])]
+    assert decode["tags.worker"].notna().all()  # every unit's node, recorded on each of its runs
+    node_of_domain = {d: set(w.split(" node ")[1] for w in group["tags.worker"])
+                      for d, group in decode[decode["tags.dvc_stage"] == "decode"].groupby("params.domain")}
+    assert set(node_of_domain) == {"stdlib-prose", "stdlib-code"}
+    assert all(len(nodes) == 1 for nodes in node_of_domain.values())  # a unit runs on one node
+    assert len(set.union(*node_of_domain.values())) == 2, node_of_domain  # the two units on the two nodes
+
+    ray_outputs = {name: _outputs(graph / "reports" / name) for name in ("runs", "artifacts")}
+    # the serial executor's outputs: the decode stages again in the stage process, no cluster
+    shutil.rmtree(graph / "reports" / "runs")
+    sh(graph, "dvc", "repro", "-f", "-s", *DECODE_STAGES, environ=env(EMAD_DECODE_EXECUTOR="serial"))
+    assert {name: _outputs(graph / "reports" / name) for name in ("runs", "artifacts")} == ray_outputs
+
+
+def _decode(root: Path, out: str, environ: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "pipeline/decode.py", *_args(root, out)], cwd=ROOT, env=environ,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _env(root: Path, **extra: str) -> dict:
+def _stage_env(root: Path, **extra: str) -> dict:
     # one torch thread: each one-CPU node hosts one actor, computing as the serial run does
-    return {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'cluster.db'}", "OMP_NUM_THREADS": "1", **extra}
-
-
-def _runs(root: Path):
-    import mlflow
-
-    mlflow.set_tracking_uri(f"sqlite:///{root / 'cluster.db'}")
-    return mlflow.search_runs(experiment_names=["emad"])
-
-
-def test_units_run_on_both_nodes_with_the_serial_outputs(workspace, cluster):  # noqa: F811
-    made, _ = cluster
-    serial = _decode(workspace, "c-serial", _env(workspace, EMAD_DECODE_EXECUTOR="serial"))
-    assert serial.wait(timeout=600) == 0, serial.stdout.read()
-    ray_run = _decode(workspace, "c-ray", _env(workspace, EMAD_DECODE_EXECUTOR="ray", RAY_ADDRESS=made.address))
-    assert ray_run.wait(timeout=600) == 0, ray_run.stdout.read()
-    assert _outputs(workspace / "c-ray") == _outputs(workspace / "c-serial")
-    workers = _runs(workspace)["tags.worker"].dropna()
-    nodes = {w.split(" node ")[1] for w in workers if " node " in w}
-    assert len(nodes) == 2, workers.tolist()  # one unit (domain) on each node
+    return env(MLFLOW_TRACKING_URI=f"sqlite:///{root / 'cluster.db'}", **extra)
 
 
 def test_losing_a_node_mid_stage_leaves_complete_outputs_or_none(workspace, cluster):  # noqa: F811
-    made, second = cluster
-    if not (workspace / "c-serial").exists():
-        serial = _decode(workspace, "c-serial", _env(workspace, EMAD_DECODE_EXECUTOR="serial"))
-        assert serial.wait(timeout=600) == 0, serial.stdout.read()
-    before = len(_runs(workspace))
-    proc = _decode(workspace, "c-lost", _env(workspace, EMAD_DECODE_EXECUTOR="ray", RAY_ADDRESS=made.address))
+    """Last in this module: the second node does not come back."""
+    serial = _decode(workspace, "c-serial", _stage_env(workspace, EMAD_DECODE_EXECUTOR="serial"))
+    assert serial.wait(timeout=600) == 0, serial.stdout.read()
+    store = f"sqlite:///{workspace / 'cluster.db'}"
+    before = len(mlflow_runs(store))
+    proc = _decode(workspace, "c-lost", _stage_env(workspace, EMAD_DECODE_EXECUTOR="ray",
+                                                   RAY_ADDRESS=cluster.address, **cluster.auth))
     seen, deadline = [], time.time() + 300
     while time.time() < deadline:  # both units under way: each actor has printed its teacher-forced pass
         line = proc.stdout.readline()
         seen.append(line)
         if sum("teacher-forced tasks" in s for s in seen) >= 2 or not line:
             break
-    made.remove_node(second)
+    os.killpg(cluster.second.pid, signal.SIGKILL)  # the second host's raylet and workers, at once
     log = "".join(seen) + proc.stdout.read()
     code = proc.wait(timeout=600)
-    runs = _runs(workspace).iloc[: len(_runs(workspace)) - before]
+    runs = mlflow_runs(store)
+    runs = runs.iloc[: len(runs) - before]  # newest first: this stage's runs
     assert "RUNNING" not in set(runs["status"])
     if code == 0:  # the lost unit was retried on the head node
         assert _outputs(workspace / "c-lost") == _outputs(workspace / "c-serial"), log

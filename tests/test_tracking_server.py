@@ -1,12 +1,11 @@
 """MLflow on a tracking server backed by PostgreSQL (tools/tracking_server.py, `make tracking-server`): eight
-processes opening the experiment at once on a fresh database make one experiment and eight runs; the decode stage
-logs there and the store passes check_store. And a store that does not answer stops a stage before any work."""
+processes opening the experiment at once on a fresh database make one experiment and eight runs; `dvc repro` of the
+tiny-model graph logs there and the store passes check_store. And a store that does not answer stops a stage before any work."""
 
 from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.mlflow_checks import check_store
+from tests.tiny_graph import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 OPEN_ONE_RUN = """
@@ -25,12 +25,6 @@ with tracking.stage_run("race", {"i": int(sys.argv[1])}, run_name=f"race {sys.ar
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
     """A fresh PostgreSQL + mlflow server in a folder the ``postgres`` user can reach (pytest's tmp is root-only)."""
@@ -39,7 +33,7 @@ def server():
     pg_bin("initdb")  # missing binaries: FileNotFoundError with the install instruction, never a silent skip
     folder = Path(tempfile.mkdtemp(prefix="emad-tracking-"))
     folder.chmod(0o755)
-    port, pg_port = _free_port(), _free_port()
+    port, pg_port = free_port(), free_port()
     cmd = [sys.executable, "tools/tracking_server.py", "--dir", str(folder), "--port", str(port),
            "--pg-port", str(pg_port)]
     started = subprocess.run([*cmd, "--detach"], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -73,41 +67,31 @@ def test_eight_processes_opening_the_experiment_at_once_make_one_experiment_and_
 
 
 @pytest.mark.heavy
-def test_the_decode_stage_logs_to_the_server_and_its_store_passes_check_store(server, tmp_path, smollm2):
-    import yaml
+def test_the_tiny_graph_logs_to_the_server_and_its_store_passes_check_store(server, tmp_path, smollm2):
+    from tests.tiny_graph import env, make_repo, mlflow_runs, sh
 
-    from tests.test_executors import DECODE
-    from tests.tiny import save_tiny_pretrained
+    graph = make_repo(tmp_path, smollm2.tokenizer)
+    sh(graph, "dvc", "repro", timeout=1200, environ=env(MLFLOW_TRACKING_URI=server))
+    assert "changed" not in sh(graph, "dvc", "status")
+    assert not (graph / "mlflow.db").exists()  # nothing went to the repository's own store
+    check_store(server)  # names, no None params, uniform decode params and metrics
 
-    save_tiny_pretrained(tmp_path / "model", smollm2.tokenizer)
-    corpus = tmp_path / "corpora" / "toy-a"
-    corpus.mkdir(parents=True)
-    corpus.joinpath("eval.jsonl").write_text('{"id": "0", "text": "' + "The quick brown fox jumps. " * 40 + '"}\n')
-    corpus.joinpath("manifest.json").write_text('{"manifest_sha256": "toy"}')
-    params = {**DECODE, "domains": {"toy-a": DECODE["domains"]["toy-a"]}, "points": {}}
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"decode": params}))
-    args = ["--kind", "baseline", "--model", "tiny", "--model-dir", str(tmp_path / "model"), "--corpora",
-            str(tmp_path / "corpora"), "--out", str(tmp_path / "runs"), "--artifacts", str(tmp_path / "art"),
-            "--params", str(tmp_path / "params.yaml")]
-    env = {**os.environ, "MLFLOW_TRACKING_URI": server}
-    done = subprocess.run([sys.executable, "pipeline/decode.py", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    assert "MLflow skipped" not in done.stderr
-    check_store(server)
-
+    runs = mlflow_runs(server)
+    runs = runs[runs["tags.dvc_stage"].notna()]
+    assert set(runs["status"]) == {"FINISHED"}
+    assert runs["tags.dvc_stage"].value_counts().to_dict() == {
+        "fit_readouts": 2, "calibrate": 4, "smooth": 4, "fit_estimators": 4, "decode": 8, "control_decode": 4,
+        "decode_ablation": 1, "decode_related": 1, "risk": 1, "aggregate": 1}
     import mlflow
 
-    runs = mlflow.MlflowClient(tracking_uri=server).search_runs(
-        [mlflow.MlflowClient(tracking_uri=server).get_experiment_by_name("emad").experiment_id])
-    assert len(runs) == 3 and {r.info.status for r in runs} == {"FINISHED"}  # full, fixed_2, fixed_3
-    artifacts = mlflow.MlflowClient(tracking_uri=server).list_artifacts(runs[0].info.run_id)
-    assert {"depth.png", "heatmap.html", "decode_settings.json"} <= {a.path for a in artifacts}
+    decode = runs[runs["tags.dvc_stage"] == "decode"].iloc[0]["run_id"]
+    artifacts = {a.path for a in mlflow.MlflowClient(tracking_uri=server).list_artifacts(decode)}
+    assert {"depth.png", "heatmap.html", "decode_settings.json"} <= artifacts  # served by the server's store
 
 
 @pytest.mark.parametrize("scheme", ["http", "postgresql"])
 def test_a_tracking_store_that_does_not_answer_stops_a_stage_before_any_work(tmp_path, scheme):
-    uri = f"{scheme}://127.0.0.1:{_free_port()}" + ("/mlflow" if scheme == "postgresql" else "")  # nothing listens
+    uri = f"{scheme}://127.0.0.1:{free_port()}" + ("/mlflow" if scheme == "postgresql" else "")  # nothing listens
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri}
     done = subprocess.run([sys.executable, "pipeline/decode.py", "--kind", "baseline", "--model", "tiny",
                            "--model-dir", str(tmp_path / "model"), "--out", str(tmp_path / "runs"),

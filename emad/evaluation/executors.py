@@ -4,11 +4,12 @@ A unit is one eval domain with every job of the call (the one-pass sweep shares 
 them). An executor takes the checked :class:`~emad.evaluation.decoder.Plan` and the units, and returns each unit's
 outcomes **in unit order**, whatever order they were submitted or finished in; only the stage's process (the
 driver) writes files and logs to MLflow. With ``ray``, ``ray.init()`` joins the cluster ``RAY_ADDRESS`` names, or
-starts Ray inside the stage when it is unset; one actor per worker (``decode.workers``, default: one per GPU of
-the cluster, else 2) loads the model once and scores the units it is given (``num_gpus=1`` each when the cluster
-has GPUs; on CPUs each actor takes as many CPUs as the stage has torch threads and computes with that many, since
-CPU results depend on the thread count). A unit whose actor dies is retried on another (Ray's ``max_task_retries``); when none is left the stage
-fails before writing anything.
+starts Ray inside the stage when it is unset (not one already running on this host: ``RAY_ADDRESS=auto`` joins
+that); one actor per worker (``decode.workers``, default: one per GPU of the cluster, else 2) loads the model once
+and scores the units it is given (``num_gpus=1`` each when the cluster has GPUs; on CPUs each actor takes as many
+CPUs as the stage has torch threads and computes with that many, since CPU results depend on the thread count). A
+unit whose actor dies is retried on another (Ray's ``max_task_retries``); when none is left the stage fails before
+writing anything.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def ray_executor(plan: Plan, units: Sequence[str], workers: int | None = None,
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS")
         _reachable(address)
-        ray.init(address=address or None, log_to_driver=True,
+        ray.init(address=address or "local", log_to_driver=True,
                  runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith(("HF_", "EMAD_"))}})
     gpus = int(ray.cluster_resources().get("GPU", 0))
     n = max(1, min(len(units), workers or gpus or 2))
