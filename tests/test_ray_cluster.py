@@ -83,7 +83,7 @@ def cluster(tmp_path_factory):
                 os.killpg(node.pid, signal.SIGTERM)
                 node.wait(timeout=60)
         current = Path("/tmp/ray/ray_current_cluster")  # what `ray start` leaves for `ray.init("auto")`
-        if current.is_file() and current.read_text().strip() == address:
+        if current.is_file() and current.read_text().strip().endswith(f":{port}"):  # the head's address, any IP
             current.unlink()
 
 
