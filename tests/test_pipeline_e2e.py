@@ -1,7 +1,8 @@
 """`dvc repro` of the whole graph on a tiny random model and a tiny corpus, then a queued 2-job sweep.
 
-The tiny graph (tests/tiny_graph.py) runs in a fresh git + DVC repository. Checks every output, the report's verdict, `dvc metrics show`,
-and that MLflow holds one run per stage execution — including the runs of two experiments run in parallel.
+The tiny graph (tests/tiny_graph.py) runs in a fresh git + DVC repository. Checks every output, the report's
+verdict, `dvc metrics show`, and that MLflow holds one run per stage execution — including the runs of two
+experiments run in parallel.
 """
 
 from __future__ import annotations
