@@ -1,6 +1,7 @@
 """MLflow on a tracking server backed by PostgreSQL (tools/tracking_server.py, `make tracking-server`): eight
 processes opening the experiment at once on a fresh database make one experiment and eight runs; `dvc repro` of the
-tiny-model graph logs there and the store passes check_store. And a store that does not answer stops a stage before any work."""
+tiny-model graph logs there and the store passes check_store. And a store that does not answer stops a stage before
+any work."""
 
 from __future__ import annotations
 
