@@ -1,7 +1,9 @@
 """Killed stages: SIGKILL mid-way, rerun, and the outputs equal an uninterrupted run's; MLflow runs end FAILED.
 
-Each stage runs in a subprocess on a tiny model. ``calibrate`` resumes from its checkpoint; a ``decode`` run leaves
-no run file (outputs are written atomically at the end), so the rerun redoes it whole.
+Each stage runs in a subprocess on a tiny model, paused at a known point by :mod:`tests.paused` (a checkpoint
+written; the MLflow run open) and signalled there, so the signal cannot race the stage's end. ``calibrate`` resumes
+from its checkpoint; a ``decode`` run leaves no run file (outputs are written atomically at the end), so the rerun
+redoes it whole.
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ from emad.calibration.profile import smooth
 from emad.calibration.stats import CalibrationStats
 from emad.engine.models import load_model
 from emad.evaluation import runfile
+from tests.paused import paused_command
 from tests.tiny import save_tiny_pretrained
 
 pytestmark = pytest.mark.heavy  # run by `make test-heavy` (and CI), not `make test`
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = Path("runs") / "tiny--p--cal-toy--toy.json"
+OPEN_RUN = "emad.tracking:Run.log_dict"  # the first thing decode does inside its open MLflow run
 TEXT = "Entropy falls with depth for easy tokens. The quick brown fox jumps over the lazy dog. " * 40
 PARAMS = {
     "calibrate": {"window": 32, "batch_size": 1, "probe_layers": [1, 2, 3], "checkpoint_every": 1,
@@ -79,15 +83,19 @@ def _run(cmd: list[str], root: Path) -> subprocess.CompletedProcess:
     return done
 
 
-def _start_and_kill(cmd: list[str], root: Path, ready, sig=signal.SIGKILL, timeout: float = 120) -> int:
-    """Start ``cmd``, poll until ``ready()`` is true, then send ``sig``; fail if it finished first.
+def _start_and_kill(cmd: list[str], root: Path, pause_in: str, nth: int = 1, sig=signal.SIGKILL,
+                    timeout: float = 120) -> int:
+    """Start ``cmd`` with the ``nth`` call of ``pause_in`` (``module:attr``) pausing, wait until it pauses, then
+    send ``sig``; fail if the command finished first.
 
     Returns the exit status (negative: killed by that signal)."""
-    proc = subprocess.Popen(cmd, env=_env(root), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    ready = root / "paused"
+    ready.unlink(missing_ok=True)
+    proc = subprocess.Popen(paused_command(cmd, pause_in, ready, nth), env=_env(root), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + timeout
-    while not ready():
+    while not ready.exists():
         assert proc.poll() is None, f"finished before it could be killed: {proc.stderr.read()}"
-        assert time.monotonic() < deadline, "never became ready"
+        assert time.monotonic() < deadline, "never paused"
         time.sleep(0.02)
     proc.send_signal(sig)
     proc.wait(timeout=60)
@@ -109,14 +117,9 @@ def test_killed_calibration_resumes_from_its_checkpoint_and_equals_an_uninterrup
     killed = workspace / "killed" / "stats.json"
     ckpt = killed.with_name(killed.name + ".ckpt")
 
-    def halfway() -> bool:  # a checkpoint holding at least 3 batches
-        try:
-            return json.loads(ckpt.read_text())["done_batches"] >= 3
-        except (OSError, ValueError, KeyError):
-            return False
-
-    _start_and_kill(_calibrate_cmd(workspace, killed), workspace, halfway)
-    assert not killed.exists() and ckpt.exists()
+    # killed right after its third checkpoint (one per batch)
+    _start_and_kill(_calibrate_cmd(workspace, killed), workspace, "emad.calibration.calibrate:atomic_write_json", 3)
+    assert not killed.exists() and json.loads(ckpt.read_text())["done_batches"] == 3
     rerun = _run(_calibrate_cmd(workspace, killed), workspace)
     assert "resuming from checkpoint" in rerun.stderr
     a, b = CalibrationStats.load(clean), CalibrationStats.load(killed)
@@ -131,12 +134,7 @@ def test_killed_calibration_resumes_from_its_checkpoint_and_equals_an_uninterrup
 def test_killed_decode_run_leaves_nothing_and_its_rerun_equals_an_uninterrupted_run(workspace):
     clean, killed = workspace / "dclean", workspace / "dkilled"
     _run(_decode_cmd(workspace, clean), workspace)
-    started = len(_runs(workspace, "decode"))
-
-    def decoding() -> bool:  # the run's MLflow run is open: decoding has begun
-        return len(_runs(workspace, "decode")) > started
-
-    _start_and_kill(_decode_cmd(workspace, killed), workspace, decoding)
+    _start_and_kill(_decode_cmd(workspace, killed), workspace, OPEN_RUN)  # killed while its MLflow run is open
     assert not (killed / "runs").exists()
     _run(_decode_cmd(workspace, killed), workspace)
     a, b = runfile.load(clean / RUN), runfile.load(killed / RUN)
@@ -152,12 +150,7 @@ def test_killed_decode_run_leaves_nothing_and_its_rerun_equals_an_uninterrupted_
 
 def test_sigterm_ends_the_mlflow_run_failed_with_the_error(workspace):
     out = workspace / "dterm"
-    before = len(_runs(workspace, "decode"))
-
-    def run_exists() -> bool:  # the run is in the store (tagged dvc_stage=decode): SIGTERM from now on ends it FAILED
-        return len(_runs(workspace, "decode")) > before
-
-    code = _start_and_kill(_decode_cmd(workspace, out), workspace, run_exists, sig=signal.SIGTERM)
+    code = _start_and_kill(_decode_cmd(workspace, out), workspace, OPEN_RUN, sig=signal.SIGTERM)
     assert code == 143  # SystemExit(143), not the default SIGTERM death (-15) that would leave the run RUNNING
     last = _runs(workspace, "decode").iloc[-1]
     assert last["status"] == "FAILED" and last["tags.error"] == "SystemExit: 143"

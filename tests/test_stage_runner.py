@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from emad.stage import EXIT_ERROR, EXIT_INTERRUPTED, run_stage
+from tests.paused import paused_command
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = sorted(p.stem for p in (ROOT / "pipeline").glob("*.py"))
@@ -149,18 +150,19 @@ def test_a_bug_is_not_an_error_line_but_a_traceback():
 
 
 def test_a_stage_interrupted_by_a_real_sigint_mid_work_says_so_and_leaves_no_output(tmp_path):
-    """prepare_model converting the embedded GGUF: SIGINT once its staging folder exists."""
-    out = tmp_path / "model"
+    """prepare_model converting the embedded GGUF: SIGINT while it is paused in its staging folder."""
+    out, ready = tmp_path / "model", tmp_path / "paused"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     # a shell starts background jobs with SIGINT ignored, and Python keeps it ignored: the child gets the default
-    proc = subprocess.Popen([sys.executable, str(ROOT / "pipeline" / "prepare_model.py"), "--spec", "smollm2-135m",
-                             "--out", str(out)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    cmd = [sys.executable, str(ROOT / "pipeline" / "prepare_model.py"), "--spec", "smollm2-135m", "--out", str(out)]
+    proc = subprocess.Popen(paused_command(cmd, "emad.engine.models:_gguf_path", ready), env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
-    while not list(tmp_path.glob(".model.tmp-*")):
+    while not ready.exists():  # the GGUF found, inside the staging folder
         assert proc.poll() is None, f"finished before it could be interrupted: {proc.stderr.read()}"
         assert time.monotonic() < deadline, "never began converting"
         time.sleep(0.02)
+    assert list(tmp_path.glob(".model.tmp-*"))  # mid-work: its staging folder exists
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == EXIT_INTERRUPTED, err
