@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from emad.engine.models import (
     EMBEDDED,
@@ -21,6 +22,7 @@ from emad.engine.models import (
     model_cache_dir,
     tokenizer_sha256,
 )
+from tests.tiny import save_tiny_pretrained
 
 SMALL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
@@ -141,3 +143,28 @@ def _copy_small_files(folder: Path) -> Path:
     for name in SMALL_FILES:
         shutil.copy(model_cache_dir() / "smollm2-135m" / name, folder / name)
     return folder
+
+
+@pytest.mark.slow
+def test_cpu_weights_leave_their_file_so_its_layout_cannot_change_a_number(smollm2, tmp_path):
+    """The same weights at another offset in their file give the same bits. Mapped from the file, a weight sits
+    where its offset puts it, and some CPUs round a float32 matrix-vector product by that alignment."""
+    from safetensors.torch import load_file, save_file
+
+    def start(folder: Path) -> int:  # where a safetensors file's tensor data begins: after its header
+        return 8 + int.from_bytes((folder / "model.safetensors").read_bytes()[:8], "little")
+
+    a = save_tiny_pretrained(tmp_path / "a", smollm2.tokenizer)
+    b, tensors = shutil.copytree(a, tmp_path / "b"), load_file(a / "model.safetensors")
+    for pad in range(1, 17):  # a longer header: the tensors 8 bytes off 16-byte alignment from those of `a`
+        save_file(tensors, b / "model.safetensors", metadata={"format": "pt", "pad": "x" * pad})
+        if (start(b) - start(a)) % 16 == 8:
+            break
+    assert (start(b) - start(a)) % 16 == 8
+    models = [load_model(str(f), device="cpu", dtype="float32").model for f in (a, b)]
+    for model in (*models, smollm2.model):
+        assert all(p.data_ptr() % 64 == 0 for p in model.parameters())
+    assert smollm2.model.lm_head.weight is smollm2.model.get_input_embeddings().weight  # tied weights stay tied
+    hidden = torch.randn(models[0].config.hidden_size, generator=torch.Generator().manual_seed(0))
+    for x in (hidden, hidden[None], hidden.expand(3, -1)):  # a matrix-vector product, then matrix-matrix ones
+        assert torch.equal(models[0].lm_head(x), models[1].lm_head(x))

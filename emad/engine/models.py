@@ -209,7 +209,21 @@ def load_model(spec: str, *, device: str = "auto", dtype: str = "auto") -> Loade
         raise ModelSpecError(_unknown_spec_message(spec, None))
     model, tokenizer = _from_pretrained(source, torch_dtype)
     model.to(dev).eval()
+    if dev.type == "cpu":
+        _off_the_file(model)
     return LoadedModel(model, tokenizer, fingerprint(name, model, tokenizer), dev, torch_dtype)
+
+
+def _off_the_file(model: torch.nn.Module) -> None:
+    """Copies every weight into memory of its own (64-byte aligned), out of the file it may be mapped from.
+
+    A weight mapped from a safetensors file sits where its offset in the file puts it, and some CPUs round a float32
+    matrix-vector product by the weight's alignment: the same weights in two files (a model and its +idle control,
+    a re-saved copy) would give different last bits. A tied weight is one Parameter, copied once: it stays tied.
+    """
+    with torch.no_grad():
+        for tensor in (*model.parameters(), *model.buffers()):
+            tensor.data = tensor.data.clone()
 
 
 def convert_embedded(alias: str, out_dir: str | Path) -> Path:
