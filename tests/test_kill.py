@@ -91,7 +91,8 @@ def _start_and_kill(cmd: list[str], root: Path, pause_in: str, nth: int = 1, sig
     Returns the exit status (negative: killed by that signal)."""
     ready = root / "paused"
     ready.unlink(missing_ok=True)
-    proc = subprocess.Popen(paused_command(cmd, pause_in, ready, nth), env=_env(root), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(paused_command(cmd, pause_in, ready, nth), env=_env(root), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + timeout
     while not ready.exists():
         assert proc.poll() is None, f"finished before it could be killed: {proc.stderr.read()}"
