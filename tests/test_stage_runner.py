@@ -156,7 +156,8 @@ def test_a_stage_interrupted_by_a_real_sigint_mid_work_says_so_and_leaves_no_out
     # a shell starts background jobs with SIGINT ignored, and Python keeps it ignored: the child gets the default
     cmd = [sys.executable, str(ROOT / "pipeline" / "prepare_model.py"), "--spec", "smollm2-135m", "--out", str(out)]
     proc = subprocess.Popen(paused_command(cmd, "emad.engine.models:_gguf_path", ready), env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while not ready.exists():  # the GGUF found, inside the staging folder
         assert proc.poll() is None, f"finished before it could be interrupted: {proc.stderr.read()}"
