@@ -54,7 +54,8 @@ def params(model_dir: Path) -> dict:
             "heatmap_texts": 1, "device": "cpu", "dtype": "float32",
         },
         "risk": {"domain": "stdlib-prose", "calibration": "stdlib-prose", "prompts": 4, "fresh_prompts": 2,
-                 "prompt_tokens": 8, "new_tokens": 4, "delta": 0.3, "epsilon": 0.3, "loss": "agreement", "device": "cpu", "dtype": "float32",
+                 "prompt_tokens": 8, "new_tokens": 4, "delta": 0.3, "epsilon": 0.3, "loss": "agreement",
+                 "device": "cpu", "dtype": "float32",
                  "searches": {"margin": {"point": {"method": "emad"}, "knob": "margin", "values": [10.0, 0.0]}}},
         # the positive control: the tiny model with 40 idle layers; fixed depth 4 (the tiny model's own) is lossless
         "control": {"model": "tiny+idle40", "spec": f"{model_dir}+idle40", "source": "stdlib-prose",
