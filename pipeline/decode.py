@@ -29,6 +29,7 @@ from pathlib import Path
 from emad import tracking
 from emad.calibration.config import CalibrateConfig
 from emad.evaluation import identity
+from emad.evaluation.checks import Thresholds
 from emad.evaluation.config import DecodeConfig
 from emad.evaluation.decoder import Job, Outcome, Plan, Sources
 from emad.evaluation.executors import EXECUTORS, executor_name
@@ -38,7 +39,6 @@ from emad.params import load_decode, load_section
 from emad.report.config import AggregateConfig
 from emad.report.heatmap import heatmap_html
 from emad.report.plots import depth_histogram_figure, save_figure
-from emad.report.verdict import Thresholds
 from emad.stage import run_stage
 
 KINDS = ["baseline", "point", "ablation", "related"]

@@ -21,8 +21,10 @@ from tqdm import tqdm
 from emad.engine.models import load_model
 from emad.engine.stack import LayerStack
 from emad.evaluation import identity
+from emad.evaluation.checks import Thresholds, screen
 from emad.evaluation.config import DecodeConfig
 from emad.evaluation.evaluate import evaluate, heatmap_inputs, prepare, score_all
+from emad.evaluation.identity import FULL
 from emad.evaluation.operating_point import (
     PointConfig,
     build_method,
@@ -34,9 +36,6 @@ from emad.evaluation.record import profile_facts
 from emad.evaluation.speed import point_speedup
 from emad.exits.criteria import Full
 from emad.exits.estimators import ESTIMATORS
-from emad.report.checks import screen
-from emad.report.frontier import FULL
-from emad.report.verdict import Thresholds
 from emad.tasks.registry import Shared
 
 REFERENCE = "full depth (reference)"  # scored beside the points when no full point runs with them

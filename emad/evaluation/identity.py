@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 LOGIT = "logit"
+FULL = "full"  # the method and family of the full-depth runs: every change is taken against them
 EXACT = "exact"
 
 

@@ -23,63 +23,31 @@ data, a matplotlib figure or text; nothing here reads run files or knows about r
     curves = model_curves(others)                      # each family's swept points read at equal FLOPs
 """
 
-from emad.report.curves import (
-    AtFlops,
-    Curve,
-    CurvePoint,
-    at_flops,
-    domain_curves,
-    domain_shift_curves,
-    envelope,
-    largest_reduction,
-    model_curves,
-)
-from emad.report.figures.frontier import (
-    domain_shift_figure,
-    overview_figure,
-    pareto_figure,
-    write_domain_shift_figure,
-    write_overview_figure,
-    write_pareto_figures,
-)
-from emad.report.frontier import (
-    ParetoSeries,
-    baselines,
-    frontier,
-    oracle_bounds,
-    oracle_flops_ratio,
-    pareto_data,
-    point_label,
-    speedup,
-)
-from emad.report.render import metrics_summary, report_markdown, run_details
-from emad.report.tables import (
-    ablation_markdown,
-    ablation_tables,
-    domain_shift_markdown,
-    domain_shift_table,
-)
-from emad.report.verdict import (
-    C1Result,
-    C2Result,
-    Check,
-    CriterionResult,
-    ModelVerdict,
-    PointAssessment,
-    Thresholds,
-    families_of,
-    family_verdicts,
-    model_verdict,
-    verdict,
-)
+from __future__ import annotations
 
-__all__ = [
-    "AtFlops", "Curve", "CurvePoint", "at_flops", "domain_curves", "domain_shift_curves", "envelope",
-    "largest_reduction", "model_curves", "run_details",
-    "C1Result", "C2Result", "Check", "CriterionResult", "ModelVerdict", "ParetoSeries", "PointAssessment", "Thresholds",
-    "ablation_markdown", "ablation_tables", "baselines", "domain_shift_markdown", "domain_shift_table",
-    "families_of", "family_verdicts", "frontier", "metrics_summary", "model_verdict", "oracle_bounds", "oracle_flops_ratio",
-    "pareto_data", "pareto_figure", "point_label", "report_markdown", "speedup", "verdict",
-    "write_pareto_figures", "overview_figure", "write_overview_figure", "domain_shift_figure",
-    "write_domain_shift_figure",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "emad.report.curves": ["AtFlops", "Curve", "CurvePoint", "at_flops", "domain_curves", "domain_shift_curves", "envelope", "largest_reduction", "model_curves"],
+    "emad.report.figures.frontier": ["domain_shift_figure", "overview_figure", "pareto_figure", "write_domain_shift_figure", "write_overview_figure", "write_pareto_figures"],
+    "emad.report.frontier": ["ParetoSeries", "baselines", "frontier", "oracle_bounds", "oracle_flops_ratio", "pareto_data", "point_label", "speedup"],
+    "emad.report.render": ["metrics_summary", "report_markdown", "run_details"],
+    "emad.report.tables": ["ablation_markdown", "ablation_tables", "domain_shift_markdown", "domain_shift_table"],
+    "emad.report.verdict": ["C1Result", "C2Result", "Check", "CriterionResult", "ModelVerdict", "PointAssessment", "Thresholds", "families_of", "family_verdicts", "model_verdict", "verdict"],
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    """Each name is imported on first use, so a stage that needs one module of the report loads only that one."""
+    if name not in _WHERE:
+        raise AttributeError(f"module 'emad.report' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -40,9 +40,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from emad.evaluation.checks import Check, combined_state, tolerance_used
 from emad.evaluation.identity import CurveId, split_family
 from emad.evaluation.intervals import MET, UNRESOLVED
-from emad.report.checks import Check, combined_state, tolerance_used
 from emad.report.frontier import finite
 from emad.report.verdict import ModelVerdict, PointAssessment
 

@@ -15,10 +15,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from emad.evaluation import identity
-from emad.evaluation.identity import CurveId
+from emad.evaluation.identity import FULL, CurveId
 from emad.evaluation.metrics import higher_is_better
 
-FULL, ORACLE = "full", "oracle"  # the families of the full-depth runs and of the oracle bounds
+ORACLE = "oracle"  # the family of the oracle bounds
 
 
 

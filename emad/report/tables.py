@@ -24,9 +24,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from emad.evaluation.checks import change_of
 from emad.evaluation.identity import CurveId
 from emad.evaluation.metrics import higher_is_better
-from emad.report.checks import change_of
 from emad.report.curves import TOLERANCE_USED, AtFlops, Curve, CurvePoint
 from emad.report.frontier import baselines, speedup
 

@@ -12,7 +12,7 @@
   ``tps_full_d`` is that reference, ``tps_d / speedup_d``; else the full run's file gives it.
 - Tolerances, per domain and quality metric present in the full run: a lower-better metric (perplexity) may rise
   by ``ppl_rel_tol`` relative; a higher-better one (accuracies in [0, 1]) may drop by ``acc_abs_tol`` absolute.
-  Each check (:mod:`emad.report.checks`) is ``met`` (the change's paired 95% interval lies within the tolerance),
+  Each check (:mod:`emad.evaluation.checks`) is ``met`` (the change's paired 95% interval lies within the tolerance),
   ``violated`` (wholly beyond it) or ``unresolved`` (it straddles the tolerance, or is undefined); every paired
   unit equal is the interval {0}, met. Only checks on ≥ 8 units enter a point's state: it is violated when one of
   them is, met when all are, unresolved otherwise (also when none rests on 8 units).
@@ -40,28 +40,13 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from emad.evaluation.checks import Check, Thresholds, build_check, combined_state
 from emad.evaluation.identity import split_family
 from emad.evaluation.intervals import MET, UNRESOLVED, VIOLATED, Interval, floor_state, ratio_interval
-from emad.evaluation.metrics import relative_tolerance
-from emad.report.checks import Check, build_check, combined_state
 from emad.report.frontier import FULL, baselines, finite, point_label
 
 EPS = 1e-9
 MIN_SPEED_PAIRS = 5  # C2 reads a speed-up only from this many timed pairs per domain
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    """The paper's tolerances; see the module docstring."""
-
-    min_flops_reduction: float = 0.15
-    ppl_rel_tol: float = 0.01
-    acc_abs_tol: float = 0.01
-    min_speed_gain: float = 0.10
-
-    def tolerance(self, metric: str) -> float:
-        """``ppl_rel_tol`` for a lower-better metric (relative rise), ``acc_abs_tol`` otherwise (absolute drop)."""
-        return self.ppl_rel_tol if relative_tolerance(metric) else self.acc_abs_tol
 
 
 @dataclass

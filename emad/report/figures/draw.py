@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
+from emad.evaluation.checks import Thresholds
 from emad.report.figures.lines import Line, QualityScale, clip, quality_scale, y_limits
 from emad.report.figures.style import Style
 from emad.report.frontier import FULL, ORACLE, finite
-from emad.report.verdict import Thresholds
 
 X_LABELS = {"flops_ratio": "FLOPs ratio (vs full depth)", "speedup": "speed-up (tokens/s vs full depth)"}
 BAND = "#2ca02c"

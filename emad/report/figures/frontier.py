@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from emad.evaluation.checks import Thresholds
 from emad.evaluation.identity import split_family, split_profile
 from emad.report.figures.draw import (
     Drawn,
@@ -32,7 +33,6 @@ from emad.report.figures.lines import Line, lines
 from emad.report.figures.style import Style, family_styles
 from emad.report.frontier import FULL, ORACLE, ParetoSeries
 from emad.report.plots import plt, save_figure
-from emad.report.verdict import Thresholds
 
 RATIO_CAP = 1e6  # perplexity ratios beyond this are drawn at the top edge, their value written beside
 

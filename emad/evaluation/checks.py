@@ -24,6 +24,20 @@ STATE_RANK = {MET: 0, UNRESOLVED: 1, VIOLATED: 2}
 MIN_UNITS = 8  # no check in the verdict rests on fewer units
 
 
+@dataclass(frozen=True)
+class Thresholds:
+    """The paper's tolerances; see the module docstring."""
+
+    min_flops_reduction: float = 0.15
+    ppl_rel_tol: float = 0.01
+    acc_abs_tol: float = 0.01
+    min_speed_gain: float = 0.10
+
+    def tolerance(self, metric: str) -> float:
+        """``ppl_rel_tol`` for a lower-better metric (relative rise), ``acc_abs_tol`` otherwise (absolute drop)."""
+        return self.ppl_rel_tol if relative_tolerance(metric) else self.acc_abs_tol
+
+
 @dataclass
 class Check:
     """One quality metric of one point on one domain against the full-depth run.
