@@ -150,18 +150,32 @@ def test_run_file_intervals():
                                           "method": "undefined: no per-unit samples"}
 
 
-@pytest.mark.parametrize("key, samples, relative", [
-    ("perplexity", [[20.0, 10], [41.0, 20], [7.5, 5]], True),
-    ("token_agreement", [[3, 4], [4, 4], [0, 4]], False),
-    ("acc", [1, 0, 1, 1, 0], False),
-    ("rouge_l", [0.5, 0.25, 1.0], False),
-    ("acc", [1], False),
+@pytest.mark.parametrize("key, samples, relative, finest", [
+    ("perplexity", [[20.0, 10], [41.0, 20], [7.5, 5]], True, 35),  # pairs: tokens are the finest unit
+    ("token_agreement", [[3, 4], [4, 4], [0, 4]], False, 12),
+    ("acc", [1, 0, 1, 1, 0], False, 5),
+    ("rouge_l", [0.5, 0.25, 1.0], False, 3),
+    ("acc", [1], False, 1),
 ])
-def test_every_paired_unit_equal_is_exactly_zero_and_met(key, samples, relative):
+def test_every_paired_unit_equal_bounds_the_share_that_differ(key, samples, relative, finest):
+    """0 of N finest units differ: the interval is ± the exact 95% bound 1 − 0.025^(1/N) — never {0}."""
     iv = change_interval(key, samples, [list(s) if isinstance(s, list) else s for s in samples], relative)
-    assert (iv.value, iv.lo, iv.hi, iv.n) == (0.0, 0.0, 0.0, len(samples))
-    assert iv.method == "exact: every paired unit equal" and tolerance_state(iv, 0.01) == MET
-    assert tolerance_state(iv, 0.0) == MET  # even a zero tolerance holds for no change at all
+    bound = 1 - 0.025 ** (1 / finest)
+    assert (iv.value, iv.n) == (0.0, len(samples)) and (iv.lo, iv.hi) == pytest.approx((-bound, bound))
+    assert iv.method.startswith(f"exact: 0 of {finest} differ")
+    assert tolerance_state(iv, 0.01) == UNRESOLVED  # too few units to rule out a 1% change
+
+
+def test_eight_equal_prompts_are_unresolved_and_368_equal_tokens_are_met():
+    eight = change_interval("acc", [1, 0, 1, 1, 0, 1, 1, 0], [1, 0, 1, 1, 0, 1, 1, 0], relative=False)
+    assert eight.hi == pytest.approx(0.3694, abs=1e-4) and tolerance_state(eight, 0.01) == UNRESOLVED
+    tokens = [[15, 16]] * 23  # 23 prompts x 16 tokens = 368 tokens, all agreeing with full depth
+    assert tolerance_state(change_interval("token_agreement", tokens, tokens, relative=False), 0.01) == MET
+    fewer = [[15, 16]] * 22 + [[15, 15]]  # 367 tokens
+    assert tolerance_state(change_interval("token_agreement", fewer, fewer, relative=False), 0.01) == UNRESOLVED
+    # a task may name the finest unit that can differ (a free-running task's generated tokens)
+    prompts = [1] * 8
+    assert tolerance_state(change_interval("exact_match", prompts, prompts, False, finest=368), 0.01) == MET
 
 
 def test_one_unit_that_differs_breaks_the_exact_zero():

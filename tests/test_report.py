@@ -17,15 +17,16 @@ from emad.report import (
     domain_shift_markdown,
     domain_shift_table,
     family_verdicts,
-    frontier,
     metrics_summary,
     oracle_flops_ratio,
     pareto_data,
     report_markdown,
     run_details,
-    verdict,
     write_pareto_figures,
 )
+from emad.report.figures.lines import plot_fields
+from emad.report.frontier import frontier
+from emad.report.verdict import verdict
 
 DOMAINS = ("code", "prose")
 
@@ -431,22 +432,79 @@ def _exact_copy_of_full(point: str, flops: float, units: int) -> list[dict]:
 
 
 def test_a_point_equal_to_full_depth_on_every_unit_is_met_and_passes_c1():
+    """Every unit equal on 50 windows of 200 tokens and 50 prompts of 100 tokens: the bound on the share of tokens
+    that differ is well within 1%, so the checks are met (not from a zero-width interval)."""
     v = verdict(full_runs() + _exact_copy_of_full("emad-lossless", 0.6, UNITS))["m"]
     point = next(p for p in v.points if p.point == "emad-lossless")
-    assert point.state == "met" and all(c.lo == c.hi == 0.0 and c.counted for c in point.checks)
+    assert point.state == "met" and all(c.counted and c.state == "met" for c in point.checks)
+    assert all(0 < c.hi < 0.01 and c.lo == -c.hi for c in point.checks)
     assert v.c1.outcome == "pass" and v.c1.deciding.point == "emad-lossless"
 
 
-def test_a_check_on_fewer_than_eight_units_does_not_enter_the_verdict():
+def _equal_prompts(point: str, prompts: int, n_layers_hist: dict | None = None) -> list[dict]:
+    """Full depth and a point whose ``prompts`` 0/1 accuracy units are all equal (cloze-like items)."""
+    tasks = {"cloze": {"acc": 0.5, "samples": {"acc": [i % 2 for i in range(prompts)]}}}
+    runs = [make_run(name, d, tasks=json.loads(json.dumps(tasks)), flops=1.0 if name == "full" else 0.6)
+            for name in ("full", point) for d in DOMAINS]
+    for r in runs:
+        if r["point"] == point and n_layers_hist is not None:
+            r["depth_histogram"] = n_layers_hist
+    return runs
+
+
+def test_eight_equal_prompts_are_unresolved_not_met():
+    v = verdict(_equal_prompts("emad-eight", 8))["m"]
+    point = next(p for p in v.points if p.point == "emad-eight")
+    assert {c.state for c in point.checks} == {"unresolved"} and point.state == "unresolved"
+    assert all(c.hi == pytest.approx(1 - 0.025 ** (1 / 8)) for c in point.checks)
+    assert "0 of 8 differ" in point.checks[0].describe() and v.c1.outcome == "unresolved"
+
+
+def test_a_point_that_never_exits_is_identical_by_construction():
+    v = verdict(_equal_prompts("emad-never", 1, {"30": 640}))["m"]
+    point = next(p for p in v.points if p.point == "emad-never")
+    assert {c.state for c in point.checks} == {"identical by construction"} and point.state == "met"
+
+
+def test_a_check_on_fewer_than_eight_units_is_not_counted_anywhere(tmp_path):
     base = full_runs()
     for run in base:  # full depth itself keeps only 7 units
         for task in run["tasks"].values():
             task["samples"] = {k: v[:7] for k, v in task["samples"].items()}
-    v = verdict(base + _exact_copy_of_full("emad-few", 0.6, 7))["m"]
+    runs = base + _exact_copy_of_full("emad-few", 0.6, 7)
+    v = verdict(runs)["m"]
     point = next(p for p in v.points if p.point == "emad-few")
     assert point.checks and not any(c.counted for c in point.checks)
+    assert {c.state for c in point.checks} == {"not counted (n < 8)"}
     assert point.state == "unresolved" and v.c1.outcome != "pass"
-    assert "not counted: fewer than 8 units" in point.checks[0].describe()
+    md = report_markdown(runs, verdict(runs), {}, [])
+    row = next(line for line in md.splitlines() if line.startswith("| emad-few |"))
+    assert "0 met, 0 unresolved, 0 violated, 4 not counted" in row
+    metrics = metrics_summary(runs, verdict(runs))
+    assert "emad-few" not in json.dumps(metrics)  # no headline number reads it
+
+
+def test_a_point_on_a_subset_of_full_depths_windows_is_compared_on_that_subset():
+    """A strategy scored on the leading 10 of full depth's 50 windows, equal to full depth there: its change is 0
+    and its Pareto row reads exactly 1 against full depth, though those windows' perplexity is not full depth's
+    perplexity on all 50."""
+    full = full_runs()
+    for r in full:  # the first 10 windows are easier than the rest
+        r["tasks"]["perplexity"]["samples"]["perplexity"] = [[float(WINDOW * (1.5 if i < 10 else 2.5)), WINDOW]
+                                                             for i in range(UNITS)]
+        r["quality"] = quality_of(r["tasks"])
+    spec = []
+    for r in full:
+        tasks = json.loads(json.dumps(r["tasks"]))
+        tasks["perplexity"]["samples"]["perplexity"] = tasks["perplexity"]["samples"]["perplexity"][:10]
+        tasks["perplexity"]["perplexity"] = math.exp(1.5)
+        spec.append(make_run("spec-lossless", r["domain"], family="speculative", flops=1.1, tasks=tasks))
+    runs = full + spec
+    check = next(c for c in family_verdicts(runs)["speculative"]["m"].points[0].checks if c.metric == "perplexity")
+    assert check.change == 0.0 and check.full == pytest.approx(math.exp(1.5)) and check.state == "met"
+    series = next(s for s in pareto_data(runs) if s.metric == "perplexity")
+    row = next(r for r in series.rows if r["point"] == "spec-lossless")
+    assert plot_fields(series, row)["quality_vs_full"] == pytest.approx(1.0)
 
 
 def test_a_family_run_on_fewer_domains_is_judged_on_those():

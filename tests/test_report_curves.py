@@ -20,9 +20,9 @@ from emad.report import (
     report_markdown,
     run_details,
     speedup,
-    verdict,
 )
 from emad.report.tables import fmt_largest
+from emad.report.verdict import verdict
 from tests.test_report import DOMAINS, full_runs, make_run, noisy_runs
 
 

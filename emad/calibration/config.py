@@ -79,7 +79,10 @@ class ReadoutsConfig(Section):
         holdout: held-out tokens (the last of the split) for early stopping and the metrics.
         window: tokens per teacher-forcing window.
         epochs: passes over the training tokens (early stopping after ``patience`` without improvement).
-        lr: Adam learning rate.
+        lr: learning rate at the first step; it falls linearly to 0 over ``epochs``.
+        optimizer: ``sgd`` (with Nesterov momentum when ``momentum`` > 0) or ``adam`` (``momentum`` is its β₁).
+        momentum: SGD momentum, or Adam's β₁.
+        weight_decay: L2 pull of A and b towards 0 (the identity).
         rank: translator rank r (A = U·Vᵀ); null = full rank (d × d).
         seed: seeds initialisation, batch order and vocabulary draws.
         batch_tokens: tokens per optimiser step.
@@ -97,6 +100,9 @@ class ReadoutsConfig(Section):
     window: int = Field(256, ge=2)
     epochs: int = Field(8, ge=1)
     lr: float = Field(1e-3, gt=0)
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    momentum: float = Field(0.9, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
     rank: int | None = Field(None, ge=1)
     seed: int = 0
     batch_tokens: int = Field(256, ge=1)

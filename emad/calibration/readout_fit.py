@@ -115,26 +115,28 @@ def vocabulary_subset(top: torch.Tensor, vocab_size: int, sample: int | None,
     return torch.unique(torch.cat([top.flatten(), drawn]))
 
 
-def batch_loss(stack: LayerStack, lens: TunedLens, part: Sample, rows: torch.Tensor | None,
-               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Σ_ℓ mean-KL of the tokens of ``part`` on vocabulary ``rows``, times ``scale`` (1/global batch × local
-    tokens makes rank losses add up to the batch mean); also the per-layer KL sums ``[P]`` (detached)."""
+def batch_loss(stack: LayerStack, lens: TunedLens, part: Sample, rows: torch.Tensor | None, scale: float,
+               layers: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ_ℓ mean-KL of the tokens of ``part`` on vocabulary ``rows`` over ``layers`` (None: all of ``part.layers``),
+    times ``scale`` (1/global batch × local tokens makes rank losses add up to the batch mean); also the per-layer
+    KL sums ``[len(layers)]`` (detached)."""
     device = stack.device
+    sub = None if rows is None else rows.to(device)
     with torch.no_grad():
-        teacher = _logits(stack, part.final.to(device, stack.dtype), None if rows is None else rows.to(device))
+        teacher = _logits(stack, part.final.to(device, stack.dtype), sub)  # [n, |rows|]
     per_layer = []
-    for p, layer in enumerate(part.layers):
-        x = lens.translators[layer](part.hidden[:, p].to(device, torch.float32)).to(stack.dtype)
-        per_layer.append(kl(teacher, _logits(stack, x, None if rows is None else rows.to(device))).sum())
-    sums = torch.stack(per_layer)  # [P]
+    for layer in part.layers if layers is None else layers:
+        h = part.hidden[:, part.layers.index(layer)].to(device, torch.float32)  # [n, d]
+        per_layer.append(kl(teacher, _logits(stack, lens.translators[layer](h).to(stack.dtype), sub)).sum())
+    sums = torch.stack(per_layer)  # [len(layers)]
     return sums.sum() * scale, sums.detach()
 
 
 @torch.no_grad()
 def held_out_kl(stack: LayerStack, lens: TunedLens, sample: Sample, rows: torch.Tensor | None,
-                chunk: int = 512) -> torch.Tensor:
-    """Mean KL per layer ``[P]`` of ``sample`` on vocabulary ``rows`` (the early-stopping score)."""
-    sums = sum(batch_loss(stack, lens, sample.take(slice(i, i + chunk)), rows, 1.0)[1].double().cpu()
+                chunk: int = 512, layers: Sequence[int] | None = None) -> torch.Tensor:
+    """Mean KL per layer ``[len(layers)]`` of ``sample`` on vocabulary ``rows`` (the early-stopping score)."""
+    sums = sum(batch_loss(stack, lens, sample.take(slice(i, i + chunk)), rows, 1.0, layers)[1].double().cpu()
                for i in range(0, len(sample), chunk))
     return sums / len(sample)
 
@@ -171,34 +173,54 @@ class FitResult:
     """The fitted readout and what fitting measured.
 
     Attributes:
-        lens: the best translators (lowest held-out KL summed over layers).
+        lens: per layer, the translator of its best epoch (lowest held-out KL of that layer; 0: the identity).
         held_out: ``{"logit": {layer: metrics}, "tuned": {layer: metrics}}`` (see :func:`evaluate`).
-        history: per epoch, ``{"epoch", "train_kl": {layer: mean}, "held_out_kl": {layer: mean}}`` (KL on the
-            vocabulary subset when ``vocab_sample`` is set: the early-stopping score).
-        best_epoch: the epoch whose translators were kept (0: the identity).
+        history: per epoch, ``{"epoch", "train_kl": {layer: mean}, "held_out_kl": {layer: mean}}`` of the layers
+            still training (KL on the vocabulary subset when ``vocab_sample`` is set: the early-stopping score).
+        best_epoch: layer → the epoch whose translator it kept (0: the identity).
     """
 
     lens: TunedLens
     held_out: dict[str, dict[int, dict[str, float]]]
     history: list[dict] = field(default_factory=list)
-    best_epoch: int = 0
+    best_epoch: dict[int, int] = field(default_factory=dict)
+
+
+OPTIMIZERS = ("sgd", "adam")
+
+
+def make_optimizer(params, name: str, lr: float, momentum: float, weight_decay: float) -> torch.optim.Optimizer:
+    """SGD with Nesterov momentum (``momentum`` > 0) or Adam (``momentum`` is β₁)."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0, weight_decay=weight_decay)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, betas=(momentum, 0.999), weight_decay=weight_decay)
+    raise ValueError(f"readouts.optimizer must be one of {', '.join(OPTIMIZERS)}; got {name!r}")
 
 
 def fit(stack: LayerStack, train: Sample, held_out: Sample, fingerprint: dict, *, epochs: int = 8,
-        lr: float = 1e-3, rank: int | None = None, seed: int = 0, batch_tokens: int = 256,
-        vocab_sample: int | None = 4096, patience: int = 2, checkpoint: str | Path | None = None,
-        meta: dict | None = None, on_epoch: Callable[[dict], None] | None = None,
-        on_batch: Callable[[int], None] | None = None) -> FitResult:
-    """Train translators at ``train.layers`` with Adam; keep the epoch with the lowest held-out KL.
+        lr: float = 1.0, optimizer: str = "sgd", momentum: float = 0.9, weight_decay: float = 0.0,
+        rank: int | None = None, seed: int = 0, batch_tokens: int = 256, vocab_sample: int | None = 4096,
+        patience: int = 2, checkpoint: str | Path | None = None, meta: dict | None = None,
+        on_epoch: Callable[[dict], None] | None = None, on_batch: Callable[[int], None] | None = None) -> FitResult:
+    """Train translators at ``train.layers``; each layer keeps the epoch with its own lowest held-out KL.
+
+    The identity (epoch 0) is every layer's first candidate: a layer whose held-out KL is 0 there (its state is the
+    final one) is never trained and keeps A = 0, b = 0 bit for bit. A layer stops training (its parameters get no
+    more updates) after ``patience`` epochs without a lower held-out KL; fitting ends when every layer has stopped or
+    after ``epochs``. The learning rate falls linearly from ``lr`` to 0 over the ``epochs`` budget. Last, a layer
+    whose kept translator reads worse than the logit lens on the full vocabulary is reset to the identity.
 
     Under ``torch.distributed`` every rank must hold the same ``train`` and ``held_out``; each takes tokens
-    ``rank::world`` of every batch and gradients are summed across ranks.
+    ``rank::world`` of every batch, gradients are summed across ranks and rank 0's held-out scores decide.
 
     Args:
-        epochs: passes over ``train`` (early stopping after ``patience`` epochs without improvement).
+        epochs: at most this many passes over ``train``, with a held-out evaluation after each.
+        lr, optimizer, momentum, weight_decay: see :func:`make_optimizer`.
         rank: translator rank (None: full rank).
         batch_tokens: tokens per optimiser step (over all ranks).
         vocab_sample: uniform vocabulary draws per step for the subset KL (None: full vocabulary).
+        patience: epochs without improvement after which a layer stops.
         checkpoint: file for per-epoch progress; removed when fitting completes.
         on_epoch: called with each epoch's history entry; on_batch with the tokens of each step.
     """
@@ -210,66 +232,103 @@ def fit(stack: LayerStack, train: Sample, held_out: Sample, fingerprint: dict, *
     lens = TunedLens.identity(train.layers, stack.config.hidden_size, fingerprint, rank, seed).to(
         stack.device, torch.float32)
     modules = lens.modules()
-    optimizer = torch.optim.Adam(modules.parameters(), lr=lr)
+    opt = make_optimizer(modules.parameters(), optimizer, lr, momentum, weight_decay)
     eval_rows = vocabulary_subset(held_out.top, stack.vocab_size, vocab_sample, torch.Generator().manual_seed(seed))
-    state = {"epoch": 0, "best": float(held_out_kl(stack, lens, held_out, eval_rows).sum()),
-             "best_epoch": 0, "best_state": _copy_state(modules), "history": [], "stale": 0}
-    key = _key(fingerprint, train, held_out, epochs, lr, rank, seed, batch_tokens, vocab_sample, world)
+    initial = {layer: _copy_state(t) for layer, t in lens.translators.items()}
+    start = _agreed(held_out_kl(stack, lens, held_out, eval_rows), stack.device, world).tolist()
+    state = {"epoch": 0, "step": 0, "history": [], "best": dict(zip(train.layers, start)),
+             "best_epoch": dict.fromkeys(train.layers, 0), "best_state": dict(initial),
+             "stale": dict.fromkeys(train.layers, 0),
+             "active": [layer for layer, kl0 in zip(train.layers, start) if kl0 > 0]}  # KL 0 cannot improve
+    key = _key(fingerprint, train, held_out, epochs, lr, optimizer, momentum, weight_decay, rank, seed,
+               batch_tokens, vocab_sample, patience, world)
     ckpt = None if checkpoint is None else Path(f"{checkpoint}.rank{rank_id}" if world > 1 else checkpoint)
-    _resume(ckpt, key, modules, optimizer, state)
+    _resume(ckpt, key, modules, opt, state)
     n = len(train)
+    total_steps = epochs * -(-n // batch_tokens)
     for epoch in range(state["epoch"] + 1, epochs + 1):
-        if state["stale"] >= patience:
+        active = state["active"]
+        if not active:
             break
         gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
         order = torch.randperm(n, generator=gen)
-        sums, seen = torch.zeros(len(train.layers), dtype=torch.float64), 0
-        for start in range(0, n, batch_tokens):
-            batch = order[start:start + batch_tokens]
+        sums, seen = torch.zeros(len(active), dtype=torch.float64), 0
+        for begin in range(0, n, batch_tokens):
+            batch = order[begin:begin + batch_tokens]
             rows = vocabulary_subset(train.top[batch], stack.vocab_size, vocab_sample, gen)
-            mine = batch[rank_id::world]
-            optimizer.zero_grad(set_to_none=False)
-            loss, layer_sums = batch_loss(stack, lens, train.take(mine), rows, 1.0 / len(batch))
+            for group in opt.param_groups:
+                group["lr"] = lr * (1 - state["step"] / total_steps)
+            opt.zero_grad(set_to_none=True)  # stopped layers keep grad None: the optimiser skips them
+            loss, layer_sums = batch_loss(stack, lens, train.take(batch[rank_id::world]), rows, 1.0 / len(batch),
+                                          active)
             loss.backward()
             if world > 1:
                 for p in modules.parameters():
-                    dist.all_reduce(p.grad)
+                    if p.grad is not None:
+                        dist.all_reduce(p.grad)
                 dist.all_reduce(layer_sums)
-            optimizer.step()
+            opt.step()
+            state["step"] += 1
             sums += layer_sums.double().cpu()
             seen += len(batch)
             if on_batch is not None:
                 on_batch(len(batch))
-        scores = held_out_kl(stack, lens, held_out, eval_rows)
-        total = float(scores.sum())
-        entry = {"epoch": epoch, "train_kl": dict(zip(train.layers, (sums / seen).tolist())),
-                 "held_out_kl": dict(zip(train.layers, scores.tolist()))}
+        scores = _agreed(held_out_kl(stack, lens, held_out, eval_rows, layers=active), stack.device, world)
+        entry = {"epoch": epoch, "train_kl": dict(zip(active, (sums / seen).tolist())),
+                 "held_out_kl": dict(zip(active, scores.tolist()))}
+        _keep_best(state, lens, epoch, entry["held_out_kl"], patience)
         state["history"].append(entry)
-        if total < state["best"]:
-            state.update(best=total, best_epoch=epoch, best_state=_copy_state(modules), stale=0)
-        else:
-            state["stale"] += 1
         state["epoch"] = epoch
         if on_epoch is not None:
             on_epoch(entry)
-        _save_checkpoint(ckpt, key, modules, optimizer, state)
-    modules.load_state_dict(state["best_state"])
+        _save_checkpoint(ckpt, key, modules, opt, state)
+    for layer, saved in state["best_state"].items():
+        lens.translators[layer].load_state_dict(saved)
+    logit_metrics, tuned_metrics = evaluate(stack, LogitLens(), held_out), evaluate(stack, lens, held_out)
+    for layer in train.layers:  # the subset KL chose; the full vocabulary has the last word
+        if tuned_metrics[layer]["kl"] > logit_metrics[layer]["kl"]:
+            log.warning("readout layer %d: the fitted translator reads worse than the logit lens on the full "
+                        "vocabulary; keeping the identity", layer)
+            lens.translators[layer].load_state_dict(initial[layer])
+            state["best_epoch"][layer] = 0
+            tuned_metrics[layer] = dict(logit_metrics[layer])
     best = TunedLens({layer: t.to(torch.float32) for layer, t in lens.translators.items()}, fingerprint,
                      {**(meta or {}), "best_epoch": state["best_epoch"], "epochs_run": state["epoch"]})
-    logit_metrics, tuned_metrics = evaluate(stack, LogitLens(), held_out), evaluate(stack, best, held_out)
     if ckpt is not None:
         ckpt.unlink(missing_ok=True)
-    return FitResult(best, {"logit": logit_metrics, "tuned": tuned_metrics}, state["history"], state["best_epoch"])
+    return FitResult(best, {"logit": logit_metrics, "tuned": tuned_metrics}, state["history"],
+                     dict(state["best_epoch"]))
 
 
-def _copy_state(modules: torch.nn.Module) -> dict:
-    return {k: v.detach().clone() for k, v in modules.state_dict().items()}
+def _keep_best(state: dict, lens: TunedLens, epoch: int, scores: dict[int, float], patience: int) -> None:
+    """Per layer: keep this epoch's translator if its held-out KL is the lowest yet, else count a stale epoch and
+    stop the layer after ``patience`` of them (a non-finite score never improves)."""
+    for layer, score in scores.items():
+        if score < state["best"][layer]:
+            state["best"][layer], state["best_epoch"][layer] = score, epoch
+            state["best_state"][layer] = _copy_state(lens.translators[layer])
+            state["stale"][layer] = 0
+        else:
+            state["stale"][layer] += 1
+    state["active"] = [layer for layer in state["active"] if state["stale"][layer] < patience]
 
 
-def _key(fingerprint, train, held_out, epochs, lr, rank, seed, batch_tokens, vocab_sample, world) -> str:
+def _agreed(scores: torch.Tensor, device: torch.device, world: int) -> torch.Tensor:
+    """Rank 0's held-out scores on every rank, so that all ranks keep and stop the same layers."""
+    if world == 1:
+        return scores
+    shared = scores.to(device)
+    dist.broadcast(shared, 0)
+    return shared.cpu()
+
+
+def _copy_state(module: torch.nn.Module) -> dict:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _key(fingerprint, train, held_out, *settings) -> str:
     ident = {"model": fingerprint, "layers": train.layers, "n": len(train), "held_out": len(held_out),
-             "train_sum": float(train.final.double().sum()), "epochs": epochs, "lr": lr, "rank": rank, "seed": seed,
-             "batch": batch_tokens, "sample": vocab_sample, "world": world}
+             "train_sum": float(train.final.double().sum()), "settings": list(settings)}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
 
@@ -283,12 +342,13 @@ def _save_checkpoint(ckpt: Path | None, key: str, modules, optimizer, state: dic
 
 
 def _resume(ckpt: Path | None, key: str, modules, optimizer, state: dict) -> None:
-    """Load a matching checkpoint (translators, optimiser, epoch, best so far); a damaged one is ignored."""
+    """Load a matching checkpoint (translators, optimiser, epoch, each layer's best so far); a damaged one is
+    ignored."""
     if ckpt is None or not ckpt.is_file():
         return
     try:
         saved = torch.load(ckpt, weights_only=False)
-        if saved.get("key") != key:
+        if saved.get("key") != key or set(saved["state"]) != set(state):
             return
         modules.load_state_dict(saved["modules"])
         optimizer.load_state_dict(saved["optimizer"])
@@ -348,7 +408,8 @@ def fit_texts(loaded, texts: Sequence[str], cfg, *, checkpoint: str | Path | Non
     train = collect(stack, train_w, layers, cfg.top_k)
     held = collect(stack, held_w, layers, cfg.top_k)
     fingerprint = loaded.fingerprint.as_dict()
-    result = fit(stack, train, held, fingerprint, epochs=cfg.epochs, lr=cfg.lr, rank=cfg.rank, seed=cfg.seed,
+    result = fit(stack, train, held, fingerprint, epochs=cfg.epochs, lr=cfg.lr, optimizer=cfg.optimizer,
+                 momentum=cfg.momentum, weight_decay=cfg.weight_decay, rank=cfg.rank, seed=cfg.seed,
                  batch_tokens=cfg.batch_tokens, vocab_sample=cfg.vocab_sample, patience=cfg.patience,
                  checkpoint=checkpoint, meta={"tokens": len(train), "holdout": len(held)}, on_epoch=on_epoch,
                  on_batch=on_batch)

@@ -1,13 +1,19 @@
 """Tolerance checks of the verdict: one quality metric of one point on one domain against the full-depth run.
 
 The change is the relative rise of a lower-better metric (perplexity) or the absolute drop of a higher-better one
-(accuracies in [0, 1]); its 95% interval is paired over the units both runs share
+(accuracies in [0, 1]), against full depth **on the same units**: a point scored on fewer units than full depth
+(token by token on the leading perplexity windows, ``decode.unserved_tokens``) is compared with full depth on
+those units (:func:`full_on_units`). Its 95% interval is paired over them
 (:func:`emad.evaluation.intervals.change_interval`, from the per-unit ``samples`` in the run files). A check is
-``met`` when the whole interval lies within the tolerance, ``violated`` when it lies wholly beyond it, and
-``unresolved`` when it straddles the tolerance or cannot be computed (fewer than 2 units, no samples in a run
-file). When every paired unit is equal the interval is exactly {0}: met. A metric the full run has and the point
-lacks is violated: it cannot be shown to hold. A check on fewer than :data:`MIN_UNITS` units is shown but does not
-enter a point's state (DESIGN.md §4); a point none of whose checks enters is unresolved.
+
+- ``met`` when the whole interval lies within the tolerance; when every paired unit is equal, only when the exact
+  95% bound on the share of differing units (finest unit: tokens where a task counts them) is within it;
+- ``violated`` when the interval lies wholly beyond the tolerance, or the point lacks a metric full depth has;
+- ``unresolved`` when it straddles the tolerance or cannot be computed (no samples in a run file);
+- ``identical by construction`` for a point that never exits (every token ran every layer: its results are full
+  depth's), whatever the sample size;
+- ``not counted (n < 8)`` on fewer than :data:`MIN_UNITS` units: shown, but in no count, curve or verdict
+  (DESIGN.md §4). A point none of whose checks is counted is unresolved.
 """
 
 from __future__ import annotations
@@ -17,11 +23,21 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from emad.evaluation.intervals import MET, UNRESOLVED, VIOLATED, Interval, change_interval, tolerance_state
-from emad.evaluation.metrics import quality_of, relative_tolerance, samples_of
+from emad.evaluation.intervals import (
+    MET,
+    UNRESOLVED,
+    VIOLATED,
+    Interval,
+    change_interval,
+    metric_value,
+    tolerance_state,
+)
+from emad.evaluation.metrics import METRICS, quality_of, relative_tolerance, samples_of
 
-STATE_RANK = {MET: 0, UNRESOLVED: 1, VIOLATED: 2}
 MIN_UNITS = 8  # no check in the verdict rests on fewer units
+IDENTICAL = "identical by construction"  # a point that never exits: full depth's results
+NOT_COUNTED = f"not counted (n < {MIN_UNITS})"
+STATE_RANK = {NOT_COUNTED: -1, IDENTICAL: 0, MET: 0, UNRESOLVED: 1, VIOLATED: 2}
 
 
 @dataclass(frozen=True)
@@ -62,13 +78,13 @@ class Check:
 
     @property
     def ok(self) -> bool:
-        """The tolerance is met at this sample size (the whole interval is within it)."""
-        return self.state == MET
+        """The tolerance is met at this sample size (or the point is full depth by construction)."""
+        return self.state in (MET, IDENTICAL)
 
     @property
     def counted(self) -> bool:
-        """Enters the verdict: the metric is missing (violated), or its interval rests on ≥ MIN_UNITS units."""
-        return self.value is None or (self.n or 0) >= MIN_UNITS
+        """Enters counts, curves and the verdict: every state but :data:`NOT_COUNTED`."""
+        return self.state != NOT_COUNTED
 
     @property
     def severity(self) -> float:
@@ -85,6 +101,8 @@ class Check:
         if self.lo is None or self.hi is None:
             why = self.method.removeprefix("undefined: ")
             return f"95% CI n/a: {why}" + (f", n {self.n}" if self.n is not None else "")
+        if self.method.startswith("exact: 0 of"):  # every paired unit equal: the bound on the share that differ
+            return f"{self.method.removeprefix('exact: ')}, n {self.n}"
         if self.relative:
             return f"95% CI {self.lo:+.2%} to {self.hi:+.2%}, n {self.n}"
         return f"95% CI {-100 * self.hi:+.2f} to {-100 * self.lo:+.2f}, n {self.n}"  # as value − full, in points
@@ -92,40 +110,70 @@ class Check:
     def describe(self) -> str:
         if self.value is None:
             return f"{self.metric} on {self.domain} is missing: {self.state}"
-        aside = "" if self.counted else f" (not counted: fewer than {MIN_UNITS} units)"
         if self.relative:
             return (f"{self.metric} on {self.domain} {self.change:+.2%} ({self.interval_text()}; "
-                    f"{self.full:.4g} → {self.value:.4g}; tolerance +{self.tolerance:.0%}): {self.state}{aside}")
+                    f"{self.full:.4g} → {self.value:.4g}; tolerance +{self.tolerance:.0%}): {self.state}")
         return (f"{self.metric} on {self.domain} {100 * (self.value - self.full):+.2f} points "
                 f"({self.interval_text()}; {self.full:.4f} → {self.value:.4f}; "
-                f"tolerance −{100 * self.tolerance:g} point): {self.state}{aside}")
+                f"tolerance −{100 * self.tolerance:g} point): {self.state}")
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "change": self.change if math.isfinite(self.change) else None, "ok": self.ok,
                 "counted": self.counted}
 
 
+def never_exits(run: dict) -> bool:
+    """Every token of ``run`` ran all ``n_layers`` layers (its exit-depth histogram holds L alone)."""
+    depths = {int(d) for d, n in (run.get("depth_histogram") or {}).items() if n}
+    return bool(depths) and run.get("n_layers") is not None and depths == {int(run["n_layers"])}
+
+
+def _same_units(metric: str, point_run: dict, full_run: dict) -> tuple[str, list, list] | None:
+    """``(key, point samples, full depth's samples on the point's units)``; None when a run kept none. A point
+    with fewer units scored full depth's leading ones (:meth:`emad.tasks.registry.Task.fewer`)."""
+    point, full = samples_of(point_run.get("tasks", {}), metric), samples_of(full_run.get("tasks", {}), metric)
+    if point is None or full is None:
+        return None
+    return point[0], point[1], full[1][:len(point[1])] if len(point[1]) < len(full[1]) else full[1]
+
+
+def full_on_units(metric: str, point_run: dict, full_run: dict) -> float | None:
+    """Full depth's ``metric`` on the units ``point_run`` scored (its whole value when they share all units);
+    None when full depth lacks the metric."""
+    if metric not in full_run.get("quality", {}):
+        return None
+    same = _same_units(metric, point_run, full_run)
+    if same is None or len(same[2]) == len(samples_of(full_run["tasks"], metric)[1]):
+        return float(full_run["quality"][metric])
+    return metric_value(same[0], same[2])
+
+
 def change_of(metric: str, point_run: dict, full_run: dict) -> Interval | None:
-    """The change of ``metric`` from ``full_run`` to ``point_run`` (relative rise of a lower-better metric,
-    absolute drop of a higher-better one) with its paired 95% interval; None when a run kept no samples of it."""
+    """The change of ``metric`` from ``full_run`` to ``point_run`` on the point's units (relative rise of a
+    lower-better metric, absolute drop of a higher-better one) with its paired 95% interval; None when a run kept
+    no samples of it."""
     return _interval(metric, point_run, full_run, relative_tolerance(metric))
 
 
 def _interval(metric: str, point_run: dict, full_run: dict, relative: bool) -> Interval | None:
-    """The paired interval of the change, or None when a run file kept no samples of ``metric``."""
-    point, full = samples_of(point_run.get("tasks", {}), metric), samples_of(full_run.get("tasks", {}), metric)
-    if point is None or full is None:
+    """The paired interval of the change on the point's units, or None when a run file kept no samples."""
+    same = _same_units(metric, point_run, full_run)
+    if same is None:
         return None
+    key, point, full = same
+    task = METRICS.get(metric).task
+    finest = point_run["tasks"][task].get("finest_units", {}).get(key)
     try:
-        return change_interval(point[0], point[1], full[1], relative)
+        return change_interval(key, point, full, relative, finest)
     except ValueError as err:
         raise ValueError(f"{point_run['run_id']} vs {full_run['run_id']}: {err}") from None
 
 
 def build_check(domain: str, metric: str, point_run: dict, full_run: dict, tolerance: float) -> Check:
-    """The check of ``metric`` for ``point_run`` against ``full_run`` (same model and domain)."""
+    """The check of ``metric`` for ``point_run`` against ``full_run`` (same model and domain) on the point's
+    units."""
     relative = relative_tolerance(metric)
-    full = float(full_run["quality"][metric])
+    full = full_on_units(metric, point_run, full_run)
     value = point_run.get("quality", {}).get(metric)
     if value is None:
         return Check(domain, metric, full, None, math.inf, tolerance, relative, method="undefined: metric missing",
@@ -138,10 +186,16 @@ def build_check(domain: str, metric: str, point_run: dict, full_run: dict, toler
     iv = _interval(metric, point_run, full_run, relative)
     if iv is None:
         missing = [r["run_id"] for r in (point_run, full_run) if samples_of(r.get("tasks", {}), metric) is None]
-        return Check(domain, metric, full, value, change, tolerance, relative,
-                     method=f"undefined: no per-unit samples in {', '.join(missing)}", state=UNRESOLVED)
-    return Check(domain, metric, full, value, change, tolerance, relative, iv.lo, iv.hi, iv.n, iv.method,
-                 tolerance_state(iv, tolerance))
+        check = Check(domain, metric, full, value, change, tolerance, relative,
+                      method=f"undefined: no per-unit samples in {', '.join(missing)}", state=UNRESOLVED)
+    else:
+        check = Check(domain, metric, full, value, change, tolerance, relative, iv.lo, iv.hi, iv.n, iv.method,
+                      tolerance_state(iv, tolerance))
+    if never_exits(point_run):
+        check.state = IDENTICAL
+    elif check.n is not None and check.n < MIN_UNITS:
+        check.state = NOT_COUNTED
+    return check
 
 
 def screen(domain: str, tasks: dict[str, dict], reference: dict[str, dict],
@@ -157,8 +211,9 @@ def screen(domain: str, tasks: dict[str, dict], reference: dict[str, dict],
 
 def combined_state(checks: list[Check]) -> str:
     """The state of a set of checks, from those that enter the verdict (:attr:`Check.counted`): ``violated`` if
-    one is, ``met`` if every one is, else ``unresolved`` (also when none enters)."""
-    states = {c.state for c in checks if c.counted}
+    one is, ``met`` if every one is met or identical by construction, else ``unresolved`` (also when none
+    enters)."""
+    states = {MET if c.state == IDENTICAL else c.state for c in checks if c.counted}
     return VIOLATED if VIOLATED in states else UNRESOLVED if UNRESOLVED in states or not states else MET
 
 

@@ -20,9 +20,13 @@ lower-better metric, the absolute drop ``s_f − s_p`` of a higher-better one �
   ``c / n`` give ``[lo_b − hi_c, hi_b − lo_c]``, which covers the drop with probability ≥ 95% (Bonferroni). The
   bootstrap would collapse to zero width when no unit differs; this interval does not.
 
-An interval is undefined (``lo = hi = None``; the report prints "n/a") with fewer than 2 units, or when every
-bootstrap resample gives the same value (units without variation cannot size the uncertainty) — never a
-zero-width interval by default. A tolerance check on a change is :data:`MET` when the whole interval lies within
+When every paired unit is equal, no resample can size the uncertainty, and the change is not shown to be zero:
+the data rule out only a share of differing units above the exact 95% upper bound for 0 differing of ``N``,
+``1 − 0.025^(1/N)`` (:func:`share_bound`), ``N`` counted in the finest unit that can differ (tokens for a pair of
+token counts, else the units; a task may name its own, e.g. the generated tokens of a free-running task). The
+interval is ± that bound: a check is met only when ``N`` is large enough for the tolerance (368 tokens for one
+point). Otherwise an interval is undefined (``lo = hi = None``; the report prints "n/a") with fewer than 2 units,
+or when every bootstrap resample gives the same value — never a zero-width interval. A tolerance check on a change is :data:`MET` when the whole interval lies within
 the tolerance, :data:`VIOLATED` when it lies wholly beyond, :data:`UNRESOLVED` otherwise or when undefined.
 
 Every bootstrap draws from ``numpy.random.default_rng(SEED)`` afresh: the same samples give the same bounds.
@@ -162,6 +166,12 @@ def _clopper_pearson(k: int, n: int, level: float) -> tuple[float, float]:
     return float(ci.low), float(ci.high)
 
 
+def metric_value(key: str, samples: Sequence) -> float | None:
+    """The metric's value from its per-unit samples (the statistic of :func:`metric_interval`, without bounds)."""
+    x = unit_columns(samples, key)  # [k, n]
+    return _value(STATISTICS[statistic_name(key, x.shape[0])], x)
+
+
 def metric_interval(key: str, samples: Sequence) -> Interval:
     """The metric's value and 95% interval from its per-unit samples (see the module docstring).
 
@@ -211,7 +221,19 @@ def _frozen(samples: Sequence, key: str) -> tuple:
     return out
 
 
-def change_interval(key: str, point: Sequence, full: Sequence, relative: bool) -> Interval:
+def share_bound(n: int) -> float:
+    """The exact (Clopper–Pearson) 95% upper bound on the share of units that differ when 0 of ``n`` do:
+    ``1 − 0.025^(1/n)`` (one-sided at 97.5%, as the two-sided interval's upper end)."""
+    return 1.0 - ((1 - LEVEL) / 2) ** (1.0 / n) if n > 0 else 1.0
+
+
+def finest_units(key: str, samples: Sequence) -> int:
+    """The finest units that can differ in ``samples``: Σ denominators of pairs (tokens), else the units."""
+    x = unit_columns(samples, key)
+    return int(x[1].sum()) if x.shape[0] == 2 else x.shape[1]
+
+
+def change_interval(key: str, point: Sequence, full: Sequence, relative: bool, finest: int | None = None) -> Interval:
     """The change of a point against full depth, with its 95% interval over the shared units.
 
     Args:
@@ -219,21 +241,26 @@ def change_interval(key: str, point: Sequence, full: Sequence, relative: bool) -
         point, full: per-unit samples of the point's run and of the full-depth run.
         relative: True for a lower-better metric (relative rise ``s_p / s_f − 1``), False for a higher-better one
             (absolute drop ``s_f − s_p``).
+        finest: when every paired unit is equal, the count of the finest units that can differ (None:
+            :func:`finest_units` of ``point``); see the module docstring.
     """
     # the report asks for the same change several times (verdicts per family, domain-shift table): computed once
-    return _change_interval(key, _frozen(point, key), _frozen(full, key), relative)
+    return _change_interval(key, _frozen(point, key), _frozen(full, key), relative, finest)
 
 
 @lru_cache(maxsize=4096)
-def _change_interval(key: str, point: tuple, full: tuple, relative: bool) -> Interval:
+def _change_interval(key: str, point: tuple, full: tuple, relative: bool, finest: int | None) -> Interval:
     xp, xf = unit_columns(point, key), unit_columns(full, key)  # [k, n_p], [k, n_f]
     if xp.shape[0] != xf.shape[0]:
         raise ValueError(f"samples of {key!r} differ in kind between the point and full depth (numbers vs pairs)")
     stat, change = STATISTICS[statistic_name(key, xp.shape[0])], _change(relative)
     np_, nf = xp.shape[1], xf.shape[1]
     value = float(change(stat(xp), stat(xf))) if np_ and nf else None
-    if np_ == nf and np_ and np.array_equal(xp, xf):  # every paired unit equal: the change is exactly zero
-        return Interval(value, 0.0, 0.0, np_, "exact: every paired unit equal")
+    if np_ == nf and np_ and np.array_equal(xp, xf):  # every paired unit equal: only a share of them is ruled out
+        n_finest = finest if finest is not None else finest_units(key, point)
+        bound = share_bound(n_finest)
+        return Interval(value, -bound, bound, np_, f"exact: 0 of {n_finest} differ (95% bound on the share that "
+                        f"differ {bound:.2%})")
     if min(np_, nf) < 2:
         return _undefined(value, min(np_, nf), "fewer than 2 units")
     if not (np.isfinite(xp).all() and np.isfinite(xf).all()):

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from emad.evaluation import identity
+from emad.evaluation.checks import full_on_units
 from emad.evaluation.identity import FULL, CurveId
 from emad.evaluation.metrics import higher_is_better
 
@@ -139,8 +140,8 @@ class ParetoSeries:
 
     Attributes:
         rows: one dict per run (``run_id, point, curve, knob, value, family, readout, calibration, domain,
-            flops_ratio, bytes_ratio, speedup, tokens_per_s, quality, on_frontier_flops, on_frontier_speed,
-            mlflow_run_id``; ``curve`` etc. None when the run file lacks them), sorted by
+            flops_ratio, bytes_ratio, speedup, tokens_per_s, quality, full_quality (full depth's on the units the
+            run scored: what its quality is compared with), on_frontier_flops, on_frontier_speed, mlflow_run_id``; ``curve`` etc. None when the run file lacks them), sorted by
             descending ``flops_ratio`` then run id — the data file of a ``dvc plots`` definition.
         full_quality: the metric of the full-depth run (None when there is none).
         oracle: ``{profile: oracle FLOPs ratio}`` for the model (see :func:`oracle_flops_ratio`).
@@ -170,7 +171,7 @@ class ParetoSeries:
         extra = [{"run_id": None, "point": f"oracle@{cal}", "curve": None, "knob": None, "value": None,
                   "family": ORACLE, "readout": None, "calibration": cal, "domain": self.domain, "flops_ratio": ratio,
                   "bytes_ratio": None, "speedup": None, "tokens_per_s": None,
-                  "quality": self.full_quality, "on_frontier_flops": False, "on_frontier_speed": False,
+                  "quality": self.full_quality, "full_quality": self.full_quality, "on_frontier_flops": False, "on_frontier_speed": False,
                   "mlflow_run_id": None} for cal, ratio in self.oracle.items()]
         return self.rows + extra
 
@@ -185,6 +186,7 @@ def _row(run: dict[str, Any], metric: str, base: dict[str, Any] | None) -> dict[
             "calibration": run.get("calibration"), "domain": run.get("domain"), "flops_ratio": cost.get("flops_ratio"),
             "bytes_ratio": cost.get("bytes_ratio"), "speedup": speedup(run, base),
             "tokens_per_s": cost.get("tokens_per_s"), "quality": run["quality"][metric],
+            "full_quality": full_on_units(metric, run, base) if base else None,
             "on_frontier_flops": False, "on_frontier_speed": False, "mlflow_run_id": run.get("mlflow_run_id")}
 
 

@@ -13,6 +13,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from emad.evaluation.checks import IDENTICAL
+from emad.evaluation.intervals import MET, UNRESOLVED, VIOLATED
 from emad.report.curves import Curve, domain_curves, domain_shift_curves, model_curves
 from emad.report.frontier import FULL, baselines, point_label, speedup
 from emad.report.readouts import readouts_markdown
@@ -53,11 +55,18 @@ UNCERTAINTY_RULE = (
     "literal reading counts the points with a violated check.")
 
 
+def _aside(checks) -> list[tuple[str, int]]:
+    """The checks outside the met / unresolved / violated counts: identical by construction, not counted."""
+    return [("identical by construction", sum(c.state == IDENTICAL for c in checks)),
+            ("not counted", sum(not c.counted for c in checks))]
+
+
 def _point_rows(v: ModelVerdict) -> list[list[str]]:
     rows = []
     for p in sorted(v.points, key=lambda p: (-p.reduction, p.label)):
         worst = p.worst
-        counts = ", ".join(f"{sum(c.state == s for c in p.checks)} {s}" for s in ("met", "unresolved", "violated"))
+        counts = ", ".join([f"{sum(c.state == s for c in p.checks)} {s}" for s in (MET, UNRESOLVED, VIOLATED)]
+                           + [f"{n} {label}" for label, n in _aside(p.checks) if n])
         rows.append([p.label, p.family, fmt(p.reduction, ".1%"), p.speed_text(), p.state, counts,
                      worst.describe() if worst else "–"])
     return rows

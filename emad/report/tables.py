@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from emad.evaluation.checks import change_of
+from emad.evaluation.checks import change_of, full_on_units
 from emad.evaluation.identity import CurveId
 from emad.evaluation.metrics import higher_is_better
 from emad.report.curves import TOLERANCE_USED, AtFlops, Curve, CurvePoint
@@ -57,11 +57,11 @@ def _savings(run: dict[str, Any]) -> float | None:
 
 def _shift_cell(run: dict, base: dict | None, in_domain: dict | None) -> dict[str, Any]:
     q = run.get("quality", {})
-    bq = base.get("quality", {}) if base else {}
     cell = {"model": run["model"], "point": run["point"], "calibration": run["calibration"],
             "domain": run["domain"], "run_id": run["run_id"], "in_domain": CurveId.of_run(run).in_domain,
             "savings": _savings(run), "quality": dict(sorted(q.items())),
-            "vs_full": {m: quality_change(m, v, bq.get(m)) for m, v in sorted(q.items())},
+            "vs_full": {m: quality_change(m, v, full_on_units(m, run, base) if base else None)
+                        for m, v in sorted(q.items())},
             "vs_full_ci": {m: _vs_full_ci(m, run, base) for m in sorted(q)}, "vs_in_domain": None}
     if in_domain is not None and in_domain is not run:
         iq = in_domain.get("quality", {})

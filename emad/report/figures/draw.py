@@ -17,7 +17,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from emad.evaluation.checks import Thresholds
-from emad.report.figures.lines import Line, QualityScale, clip, quality_scale, y_limits
+from emad.report.figures.lines import Line, QualityScale, clip, full_of, quality_scale, y_limits
 from emad.report.figures.style import Style
 from emad.report.frontier import FULL, ORACLE, finite
 
@@ -82,7 +82,7 @@ def draw_lines(ax, line_list: Sequence[Line], x_key: str, scale: QualityScale, f
     for c in line_list:
         st = style_of(c)
         xs = [r[x_key] for r in c.points]
-        raw = [scale(r["quality"], full_quality) for r in c.points]
+        raw = [scale(r["quality"], full_of(r, full_quality)) for r in c.points]
         ys, moved = clip(raw, *edge)
         ax.plot(xs, ys, ls="-" if c.in_domain else "--", lw=1.5, color=st.colour, marker=st.marker, ms=5,
                 mfc=st.colour if c.in_domain else "white", mew=1.2, zorder=4, alpha=0.9)
@@ -147,7 +147,7 @@ def finish_axes(ax, scale: QualityScale, lim: tuple[float, float], x_key: str, x
 def panel_limits(series, line_list: Sequence[Line], scale: QualityScale,
                  ratio_cap: float) -> tuple[float, float]:
     """y limits of a panel from its lines' shown values and the full-depth level."""
-    vals = [scale(r["quality"], series.full_quality) for c in line_list for r in c.points]
+    vals = [scale(r["quality"], full_of(r, series.full_quality)) for c in line_list for r in c.points]
     return y_limits(vals, scale, ratio_cap=ratio_cap)
 
 

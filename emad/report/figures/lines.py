@@ -121,17 +121,24 @@ def y_limits(values: Iterable[float], scale: QualityScale, ratio_cap: float = 1e
     return lo - pad, hi + pad
 
 
+def full_of(row: dict[str, Any], full_quality: float | None) -> float | None:
+    """Full depth's quality on the units ``row`` was scored on (``full_quality`` of its series when the row has
+    none): what the row is shown against."""
+    own = row.get("full_quality")
+    return own if finite(own) else full_quality
+
+
 def plot_fields(series, row: dict[str, Any], ppl_rel_tol: float = 0.01, acc_abs_tol: float = 0.01) -> dict[str, Any]:
     """Fields the ``dvc plots`` template draws with, for one row of ``series.plot_rows()``.
 
     Returns:
-        ``quality_vs_full`` (the quality as the figures show it: ratio to full depth for lower-better metrics,
-        change in points otherwise; the raw quality without a full-depth run; None when not finite),
+        ``quality_vs_full`` (the quality as the figures show it, against full depth on the same units: ratio for
+        lower-better metrics, change in points otherwise; the raw quality without a full-depth run; None when not finite),
         ``tolerance_vs_full`` (the verdict's tolerance on that scale; None without a full-depth run),
         ``calibration_kind`` (``in-domain``, ``shifted`` or ``none``) and ``line`` (the curve the row belongs to).
     """
     scale = quality_scale(series.metric, series.higher_better, series.full_quality, ppl_rel_tol, acc_abs_tol)
-    shown = scale(row.get("quality"), series.full_quality)
+    shown = scale(row.get("quality"), full_of(row, series.full_quality))
     family, cal = row.get("family") or "?", row.get("calibration")
     kind = ("none" if not cal else "in-domain" if profile_in_domain(cal, row.get("domain") or series.domain)
             else "shifted")
