@@ -25,13 +25,13 @@ from emad.report import (
     pareto_data,
     report_markdown,
     run_details,
-    verdict,
     write_domain_shift_figure,
     write_overview_figure,
     write_pareto_figures,
 )
 from emad.report.config import AggregateConfig
 from emad.report.figures.lines import plot_fields
+from emad.report.verdict import verdict
 from emad.stage import run_stage
 
 PLOT_KEYS = ("run_id", "point", "family", "calibration", "flops_ratio", "bytes_ratio", "speedup", "quality",

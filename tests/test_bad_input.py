@@ -41,7 +41,7 @@ BASE = {
     "decode": {
         "domains": {"stdlib-prose": ["perplexity", "fidelity"], "gsm8k": ["gsm8k"]},
         "tasks": {"perplexity": {"tokens": 64, "window": 32, "prefix": 8},
-                  "fidelity": {"prompts": 2, "prompt_tokens": 8, "new_tokens": 4}},
+                  "fidelity": {"prompts": 8, "prompt_tokens": 8, "new_tokens": 4}},
         "baselines": {"full": {"method": "full"}},
         "points": {"p": {"method": "emad", "margin": 0.5}},
         "default_point": "p",
@@ -49,7 +49,7 @@ BASE = {
         "ablation_domains": ["stdlib-prose"],
         "related": {"ead": {"method": "ead", "small_layers": 1, "tau": 1.0}},
         "related_domains": ["gsm8k"],
-        "speed_pairs": 2, "speed_tokens": 4,
+        "speed_tokens": 4,
         "device": "cpu", "dtype": "float32",
     },
     "risk": {"domain": "stdlib-prose", "prompts": 22, "delta": 0.1, "epsilon": 0.1,
@@ -102,7 +102,9 @@ PARAMS_CASES = [  # (path with '/' between keys, value, what the message must na
     ("decode/points/p", {"method": "emad", "margin": [0.5, 1], "estimator": "topq"},
      r"decode\.points\.p_0\.5\.estimator.*unknown estimator 'topq'; valid: .*topk"),
     ("decode/shift_points", ["nope"], r"shift_points \['nope'\] are not points or sweeps of points"),
-    ("decode/speed_pairs", 1, r"decode\.speed_pairs.*greater than or equal to 2"),
+    ("decode/speed_prompts", 5, r"decode\.speed_prompts = 5 is below the 8 distinct prompts per domain"),
+    ("decode/tasks/fidelity", {"prompts": 4}, r"decode\.tasks\.fidelity\.prompts = 4 is fewer than "
+     r"decode\.speed_prompts = 8"),
     ("control/spec", "smollm2-135m", r"control\.spec.*has no idle layers.*\+idle<N>"),
     ("control/spec", "smollm2-135m+idle0", r"control\.spec.*idle-layer count.*positive integer"),
     ("control/spec", "smollm2-135m+idle2.5", r"control\.spec.*idle-layer count.*positive integer"),

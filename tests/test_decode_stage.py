@@ -21,7 +21,7 @@ TEXT = "Entropy falls with depth for easy tokens. The quick brown fox jumps over
 DECODE = {
     "domains": {"toy": ["perplexity", "fidelity"]},
     "tasks": {"perplexity": {"tokens": 96, "window": 48, "prefix": 16},
-              "fidelity": {"prompts": 2, "prompt_tokens": 12, "new_tokens": 6}},
+              "fidelity": {"prompts": 8, "prompt_tokens": 12, "new_tokens": 6}},
     "baselines": {"full": {"method": "full"}, "fixed-2": {"method": "fixed", "depth": 2}},
     "points": {"emad-m0": {"method": "emad", "margin": 0.0, "strata": "none"}},
     "default_point": "emad-m0",
@@ -257,8 +257,7 @@ def test_a_swept_stage_writes_one_run_per_value_each_timed_against_full_depth_he
     sweep = {**DECODE, "domains": {"toy": ["perplexity", "agreement", "fidelity"]},
              "tasks": {**DECODE["tasks"], "agreement": {"prompts": 2, "prompt_tokens": 12, "new_tokens": 6}},
              "baselines": {"conf": {"method": "confidence", "threshold": [0.5, 8, 1000], "probe_every": 1}},
-             "swept_prompts": 1, "speed_repeats": 2,
-             "speed_pairs": 2, "speed_tokens": 4}
+             "swept_prompts": 1, "speed_repeats": 2, "speed_tokens": 4}
     params.write_text(yaml.safe_dump({"decode": sweep}))
     assert _decode(workspace, "baseline", "conf", monkeypatch, runs="sweep-runs", params=params) == 0
     records = sorted((runfile.load(p) for p in (workspace / "sweep-runs" / "baseline-conf").glob("*.json")),

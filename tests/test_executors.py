@@ -17,10 +17,10 @@ DECODE = {
     "domains": {d: ["perplexity", "agreement", "fidelity"] for d in DOMAINS},
     "tasks": {"perplexity": {"tokens": 96, "window": 48, "prefix": 16},
               "agreement": {"prompts": 2, "prompt_tokens": 12, "new_tokens": 6},
-              "fidelity": {"prompts": 2, "prompt_tokens": 12, "new_tokens": 6}},
+              "fidelity": {"prompts": 8, "prompt_tokens": 12, "new_tokens": 6}},
     "baselines": {"full": {"method": "full"}, "fixed": {"method": "fixed", "depth": [2, 3]}},
     "points": {"emad": {"method": "emad", "margin": [0.0, 1.0], "strata": "none"}},
-    "heatmap_texts": 1, "speed_repeats": 1, "speed_pairs": 2, "speed_tokens": 4, "device": "cpu",
+    "heatmap_texts": 1, "speed_repeats": 1, "speed_tokens": 4, "device": "cpu",
     "dtype": "float32",
 }
 TIMED = ("seconds", "per_s", "speed", "load_avg", "mlflow_run_id")  # keys whose values are timings or run ids

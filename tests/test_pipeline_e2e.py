@@ -85,7 +85,7 @@ def test_the_positive_control_passes_c1_with_fixed_depth_and_the_model_without_i
     lossless = run("tiny+idle40--fixed_4")
     assert lossless["tasks"]["perplexity"]["samples"] == control["tasks"]["perplexity"]["samples"]
     assert lossless["cost"]["flops_ratio"] < 0.85 and lossless["cost"]["speed_timing"] == "pairs"
-    assert len(lossless["cost"]["speed_pairs"]) == 5
+    assert len(lossless["cost"]["speed_pairs"]) == 8 and lossless["cost"]["speed_unit"] == "prompt"
     families = json.loads((repo / "reports" / "metrics.json").read_text())
     assert families["tiny+idle40"]["fixed"]["c1"] == "pass"
     assert families["tiny"]["fixed"]["c1"] == "fail"

@@ -36,12 +36,12 @@ def params(model_dir: Path) -> dict:
             "domains": {"stdlib-prose": ["perplexity", "agreement", "fidelity"]},
             "tasks": {"perplexity": {"tokens": 128, "window": 64, "prefix": 16},
                       "agreement": {"prompts": 2, "prompt_tokens": 16, "new_tokens": 8},
-                      "fidelity": {"prompts": 2, "prompt_tokens": 16, "new_tokens": 8}},
+                      "fidelity": {"prompts": 8, "prompt_tokens": 16, "new_tokens": 8}},
             "baselines": {"full": {"method": "full"}, "fixed-2-tuned": {"method": "fixed", "depth": 2,
                                                                         "readout": "tuned"},
                           "fixed": {"method": "fixed", "depth": [3]},
                           "conf": {"method": "confidence", "threshold": [0.5, 3, 100], "probe_every": 1}},
-            "swept_prompts": 1, "speed_repeats": 2, "speed_pairs": 5, "speed_tokens": 8,
+            "swept_prompts": 1, "speed_repeats": 2, "speed_prompts": 8, "speed_tokens": 8,
             "shift_points": None, "unserved_tokens": 64,
             "points": {"emad-m0": {"method": "emad", "margin": 0.0},
                        "emad-m0-tuned": {"method": "emad", "margin": 0.0, "readout": "tuned"}},
@@ -67,9 +67,10 @@ def params(model_dir: Path) -> dict:
     }
 
 
-# ≥ 8 units per check (perplexity windows, prompts), so that the control's checks enter the verdict
+# ≥ 8 units per check (perplexity windows, prompts), so that the control's checks enter the verdict, and ≥ 368
+# tokens each, so that a lossless point's checks can be met (DESIGN.md §4)
 CONTROL_TASKS = {"perplexity": {"tokens": 512, "window": 64, "prefix": 16},
-                 "agreement": {"prompts": 8, "prompt_tokens": 16, "new_tokens": 8}}
+                 "agreement": {"prompts": 8, "prompt_tokens": 16, "new_tokens": 48}}
 
 
 def env(**extra: str) -> dict:

@@ -35,6 +35,7 @@ from emad.evaluation.intervals import (
 from emad.evaluation.metrics import METRICS, quality_of, relative_tolerance, samples_of
 
 MIN_UNITS = 8  # no check in the verdict rests on fewer units
+MIN_SPEED_PROMPTS = 8  # C2 reads a speed-up only from this many distinct prompts per domain
 IDENTICAL = "identical by construction"  # a point that never exits: full depth's results
 NOT_COUNTED = f"not counted (n < {MIN_UNITS})"
 STATE_RANK = {NOT_COUNTED: -1, IDENTICAL: 0, MET: 0, UNRESOLVED: 1, VIOLATED: 2}

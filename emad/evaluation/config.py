@@ -8,9 +8,10 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from emad.config import Section, validate_section
+from emad.evaluation.checks import MIN_SPEED_PROMPTS
 from emad.evaluation.operating_point import PointConfig
 from emad.evaluation.sweeps import SweepPosition, expand_table, knob_of
-from emad.tasks.registry import TASKS
+from emad.tasks.registry import TASKS, Task
 
 NAME = r"^[A-Za-z0-9_-]+$"  # DVC addresses params by dotted keys: names may not contain dots
 
@@ -51,8 +52,10 @@ class DecodeConfig(Section):
         speed_repeats: timed generations per point, each beside a full-depth one of the same prompts (speed-up =
             the median of their tokens/s ratios; 0 = no speed measurement): the cheap measure of points a
             teacher-forced check already rules out, or that never exit.
-        speed_pairs: timed pairs (point, full depth, alternating which goes first) of every other point, on its
-            first speed prompt, ``speed_tokens`` new tokens each: C2's 95% interval rests on them.
+        speed_prompts: distinct prompts (of each domain's first task with speed prompts, e.g. fidelity's) on which
+            every other point is timed, one pair (point and full depth back to back) per prompt, ``speed_tokens``
+            new tokens each: C2's 95% interval over prompts rests on them (at least
+            :data:`~emad.evaluation.checks.MIN_SPEED_PROMPTS`).
         curves: filled from the points' value lists (not set by hand): expanded point → its :class:`SweepPosition`.
         executor: who runs the work units (one per domain): ``serial`` (this process) or ``ray`` (actors on the
             cluster ``RAY_ADDRESS`` names, or on Ray started inside the stage); ``$EMAD_DECODE_EXECUTOR`` overrides
@@ -83,7 +86,7 @@ class DecodeConfig(Section):
     swept_prompts: int | None = Field(None, ge=1)
     unserved_tokens: int | None = Field(None, ge=2)
     speed_repeats: int = Field(3, ge=0)
-    speed_pairs: int = Field(5, ge=2)
+    speed_prompts: int = MIN_SPEED_PROMPTS
     speed_tokens: int = Field(32, ge=1)
     curves: dict[str, SweepPosition] = Field(default_factory=dict)
     executor: str = "serial"
@@ -111,6 +114,15 @@ class DecodeConfig(Section):
                 curves.update(found)
         return {**data, "curves": curves}
 
+    @field_validator("speed_prompts")
+    @classmethod
+    def _enough_speed_prompts(cls, value: int) -> int:
+        if value < MIN_SPEED_PROMPTS:
+            raise ValueError(f"decode.speed_prompts = {value} is below the {MIN_SPEED_PROMPTS} distinct prompts per "
+                             f"domain the verdict's C2 needs (its interval is over prompts); set it to at least "
+                             f"{MIN_SPEED_PROMPTS}")
+        return value
+
     @field_validator("domains")
     @classmethod
     def _known_tasks(cls, domains: dict[str, list[str]]) -> dict[str, list[str]]:
@@ -127,6 +139,18 @@ class DecodeConfig(Section):
         for name, raw in tasks.items():
             TASKS.get(name).settings(raw)  # unknown names and bad settings fail here, with their path
         return tasks
+
+    @model_validator(mode="after")
+    def _speed_prompts_exist(self) -> DecodeConfig:
+        """Each task that gives the speed prompts (fidelity) has at least ``speed_prompts`` of them."""
+        for name in sorted({t for tasks in self.domains.values() for t in tasks}):
+            task = TASKS.get(name)()
+            have = getattr(task.settings(self.tasks.get(name)), "prompts", None)
+            if type(task).speed_prompts is not Task.speed_prompts and have is not None and have < self.speed_prompts:
+                raise ValueError(f"decode.tasks.{name}.prompts = {have} is fewer than decode.speed_prompts = "
+                                 f"{self.speed_prompts} (C2 times one pair per distinct prompt of {name}): raise it "
+                                 f"to at least {self.speed_prompts}")
+        return self
 
     @model_validator(mode="after")
     def _consistent(self) -> DecodeConfig:

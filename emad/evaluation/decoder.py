@@ -23,7 +23,7 @@ from emad.engine.stack import LayerStack
 from emad.evaluation import identity
 from emad.evaluation.checks import Thresholds, screen
 from emad.evaluation.config import DecodeConfig
-from emad.evaluation.evaluate import evaluate, heatmap_inputs, prepare, score_all
+from emad.evaluation.evaluate import Evaluation, evaluate, heatmap_inputs, prepare, score_all
 from emad.evaluation.identity import FULL
 from emad.evaluation.operating_point import (
     PointConfig,
@@ -33,7 +33,7 @@ from emad.evaluation.operating_point import (
     readout_path,
 )
 from emad.evaluation.record import profile_facts
-from emad.evaluation.speed import point_speedup
+from emad.evaluation.speed import point_speedup, prompt_speedup
 from emad.exits.criteria import Full
 from emad.exits.estimators import ESTIMATORS
 from emad.tasks.registry import Shared
@@ -157,12 +157,18 @@ class Decoder:
                             tolerance=self.plan.thresholds.tolerance)
         out = []
         for job in tqdm(self.jobs, desc=domain, unit="point"):
-            limit = cfg.swept_prompts if cfg.is_swept(job.name) else None
-            result = evaluate(stack, tokenizer, job.method, prepared, shared, scores.pop(job.label), limit)
-            cost = {**result.cost(), **self._speed(job, prepared, result, limit, screen_of)}
+            forced = evaluate(stack, tokenizer, job.method, teacher, shared, scores.pop(job.label))
+            why = self._not_timed(job, forced, screen_of)
+            # a swept point the teacher-forced screen keeps (it exits, nothing ruled out) is judged on every prompt
+            limit = cfg.swept_prompts if cfg.is_swept(job.name) and why is not None else None
+            free = evaluate(stack, tokenizer, job.method, [p for p in prepared if not p.task.teacher_forced], shared,
+                            None, limit)
+            result = Evaluation({p.name: (forced.tasks | free.tasks)[p.name] for p in prepared},
+                                forced.outputs + free.outputs, forced.generated | free.generated)
+            cost = {**result.cost(), **self._speed(job, prepared, result, limit, why)}
             heat = heatmap_inputs(stack, tokenizer, result, prepared, shared, cfg.heatmap_texts, limit)
             settings = {"tasks": {p.name: p.settings.model_dump() for p in prepared}, "free_prompts": limit,
-                        "speed_repeats": cfg.speed_repeats, "speed_pairs": cfg.speed_pairs,
+                        "speed_repeats": cfg.speed_repeats, "speed_prompts": cfg.speed_prompts,
                         "speed_tokens": cfg.speed_tokens, "unserved_tokens": cfg.unserved_tokens,
                         "device": cfg.device, "dtype": cfg.dtype}
             out.append(Outcome(job.label, domain, self.loaded.fingerprint.digest, stack.n_layers,
@@ -170,22 +176,26 @@ class Decoder:
                                limit, settings, host))
         return out
 
-    def _speed(self, job: Job, prepared: list, result, limit: int | None, screen_of) -> dict:
-        """The point's speed-up against full depth: ``speed_pairs`` timed pairs of ``speed_tokens`` new tokens (C2's
-        interval), or the cheap ``speed_repeats`` measure for full depth itself, an ablation (one factor of one
-        point, on a subset of domains: the verdict does not judge it), a point that never exits (it runs every
-        layer and its probes: it cannot be faster) and a point a teacher-forced check rules out."""
+    def _speed(self, job: Job, prepared: list, result, limit: int | None, why: str | None) -> dict:
+        """The point's speed-up against full depth: one timed pair per prompt on ``speed_prompts`` prompts of
+        ``speed_tokens`` new tokens (C2's interval over prompts), or, when the verdict cannot read it (``why``),
+        the cheap ``speed_repeats`` measure."""
         cfg, stack, tokenizer = self.plan.cfg, self.stack, self.loaded.tokenizer
-        teacher = {p.name: result.tasks[p.name] for p in prepared if p.task.teacher_forced}
-        ruled_out = screen_of(teacher)
-        depths = set(result.depth_histogram())
-        why = ("full depth" if job.point.method == FULL else
-               "an ablation (not judged)" if job.kind == "ablation" else
-               f"violates {', '.join(c.metric for c in ruled_out)} (teacher forced)" if ruled_out else
-               "never exits" if depths and depths <= {stack.n_layers} else None)
         if why is None:
-            timed = point_speedup(stack, tokenizer, job.method, prepared, result, 1, cfg.speed_pairs,
-                                  cfg.speed_tokens)
+            timed = prompt_speedup(stack, tokenizer, job.method, prepared, result, cfg.speed_prompts,
+                                   cfg.speed_tokens)
         else:
             timed = point_speedup(stack, tokenizer, job.method, prepared, result, limit, cfg.speed_repeats)
         return {**timed, "speed_timing": "pairs" if why is None else f"cheap: {why}"}
+
+    def _not_timed(self, job: Job, forced: Evaluation, screen_of) -> str | None:
+        """Why the verdict cannot read this point's speed (None: it can, and is timed over prompts): full depth
+        itself, an ablation (one factor of one point, on a subset of domains: the verdict does not judge it), a
+        point a teacher-forced check rules out, and a point that never exits (it runs every layer and its probes:
+        it cannot be faster)."""
+        ruled_out = screen_of(forced.tasks)
+        depths = set(forced.depth_histogram())
+        return ("full depth" if job.point.method == FULL else
+                "an ablation (not judged)" if job.kind == "ablation" else
+                f"violates {', '.join(c.metric for c in ruled_out)} (teacher forced)" if ruled_out else
+                "never exits" if depths and depths <= {self.stack.n_layers} else None)

@@ -1,6 +1,13 @@
-"""A point's speed-up, timed where it runs: its generations alternate with full-depth generations of the same
-prompts in the same process, and the speed-up is the median of the paired tokens/s ratios; the pairs are kept
-(``speed_pairs``) so that the verdict can put a 95% interval on the speed-up (C2).
+"""A point's speed-up, timed where it runs, against full-depth generations of the same prompts in the same process.
+
+Two measures:
+
+- :func:`prompt_speedup` (C2): the unit of a speed-up is a distinct prompt — an adaptive method's speed-up is
+  what varies between inputs. Each of ``n`` prompts is one pair (the point and full depth back to back; the point
+  goes first on half of the prompts), after one untimed warm-up generation of each; the pairs (``speed_pairs``)
+  give the verdict's 95% interval over prompts. The verdict reads at least ``MIN_SPEED_PROMPTS`` per domain
+- :func:`measure_speedup` (the figures' cheap measure): the median tokens/s ratio of a few alternating
+  generations of the same prompts, for points the verdict does not time.
 
 Timing each point against a full-depth run made in another process (at another time, under another load) turns a
 busy machine into a fake slow-down; pairing them in time cancels most of it. The load average around the
@@ -9,6 +16,7 @@ measurement is recorded beside it.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 from collections.abc import Sequence
@@ -22,17 +30,71 @@ def _tokens_per_s(out: Generation) -> float:
     return sum(len(row) for row in out.token_ids) / max(out.seconds, 1e-9)
 
 
+def _speed_prompts(prepared: Sequence, result) -> tuple | None:
+    """``(prepared task, (prompts, new tokens))`` of the first task with speed prompts, preferring one whose
+    generation ``result`` just made (fidelity); None when no task has any."""
+    found = [(p, p.task.speed_prompts(p.data, p.settings)) for p in prepared]
+    found = sorted([(p, f) for p, f in found if f], key=lambda pf: not result.generated.get(pf[0].name))
+    return found[0] if found else None
+
+
+def prompt_speedup(stack, tokenizer, method, prepared: Sequence, result, prompts: int,
+                   new_tokens: int) -> dict[str, Any]:
+    """C2's timing of a point: :func:`time_prompts` on the first ``prompts`` speed prompts of its first task that
+    has them (:func:`point_speedup` for how it is found), ``new_tokens`` each.
+
+    Raises:
+        ValueError: the task has fewer speed prompts than ``prompts`` (names both counts).
+    """
+    found = _speed_prompts(prepared, result)
+    if found is None:
+        return time_prompts(stack, tokenizer, method, [], new_tokens)
+    p, (have, _) = found
+    if len(have) < prompts:
+        raise ValueError(f"decode.speed_prompts = {prompts}, but task {p.name!r} has only {len(have)} prompts: "
+                         f"raise decode.tasks.{p.name}.prompts to at least {prompts}")
+    return time_prompts(stack, tokenizer, method, have[:prompts], new_tokens)
+
+
+def time_prompts(stack, tokenizer, method, prompts: Sequence[Sequence[int]], new_tokens: int) -> dict[str, Any]:
+    """One timed pair per prompt: ``method`` and full depth generate ``new_tokens`` from it back to back, the
+    method first on the even-numbered prompts, after one untimed warm-up generation of each on the first prompt.
+
+    Returns:
+        ``speedup`` (geometric mean of the per-prompt ratios method tokens/s ÷ full-depth tokens/s), the medians
+        ``speed_tokens_per_s`` and ``reference_tokens_per_s``, ``speed_pairs`` (per prompt ``[method tokens/s,
+        full-depth tokens/s]``), ``speed_unit`` (``prompt``), ``speed_new_tokens`` and ``load_avg`` (1-minute
+        load average, the larger of before and after). Values are None without prompts.
+    """
+    if not prompts:
+        return {"speedup": None, "speed_tokens_per_s": None, "reference_tokens_per_s": None, "speed_pairs": [],
+                "speed_unit": "prompt", "speed_new_tokens": None, "load_avg": None}
+    before = os.getloadavg()[0]
+    full = Full()
+    for m in (method, full):  # warm-up: caches, allocator, lazy initialisation — not a pair
+        generate(stack, tokenizer, [list(prompts[0])], m, new_tokens)
+    pairs = []
+    for i, prompt in enumerate(prompts):
+        order = (method, full) if i % 2 == 0 else (full, method)
+        tps = {id(m): _tokens_per_s(generate(stack, tokenizer, [list(prompt)], m, new_tokens)) for m in order}
+        pairs.append([tps[id(method)], tps[id(full)]])
+    logs = [math.log(a / b) for a, b in pairs]
+    return {"speedup": math.exp(sum(logs) / len(logs)),
+            "speed_tokens_per_s": statistics.median(a for a, _ in pairs),
+            "reference_tokens_per_s": statistics.median(b for _, b in pairs), "speed_pairs": pairs,
+            "speed_unit": "prompt", "speed_new_tokens": new_tokens, "load_avg": max(before, os.getloadavg()[0])}
+
+
 def point_speedup(stack, tokenizer, method, prepared: Sequence, result, limit: int | None,
                   repeats: int, new_tokens: int | None = None) -> dict[str, Any]:
     """:func:`measure_speedup` of a point on the speed prompts of its first task that has them (first ``limit``),
     preferring a task whose generation of them ``result`` (an :class:`~emad.evaluation.evaluate.Evaluation`) just
     made (fidelity): that generation is then the first sample. ``new_tokens``: generate that many instead of the
     task's own count (the generation already made is then not reused). No prompts: nothing measured."""
-    found = [(p, p.task.speed_prompts(p.data, p.settings)) for p in prepared]
-    found = sorted([(p, f) for p, f in found if f], key=lambda pf: not result.generated.get(pf[0].name))
-    if not found:
+    found = _speed_prompts(prepared, result)
+    if found is None:
         return measure_speedup(stack, tokenizer, method, [], 0, 0)
-    p, (prompts, own_tokens) = found[0]
+    p, (prompts, own_tokens) = found
     prompts = prompts[:limit]
     made = None if new_tokens else next((g for g in result.generated.get(p.name, [])
                                          if len(g.token_ids) == len(prompts)), None)
@@ -49,12 +111,12 @@ def measure_speedup(stack, tokenizer, method, prompts: Sequence[Sequence[int]], 
     Returns:
         ``speedup`` (median of the per-repeat ratios method tokens/s ÷ full-depth tokens/s), the medians
         ``speed_tokens_per_s`` and ``reference_tokens_per_s``, ``speed_repeats``, ``speed_pairs`` (per repeat,
-        ``[method tokens/s, full-depth tokens/s]``), ``speed_new_tokens``, and ``load_avg`` (1-minute load
+        ``[method tokens/s, full-depth tokens/s]``), ``speed_unit`` (``repeat``), ``speed_new_tokens``, and ``load_avg`` (1-minute load
         average, the larger of before and after). Values are None when ``repeats`` is 0.
     """
     if repeats == 0 or not prompts:
         return {"speedup": None, "speed_tokens_per_s": None, "reference_tokens_per_s": None, "speed_repeats": 0,
-                "speed_pairs": [], "speed_new_tokens": None, "load_avg": None}
+                "speed_pairs": [], "speed_unit": "repeat", "speed_new_tokens": None, "load_avg": None}
     before = os.getloadavg()[0]
     own, ref = [], []
     full = Full()
@@ -65,5 +127,5 @@ def measure_speedup(stack, tokenizer, method, prompts: Sequence[Sequence[int]], 
             (ref if m is full else own).append(_tokens_per_s(out))
     return {"speedup": statistics.median(a / b for a, b in zip(own, ref)),
             "speed_tokens_per_s": statistics.median(own), "reference_tokens_per_s": statistics.median(ref),
-            "speed_repeats": repeats, "speed_pairs": [[a, b] for a, b in zip(own, ref)],
+            "speed_repeats": repeats, "speed_pairs": [[a, b] for a, b in zip(own, ref)], "speed_unit": "repeat",
             "speed_new_tokens": new_tokens, "load_avg": max(before, os.getloadavg()[0])}

@@ -41,18 +41,23 @@ REPRODUCE = ("`dvc repro` rebuilds every stage from params.yaml (only what chang
 
 
 UNCERTAINTY_RULE = (
-    "Each check compares a point with full depth on the same units (perplexity windows, prompts, problems, items): "
-    "the change's 95% interval is a paired bootstrap (BCa) over those units, or exact (Clopper–Pearson on the "
-    "units where the two runs disagree) for accuracies. A check is *met* when the whole interval lies within the "
-    "tolerance, *violated* when it lies wholly beyond, *unresolved* when it straddles the tolerance or is n/a "
-    "(fewer than 2 units, or units without variation). C1 passes when some point with the required reduction has "
-    "every check met; it is falsified only when no such point is met or unresolved; otherwise it is unresolved at "
-    "this sample size. C2 reads a speed-up with a 95% interval (Student t on the log ratios of ≥ 5 timed pairs, "
-    "point and full depth alternating in one process, per domain): it passes when a point with every check met has "
-    "its whole interval at or above the gain, is falsified when every met-or-unresolved point that exits early has "
-    "its interval wholly below it, and is unresolved otherwise. Points a teacher-forced check rules out, and points "
-    "that never exit (they run every layer and their probes), keep one cheap timed pair for the figures. The "
-    "literal reading counts the points with a violated check.")
+    "Each check compares a point with full depth on the same units (perplexity windows, prompts, problems, items; a "
+    "point scored on fewer windows is compared with full depth on those): the change's 95% interval is a paired "
+    "bootstrap (BCa) over those units, or exact (Clopper–Pearson on the units where the two runs disagree) for "
+    "accuracies. When every paired unit is equal, the data rule out only a share of differing units above the exact "
+    "95% bound 1 − 0.025^(1/N) for 0 of N differing, N counted in the finest unit that can differ (tokens where a "
+    "task counts them): a 1-point tolerance needs N ≥ 368. A check is *met* when the whole interval (or that bound) "
+    "lies within the tolerance, *violated* when it lies wholly beyond, *unresolved* when it straddles the tolerance "
+    "or is n/a; a point that never exits is *identical by construction*. A check on fewer than 8 units is *not "
+    "counted (n < 8)*: it is shown, and enters no count, curve reading, verdict or metrics.json number. C1 passes "
+    "when some point with the required reduction has every counted check met; it is falsified only when no such "
+    "point is met or unresolved; otherwise it is unresolved at this sample size. C2 reads a speed-up with a 95% "
+    "interval over distinct prompts (≥ 8 per domain, one pair per prompt — point and full depth back to back in one "
+    "process, each first on half of them, after an untimed warm-up — Student t on the log ratios): it passes when a "
+    "point with every check met has its whole interval at or above the gain, is falsified when every "
+    "met-or-unresolved point that exits early has its interval wholly below it, and is unresolved otherwise. Points "
+    "a teacher-forced check rules out, and points that never exit (they run every layer and their probes), keep a "
+    "cheap timed pair for the figures. The literal reading counts the points with a violated check.")
 
 
 def _aside(checks) -> list[tuple[str, int]]:

@@ -21,10 +21,10 @@
   is unresolved at this sample size: no point is shown within the tolerances, none of the candidates is shown
   beyond them.
 - C2: each point that can decide it (no violated check, and it exits: a point that never exits runs every layer
-  and its probes) was timed in ≥ :data:`MIN_SPEED_PAIRS` alternating pairs against full depth in the decode
-  process (``cost.speed_pairs``); its speed-up over its domains per pair,
-  ``Σ_d (tokens_d / tps_full_d,i) / Σ_d (tokens_d / tps_d,i)``, gives a 95% interval (Student t on the log
-  ratios, :func:`emad.evaluation.intervals.ratio_interval`). Its speed state is met when the interval lies at or
+  and its probes) was timed on ≥ :data:`~emad.evaluation.checks.MIN_SPEED_PROMPTS` distinct prompts per domain,
+  one pair per prompt (point and full depth back to back in the decode process, each first on half of them,
+  ``cost.speed_pairs``); the per-prompt ratios of all its domains give a 95% interval over prompts (Student t on
+  the log ratios, :func:`emad.evaluation.intervals.ratio_interval`). Its speed state is met when the interval lies at or
   above ``1 + min_speed_gain``, violated when wholly below, unresolved otherwise. C2 passes when a met point has
   a met speed state; it is falsified when no met or unresolved point has a met or unresolved speed state;
   otherwise unresolved.
@@ -40,13 +40,12 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from emad.evaluation.checks import Check, Thresholds, build_check, combined_state
+from emad.evaluation.checks import MIN_SPEED_PROMPTS, Check, Thresholds, build_check, combined_state
 from emad.evaluation.identity import split_family
 from emad.evaluation.intervals import MET, UNRESOLVED, VIOLATED, Interval, floor_state, ratio_interval
 from emad.report.frontier import FULL, baselines, finite, point_label
 
 EPS = 1e-9
-MIN_SPEED_PAIRS = 5  # C2 reads a speed-up only from this many timed pairs per domain
 
 
 @dataclass
@@ -90,17 +89,18 @@ class PointAssessment:
         return self.state == MET
 
     def speed_state(self, floor: float) -> str | None:
-        """C2's state of this point's speed-up interval against ``floor`` (None: not timed in pairs)."""
+        """C2's state of this point's speed-up interval against ``floor`` (None: not timed over prompts)."""
         return None if self.speed is None else floor_state(self.speed, floor)
 
     def speed_text(self) -> str:
-        """``1.62× (95% CI 1.55 to 1.70, 5 pairs, load 1.9)``, or the one cheap measure when not timed in pairs."""
+        """``1.62× (95% CI 1.55 to 1.70, 16 prompts, load 1.9)``, or the cheap measure when not timed over
+        prompts."""
         if self.speed is None:
             return "n/a" if self.speedup is None else f"{self.speedup:.2f}× (one pair, not timed for C2)"
         ci = (f"95% CI {self.speed.lo:.2f} to {self.speed.hi:.2f}" if self.speed.defined
               else f"95% CI n/a: {self.speed.method.removeprefix('undefined: ')}")
         load = f", load {self.load_avg:.1f}" if self.load_avg is not None else ""
-        return f"{self.speed.value:.2f}× ({ci}, {self.speed.n} pairs{load})"
+        return f"{self.speed.value:.2f}× ({ci}, {self.speed.n} prompts{load})"
 
     @property
     def worst(self) -> Check | None:
@@ -257,16 +257,14 @@ def _aggregate_speedup(runs: Sequence[dict], bases: Sequence[dict], weights: Seq
     return full_time / time if time > 0 else None
 
 
-def _pair_speed(runs: Sequence[dict], weights: Sequence[float]) -> Interval | None:
-    """The speed-up's interval from the runs' timed pairs (the i-th pair of every domain together), or None when a
-    run has fewer than :data:`MIN_SPEED_PAIRS` or the runs differ in their count."""
-    pairs = [r.get("cost", {}).get("speed_pairs") or [] for r in runs]
-    n = len(pairs[0])
-    if n < MIN_SPEED_PAIRS or any(len(p) != n for p in pairs):
+def _prompt_speed(runs: Sequence[dict]) -> Interval | None:
+    """The speed-up's 95% interval over the distinct prompts the runs were timed on (one pair per prompt, all
+    domains together), or None when a run was not timed over prompts or on fewer than
+    :data:`~emad.evaluation.checks.MIN_SPEED_PROMPTS`."""
+    costs = [r.get("cost", {}) for r in runs]
+    if any(c.get("speed_unit") != "prompt" or len(c.get("speed_pairs") or []) < MIN_SPEED_PROMPTS for c in costs):
         return None
-    ratios = [sum(w / p[i][1] for w, p in zip(weights, pairs)) / sum(w / p[i][0] for w, p in zip(weights, pairs))
-              for i in range(n)]
-    return ratio_interval(ratios)
+    return ratio_interval([own / ref for c in costs for own, ref in c["speed_pairs"]])
 
 
 def assess_point(runs: Sequence[dict], base: dict[tuple[str, str], dict], thr: Thresholds) -> PointAssessment:
@@ -283,7 +281,7 @@ def assess_point(runs: Sequence[dict], base: dict[tuple[str, str], dict], thr: T
                            [r["run_id"] for r in runs], [r["mlflow_run_id"] for r in runs if r.get("mlflow_run_id")],
                            flops, _aggregate_speedup(runs, bases, weights), checks,
                            {r["domain"]: r["cost"]["flops_ratio"] for r in runs}, first.get("curve"),
-                           first.get("knob"), first.get("value"), _pair_speed(runs, weights),
+                           first.get("knob"), first.get("value"), _prompt_speed(runs),
                            max((r["cost"]["load_avg"] for r in runs if finite(r.get("cost", {}).get("load_avg"))),
                                default=None))
 
@@ -355,7 +353,7 @@ def _c2(points: list[PointAssessment], thr: Thresholds) -> C2Result:
                                         "tolerances (every one violates a tolerance).")
     if not timed:
         return C2Result(FAIL, None, labels, "C2 fails (falsified): no point within (or possibly within) the "
-                        f"tolerances ({', '.join(labels + open_labels)}) was timed in {MIN_SPEED_PAIRS} pairs: the "
+                        f"tolerances ({', '.join(labels + open_labels)}) was timed on {MIN_SPEED_PROMPTS} distinct prompts per domain: the "
                         "decode stage times only the points that exit early (one that runs every layer and its "
                         "probes cannot be faster than full depth).", open_labels)
     p = max(timed, key=lambda p: (p.speed.value, p.label))

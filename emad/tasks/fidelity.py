@@ -22,7 +22,8 @@ def fidelity(stack: LayerStack, tokenizer, prompts: Sequence[Sequence[int]], met
     """Exact-match rate, mean tokens until first divergence, token agreement and ROUGE-L F1 vs full depth.
 
     ``samples`` holds them per prompt: exact match 0/1, tokens to divergence, ``[agreeing, compared]`` tokens
-    (token agreement = Σagreeing / Σcompared) and ROUGE-L F1.
+    (token agreement = Σagreeing / Σcompared) and ROUGE-L F1; ``finest_units`` counts the compared tokens for
+    exact match and ROUGE-L (when every prompt equals full depth's, so does every token).
 
     Args:
         reference: a full-depth :class:`~emad.decode.Generation` of the same prompts (computed when None).
@@ -49,4 +50,6 @@ def fidelity(stack: LayerStack, tokenizer, prompts: Sequence[Sequence[int]], met
             "token_agreement": agree / max(total, 1), "rouge_l": sum(rouge) / n,
             "flops_ratio": ours.cost_ratio(), "bytes_ratio": ours.cost_ratio(kind="bytes"),
             "samples": {"exact_match": exact, "tokens_to_divergence": diverge, "token_agreement": agreement,
-                        "rouge_l": rouge}}
+                        "rouge_l": rouge},
+            # a prompt's exact match and ROUGE-L equal full depth's (1) only when every generated token does
+            "finest_units": {"exact_match": total, "rouge_l": total}}

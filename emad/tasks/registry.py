@@ -73,7 +73,8 @@ class Task:
         raise NotImplementedError
 
     def fewer(self, requests: list[Request], tokens: int) -> list[Request]:
-        """The requests a method scored token by token scores when ``decode.unserved_tokens`` is set (all)."""
+        """The requests a method scored token by token scores when ``decode.unserved_tokens`` is set (all): always
+        the leading ones, so that full depth's results on the same units are its first ones."""
         return requests
 
     def reduce(self, stack, tokenizer, method, data, settings, scored: list[list[Scored]], sink: list,

@@ -1,0 +1,66 @@
+"""C2's timing: one pair per distinct prompt after an untimed warm-up, each side first on half of the prompts, the
+interval over prompts."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from emad.evaluation import speed
+from emad.evaluation.intervals import ratio_interval
+from emad.exits.criteria import Full
+
+PROMPTS = [[i, i + 1] for i in range(8)]
+NEW = 10
+
+
+def _stub(monkeypatch, seconds_of):
+    """``generate`` replaced by a stub whose time is ``seconds_of(prompt index, is_full)``; returns the calls."""
+    calls = []
+
+    def generate(stack, tokenizer, prompts, method, new_tokens):
+        (prompt,) = prompts
+        is_full = isinstance(method, Full)
+        calls.append((PROMPTS.index(prompt), "full" if is_full else "method"))
+        return SimpleNamespace(token_ids=[[0] * new_tokens], seconds=seconds_of(PROMPTS.index(prompt), is_full))
+
+    monkeypatch.setattr(speed, "generate", generate)
+    return calls
+
+
+def test_one_pair_per_prompt_after_a_warm_up_each_side_first_on_half(monkeypatch):
+    calls = _stub(monkeypatch, lambda i, full: 1.0 if full else 0.8)
+    out = speed.time_prompts(None, None, object(), PROMPTS, NEW)
+    assert calls[:2] == [(0, "method"), (0, "full")]  # the warm-up: one generation of each, not a pair
+    pairs = calls[2:]
+    assert len(pairs) == 16 and len(out["speed_pairs"]) == 8 and out["speed_unit"] == "prompt"
+    firsts = [pairs[2 * i][1] for i in range(8)]
+    assert firsts.count("method") == 4 and firsts.count("full") == 4
+    assert [pairs[2 * i][0] for i in range(8)] == list(range(8)) == [pairs[2 * i + 1][0] for i in range(8)]
+    assert out["speedup"] == pytest.approx(1.25)
+
+
+def test_the_interval_is_over_prompts_and_widens_with_a_slow_prompt(monkeypatch):
+    def even(i, full):
+        return 1.0 if full else 0.8 * (1 + 0.01 * (i % 3))
+
+    def one_slow(i, full):  # prompt 5: the method gains nothing there
+        return 1.0 if full else (1.0 if i == 5 else even(i, full))
+
+    _stub(monkeypatch, even)
+    steady = ratio_interval([a / b for a, b in speed.time_prompts(None, None, object(), PROMPTS, NEW)["speed_pairs"]])
+    _stub(monkeypatch, one_slow)
+    out = speed.time_prompts(None, None, object(), PROMPTS, NEW)
+    ratios = [a / b for a, b in out["speed_pairs"]]
+    assert ratios[5] == pytest.approx(1.0) and min(ratios[:5] + ratios[6:]) > 1.2
+    wide = ratio_interval(ratios)
+    assert wide.n == 8 and wide.hi - wide.lo > 3 * (steady.hi - steady.lo) and wide.lo < steady.lo
+
+
+def test_fewer_speed_prompts_than_asked_is_an_error_naming_both(monkeypatch):
+    _stub(monkeypatch, lambda i, full: 1.0)
+    task = SimpleNamespace(speed_prompts=lambda data, settings: (PROMPTS[:4], NEW))
+    prepared = [SimpleNamespace(name="fidelity", task=task, data=None, settings=None)]
+    with pytest.raises(ValueError, match=r"speed_prompts = 8, but task 'fidelity' has only 4 prompts"):
+        speed.prompt_speedup(None, None, object(), prepared, SimpleNamespace(generated={}), 8, NEW)
