@@ -539,3 +539,13 @@ def test_c2_follows_the_speed_interval_over_prompts():
     for r in repeats:  # repeats of one prompt measure timer jitter, not inputs: not read by C2
         r["cost"]["speed_unit"] = "repeat"
     assert verdict(repeats)["m"].c2.deciding is None
+
+
+def test_the_deciding_points_checks_come_with_their_exit_depth_histograms():
+    runs = full_runs() + point_runs("emad-a", flops=0.8, ppl=10.09, acc=0.492, tps=120)
+    for r in runs:
+        if r["point"] == "emad-a":
+            r["depth_histogram"] = {"21": 413, "27": 144, "30": 283}
+    md = report_markdown(runs, verdict(runs), {}, [])
+    assert "Checks of emad-a (deciding C1 and C2" in md
+    assert "exit depths on code (layer: tokens): 21: 413 (49%), 27: 144 (17%), 30: 283 (34%)" in md

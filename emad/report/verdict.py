@@ -68,6 +68,7 @@ class PointAssessment:
     value: float | None = None
     speed: Interval | None = None
     load_avg: float | None = None
+    depths: dict[str, dict[str, int]] = field(default_factory=dict)  # domain -> tokens per exit depth
 
     @property
     def reduction(self) -> float:
@@ -283,7 +284,8 @@ def assess_point(runs: Sequence[dict], base: dict[tuple[str, str], dict], thr: T
                            {r["domain"]: r["cost"]["flops_ratio"] for r in runs}, first.get("curve"),
                            first.get("knob"), first.get("value"), _prompt_speed(runs),
                            max((r["cost"]["load_avg"] for r in runs if finite(r.get("cost", {}).get("load_avg"))),
-                               default=None))
+                               default=None),
+                           {r["domain"]: r.get("depth_histogram") or {} for r in runs})
 
 
 def _by_reduction(points: list[PointAssessment]) -> list[PointAssessment]:
