@@ -549,3 +549,16 @@ def test_the_deciding_points_checks_come_with_their_exit_depth_histograms():
     md = report_markdown(runs, verdict(runs), {}, [])
     assert "Checks of emad-a (deciding C1 and C2" in md
     assert "exit depths on code (layer: tokens): 21: 413 (49%), 27: 144 (17%), 30: 283 (34%)" in md
+
+
+def test_a_check_on_one_unit_enters_no_curve_reading():
+    from emad.report.curves import model_curves
+
+    runs = full_runs() + point_runs("emad-a", flops=0.8, ppl=10.0, acc=0.3)
+    for r in runs:  # the point's fidelity rests on one prompt (it is far off full depth there)
+        if r["point"] == "emad-a":
+            r["tasks"]["fidelity"]["samples"]["token_agreement"] = [[30.0, 100]]
+    (curve,) = [c for c in model_curves(family_verdicts(runs)) if c.family == "emad"]
+    assert set(curve.metrics) == {"perplexity"}  # the fidelity check (n 1) is read nowhere
+    (point,) = curve.points
+    assert point.state == "met"

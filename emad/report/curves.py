@@ -174,7 +174,8 @@ class Curve:
 def _curve(cid: CurveId, target: float, assessed: Sequence[PointAssessment]) -> Curve:
     curve, domain = Curve.of(cid, target), cid.domain
     for p in assessed:
-        checks: list[Check] = p.checks if domain is None else [c for c in p.checks if c.domain == domain]
+        # only counted checks (≥ 8 units) enter a curve: one resting on fewer is no reading of it
+        checks: list[Check] = [c for c in p.checks if c.counted and (domain is None or c.domain == domain)]
         flops = p.flops_ratio if domain is None else p.flops_by_domain.get(domain)
         if flops is None or not checks:
             continue
