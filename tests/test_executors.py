@@ -16,7 +16,7 @@ DOMAINS = ("toy-a", "toy-b")
 DECODE = {
     "domains": {d: ["perplexity", "agreement", "fidelity"] for d in DOMAINS},
     "tasks": {"perplexity": {"tokens": 96, "window": 48, "prefix": 16},
-              "agreement": {"prompts": 2, "prompt_tokens": 12, "new_tokens": 6},
+              "agreement": {"prompts": 8, "prompt_tokens": 12, "new_tokens": 6},
               "fidelity": {"prompts": 8, "prompt_tokens": 12, "new_tokens": 6}},
     "baselines": {"full": {"method": "full"}, "fixed": {"method": "fixed", "depth": [2, 3]}},
     "points": {"emad": {"method": "emad", "margin": [0.0, 1.0], "strata": "none"}},
