@@ -33,6 +33,7 @@ from emad.evaluation.checks import Thresholds
 from emad.evaluation.config import DecodeConfig
 from emad.evaluation.decoder import Job, Outcome, Plan, Sources
 from emad.evaluation.executors import EXECUTORS, executor_name
+from emad.evaluation.provenance import check_mergeable
 from emad.evaluation.record import RunRecord
 from emad.io import atomic_write_text
 from emad.params import load_decode, load_section
@@ -139,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     run_units = EXECUTORS.get(executor_name(call.cfg.executor))
     outcomes = run_units(call, call.domains, call.cfg.workers)
     jobs = {job.label: job for job in call.jobs}
+    check_mergeable([(f"{unit[0].domain} on {unit[0].provenance.get('worker') or 'this process'}",
+                      unit[0].provenance) for unit in outcomes if unit])
     for per_domain in outcomes:  # only this process writes and logs, in unit order
         for outcome in per_domain:
             _write(args, call.cfg, jobs[outcome.label], outcome)
@@ -152,7 +155,7 @@ def _write(args, cfg: DecodeConfig, job: Job, out: Outcome) -> None:
         point=job.name, kind=job.kind, family=job.point.family, readout=job.point.readout,
         **cfg.curve_of(job.kind, job.name).model_dump(), options=job.point.options(), calibration=job.calibration,
         domain=out.domain, model_fingerprint=out.fingerprint, n_layers=out.n_layers, free_prompts=out.free_prompts,
-        method=out.method, **out.facts)
+        method=out.method, provenance=out.provenance, **out.facts)
     rid = record.run_id
     stage = "control_decode" if args.control else STAGES[job.kind]
     with tracking.stage_run(stage, record.mlflow_params(), {**record.mlflow_tags(), "worker": out.host},

@@ -96,6 +96,10 @@ def test_baseline_run_file_artifacts_and_mlflow(workspace, monkeypatch):
     assert runs.iloc[0]["metrics.quality.perplexity.perplexity.lo"] == pytest.approx(ppl["lo"])
     assert runs.iloc[0]["metrics.quality.perplexity.perplexity.n"] == ppl["n"]
     assert runs.iloc[0]["tags.mlflow.runName"] == "decode tiny full toy"
+    where = record["provenance"]  # where the unit was computed, in the run file and as MLflow tags
+    assert (where["device"], where["dtype"]) == ("cpu", "float32") and where["torch_threads"] >= 1
+    assert where["host"] and where["cpu"] and where["torch"] and where["code_revision"]
+    assert runs.iloc[0]["tags.provenance.dtype"] == "float32"
     assert {"params.family", "params.knob", "params.calibration", "params.domain"} <= set(runs.columns)
     assert not [c for c in runs.columns if c.startswith("params.") and runs.iloc[0][c] == "None"]
 
@@ -267,9 +271,14 @@ def test_a_swept_stage_writes_one_run_per_value_each_timed_against_full_depth_he
         ("conf_1000", "conf", "threshold", 1000.0)]
     for r in records:
         cost = r["cost"]
-        assert cost["speed_repeats"] == 2 and cost["reference_tokens_per_s"] > 0 and cost["speed_tokens_per_s"] > 0
+        assert cost["reference_tokens_per_s"] > 0 and cost["speed_tokens_per_s"] > 0
         assert cost["speedup"] > 0 and cost["load_avg"] is not None
-        assert r["free_prompts"] == 1 and r["tasks"]["fidelity"]["samples"]["exact_match"].__len__() == 1
+        if cost["speed_timing"] == "pairs":  # the screen keeps it: every prompt, timed on 8 distinct prompts
+            assert cost["speed_unit"] == "prompt" and len(cost["speed_pairs"]) == 8 and r["free_prompts"] is None
+            assert len(r["tasks"]["fidelity"]["samples"]["exact_match"]) == 8
+        else:  # ruled out or never exits: the cheap measure on the first prompt
+            assert cost["speed_timing"].startswith("cheap: ") and cost["speed_repeats"] == 2
+            assert r["free_prompts"] == 1 and len(r["tasks"]["fidelity"]["samples"]["exact_match"]) == 1
         assert 0 <= r["quality"]["agreement.token_agreement"] <= 1 and r["tasks"]["perplexity"]["tokens"] > 0
     # the higher the entropy threshold, the earlier tokens exit: cost falls along the curve
     flops = [r["cost"]["flops_ratio"] for r in records]

@@ -32,6 +32,7 @@ from emad.evaluation.operating_point import (
     profile_file,
     readout_path,
 )
+from emad.evaluation.provenance import provenance
 from emad.evaluation.record import profile_facts
 from emad.evaluation.speed import point_speedup, prompt_speedup
 from emad.exits.criteria import Full
@@ -100,7 +101,8 @@ class Plan:
 class Outcome:
     """What one job gave on one domain, as plain values: the model's and method's facts, its results, cost
     (speed-up included), depth histogram and heat-map inputs; the stage turns it into a run file, artifacts and an
-    MLflow run. ``host`` names the process that ran it (not part of the results)."""
+    MLflow run. ``host`` names the process that ran it (not part of the results); ``provenance`` says where and
+    how it was computed (:mod:`emad.evaluation.provenance`)."""
 
     label: str
     domain: str
@@ -115,6 +117,7 @@ class Outcome:
     free_prompts: int | None
     settings: dict[str, Any]
     host: str = ""
+    provenance: dict[str, Any] = field(default_factory=dict)
 
 
 class Decoder:
@@ -145,6 +148,7 @@ class Decoder:
     def run(self, domain: str, host: str = "") -> list[Outcome]:
         """Every job on ``domain``: the teacher-forced tasks of all of them in one pass, then each job's own."""
         cfg, stack, tokenizer, prepared = self.plan.cfg, self.stack, self.loaded.tokenizer, self.prepared[domain]
+        where = provenance(stack.device, stack.dtype, host)
         full = next((job for job in self.jobs if job.point.method == FULL), None)
         reference = full.label if full else REFERENCE  # full depth's teacher-forced results: the screen's reference
         methods = {job.label: job.method for job in self.jobs} | ({} if full else {REFERENCE: Full()})
@@ -173,7 +177,7 @@ class Decoder:
                         "device": cfg.device, "dtype": cfg.dtype}
             out.append(Outcome(job.label, domain, self.loaded.fingerprint.digest, stack.n_layers,
                                job.method.describe(), job.facts, result.tasks, cost, result.depth_histogram(), heat,
-                               limit, settings, host))
+                               limit, settings, host, where))
         return out
 
     def _speed(self, job: Job, prepared: list, result, limit: int | None, why: str | None) -> dict:

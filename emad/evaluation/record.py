@@ -55,6 +55,7 @@ class RunRecord(BaseModel):
     intervals: dict[str, dict[str, Any]] = {}  # per quality metric: lo, hi, n, method
     cost: dict[str, Any] = {}  # flops_ratio, bytes_ratio, mean_depth, speedup ... (None: not measured)
     depth_histogram: dict[str, int] = {}  # tokens per exit depth
+    provenance: dict[str, Any] = {}  # where and how it was computed (emad.evaluation.provenance)
     mlflow_run_id: str | None = None
 
     def with_results(self, tasks: dict[str, dict], cost: dict[str, Any], depth_histogram: dict[int, int],
@@ -139,9 +140,10 @@ class RunRecord(BaseModel):
 
     def mlflow_tags(self) -> dict[str, str]:
         """Tags that find the run: ``model_fingerprint``, ``run_id``, ``family``, ``profile_fingerprint`` (empty
-        without a profile), ``readout``."""
+        without a profile), ``readout``, and where it was computed as ``provenance.<key>``."""
         return {"model_fingerprint": self.model_fingerprint, "run_id": self.run_id, "family": self.family,
-                "profile_fingerprint": self.profile_fingerprint or "", "readout": self.readout}
+                "profile_fingerprint": self.profile_fingerprint or "", "readout": self.readout,
+                **{f"provenance.{k}": "" if v is None else str(v) for k, v in self.provenance.items()}}
 
     def mlflow_run_name(self) -> str:
         """``decode <model> <point> <domain>``, then ``cal <source>`` when calibrated."""

@@ -1,0 +1,79 @@
+"""Where and how a work unit was computed, and the rule for merging units.
+
+A unit's numbers depend on where it ran: ``device`` and ``dtype`` ``auto`` resolve per node, float32 rounding
+differs between CPU types, and the torch thread count changes the order of reductions. Each unit records
+:func:`provenance` beside its results (run files, MLflow tags); the stage's driver refuses to merge units whose
+:data:`MUST_AGREE` settings differ (:func:`check_mergeable`), so a mixed cluster cannot silently mix numbers
+computed differently. Host, worker and CPU model are recorded, not enforced: a CPU type's rounding is a finding to
+read, not a setting.
+"""
+
+from __future__ import annotations
+
+import platform
+import socket
+import sys
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+MUST_AGREE = ("device", "dtype", "torch_threads")  # settings every merged unit must share
+
+
+@lru_cache(maxsize=1)
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux, else :func:`platform.processor`)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _ray_node() -> str | None:
+    """The Ray node this process runs on, when it is a Ray worker (None otherwise)."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return None
+    return ray.get_runtime_context().get_node_id()
+
+
+def provenance(device: torch.device | str, dtype: torch.dtype | str, worker: str = "") -> dict[str, Any]:
+    """Where this process computes: ``host``, ``worker`` (as the executor names it), ``ray_node`` (None outside
+    Ray), the resolved ``device`` and ``dtype``, ``torch_threads``, ``cpu`` (model name), ``torch`` and
+    ``transformers`` versions and ``code_revision`` (the git commit, ``unknown`` outside a checkout)."""
+    import transformers
+
+    from emad.tracking import git_rev
+
+    return {"host": socket.gethostname(), "worker": worker, "ray_node": _ray_node(), "device": str(device),
+            "dtype": str(dtype).removeprefix("torch."), "torch_threads": torch.get_num_threads(),
+            "cpu": cpu_model(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "code_revision": git_rev()}
+
+
+def check_mergeable(units: Sequence[tuple[str, dict[str, Any]]]) -> None:
+    """Refuse to merge units computed under different settings.
+
+    Args:
+        units: ``(unit name, its provenance)`` per unit.
+
+    Raises:
+        ValueError: naming each :data:`MUST_AGREE` key whose values differ, with the units behind each value.
+    """
+    problems = []
+    for key in MUST_AGREE:
+        seen: dict[Any, list[str]] = {}
+        for name, prov in units:
+            seen.setdefault(prov.get(key), []).append(name)
+        if len(seen) > 1:
+            problems.append(f"{key}: " + "; ".join(f"{value} ({', '.join(names)})" for value, names in seen.items()))
+    if problems:
+        raise ValueError("the work units were computed under different settings and cannot be merged — "
+                         + " | ".join(problems) + ": give decode.device / decode.dtype explicitly and run every "
+                         "node with the same torch thread count (OMP_NUM_THREADS)")
