@@ -39,9 +39,10 @@ repro: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/dvc repro
 
 # A shared tracking store: PostgreSQL (data under .tracking/) + `mlflow server`; prints the MLFLOW_TRACKING_URI to
-# export (Ctrl-C stops both). Needs PostgreSQL's server binaries (apt-get install postgresql).
+# export (Ctrl-C or SIGTERM stops both). ARGS passes flags: ARGS=--detach (background), ARGS=--stop, ARGS="--host
+# 0.0.0.0" (other hosts; needs MLFLOW_TRACKING_USERNAME/PASSWORD). Needs PostgreSQL's server binaries.
 tracking-server: $(STAMP)
-	$(BIN)/python tools/tracking_server.py
+	$(BIN)/python tools/tracking_server.py $(ARGS)
 
 MLFLOW_PORT ?= 5000
 mlflow: $(STAMP)

@@ -3,7 +3,14 @@ model, whatever order the units are submitted in; bad executor names and unreach
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -24,6 +31,7 @@ DECODE = {
     "dtype": "float32",
 }
 TIMED = ("seconds", "per_s", "speed", "load_avg", "mlflow_run_id")  # keys whose values are timings or run ids
+WHERE = ("worker", "ray_node")  # provenance keys that say which process computed a unit
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +66,9 @@ def _args(root: Path, out: str) -> list[str]:
 
 
 def _untimed(value):
-    """``value`` without the keys whose values are timings or run ids."""
+    """``value`` without the keys whose values are timings, run ids or the process that computed it."""
     if isinstance(value, dict):
-        return {k: _untimed(v) for k, v in value.items() if not any(t in k for t in TIMED)}
+        return {k: _untimed(v) for k, v in value.items() if not any(t in k for t in TIMED) and k not in WHERE}
     if isinstance(value, list):
         return [_untimed(v) for v in value]
     return value
@@ -136,3 +144,134 @@ def test_an_unknown_executor_is_named_before_any_work(workspace, monkeypatch):
     with pytest.raises(ValueError, match=r"executor.*'dask'.*valid: ray, serial"):
         stage.main([*_args(workspace, "bad-params")[:-1], str(params)])
     assert not (workspace / "bad-env").exists() and not (workspace / "bad-params").exists()
+
+
+STUCK = """
+import os
+import time
+from pathlib import Path
+
+
+class Stuck:
+    \"\"\"A stand-in for the decode actor: unit ``slow*`` writes its pid into the folder and waits for minutes; unit
+    ``fail`` raises once ``slow`` is under way.\"\"\"
+
+    def __init__(self, folder, cwd, threads):
+        self.folder = Path(folder)
+
+    def run(self, index, domain):
+        if domain.startswith("slow"):
+            (self.folder / f"{domain}.pid").write_text(str(os.getpid()))
+            time.sleep(600)
+        deadline = time.monotonic() + 120
+        while not (self.folder / "slow.pid").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        raise RuntimeError("unit fail: broken on purpose")
+"""
+# the executor on Stuck actors in a process of its own, as a stage runs it: Ray started inside (RAY_ADDRESS unset)
+STUCK_STAGE = STUCK + """
+import sys
+
+import torch
+
+from emad.evaluation.executors import ray_executor
+
+torch.set_num_threads(1)  # one CPU per actor: both run at once on 2 CPUs
+ray_executor(sys.argv[1], sys.argv[2:], 2, actor=Stuck)
+"""
+
+
+def _gone(pid: int, timeout: float = 15) -> bool:
+    import psutil
+
+    try:
+        psutil.Process(pid).wait(timeout=timeout)
+    except psutil.NoSuchProcess:
+        pass
+    except psutil.TimeoutExpired:
+        return False
+    return True
+
+
+def test_a_failed_unit_ends_the_other_actors_at_once_and_is_raised(local_ray, tmp_path, monkeypatch):
+    """Unit ``slow`` would take minutes; unit ``fail`` raises once ``slow`` is under way: the executor raises that
+    error at once and the actor running ``slow`` is gone."""
+    import torch
+
+    from emad.evaluation.executors import ray_executor
+
+    namespace = {"__name__": "stuck"}  # a module no worker can import: Ray ships the class by value
+    exec(STUCK, namespace)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # one CPU per actor: both run at once on 2 CPUs
+    began = time.monotonic()
+    with pytest.raises(RuntimeError, match="broken on purpose"):
+        ray_executor(str(tmp_path), ["slow", "fail"], 2, actor=namespace["Stuck"])
+    assert time.monotonic() - began < 150
+    assert _gone(int((tmp_path / "slow.pid").read_text()))  # ray.kill ended it
+    assert local_ray.is_initialized()  # a Ray the executor did not start stays up
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _ray_processes(mark: str) -> list[str]:
+    """The live processes whose environment carries ``EMAD_RAY_MARK=mark`` (a stage's Ray inherits it)."""
+    import psutil
+
+    found = []
+    for process in psutil.process_iter(["name", "cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if process.environ().get("EMAD_RAY_MARK") == mark and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(" ".join(process.info["cmdline"] or [process.info["name"]])[:80])
+    return found
+
+
+def _no_ray_process_left(mark: str, timeout: float = 10) -> list[str]:
+    """What is left of the Ray marked ``mark`` after ``timeout`` s (processes signalled may take a moment)."""
+    deadline, left = time.monotonic() + timeout, _ray_processes(mark)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        left = _ray_processes(mark)
+    return left
+
+
+def _marked_env(tmp_path: Path, **extra: str) -> tuple[str, dict]:
+    mark = uuid.uuid4().hex
+    environ = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    return mark, {**environ, "EMAD_DECODE_EXECUTOR": "ray", "OMP_NUM_THREADS": "1", "EMAD_RAY_MARK": mark,
+                  "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", "HF_HUB_OFFLINE": "1", **extra}
+
+
+@pytest.mark.heavy
+def test_a_stage_that_started_ray_leaves_no_ray_process_when_it_finishes(workspace, tmp_path):
+    """``RAY_ADDRESS=local``: Ray started inside the decode stage; once the stage has exited, no process of it
+    (gcs_server, raylet, workers, agents) is left."""
+    mark, environ = _marked_env(tmp_path, RAY_ADDRESS="local")
+    done = subprocess.run([sys.executable, "pipeline/decode.py", *_args(workspace, "local")], cwd=ROOT, env=environ,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Started a local Ray instance" in done.stderr  # the stage's own Ray, not one joined
+    assert len(list((workspace / "local" / "runs").glob("*.json"))) == 5 * len(DOMAINS)
+    assert not _no_ray_process_left(mark)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("end", ["a failed unit", "SIGTERM"])
+def test_a_stage_that_started_ray_leaves_no_ray_process_when_it_fails(tmp_path, end):
+    """A unit that fails, or SIGTERM while two units are under way: the process exits (1, or 143) with every
+    actor ended and no process of the Ray it started left."""
+    mark, environ = _marked_env(tmp_path)
+    units = ["slow", "fail"] if end == "a failed unit" else ["slow", "slow-2"]
+    stage = subprocess.Popen([sys.executable, "-c", STUCK_STAGE, str(tmp_path), *units], cwd=ROOT, env=environ,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if end == "SIGTERM":
+        deadline = time.monotonic() + 300
+        while not all((tmp_path / f"{u}.pid").exists() for u in units) and time.monotonic() < deadline:
+            assert stage.poll() is None
+            time.sleep(0.1)
+        stage.send_signal(signal.SIGTERM)
+    log = stage.communicate(timeout=300)[0]
+    assert stage.returncode == (1 if end == "a failed unit" else 143), log[-3000:]
+    assert "Started a local Ray instance" in log
+    assert ("broken on purpose" in log) == (end == "a failed unit")
+    assert not _no_ray_process_left(mark), log[-3000:]

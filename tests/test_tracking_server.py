@@ -1,15 +1,27 @@
 """MLflow on a tracking server backed by PostgreSQL (tools/tracking_server.py, `make tracking-server`): eight
 processes opening the experiment at once on a fresh database make one experiment and eight runs; `dvc repro` of the
 tiny-model graph logs there and the store passes check_store. And a store that does not answer stops a stage before
-any work."""
+any work.
+
+The server's lifecycle: SIGTERM, SIGINT or SIGHUP stop the server (its process group) and PostgreSQL and free the
+port; a taken port is an error naming it (and our server's pid) before anything starts; `--stop` stops what
+`--detach` started. No open door: a host other than loopback needs credentials before anything starts, and a
+server with a login answers 401 without it and takes runs from a client that has it."""
 
 from __future__ import annotations
 
+import http.server
 import os
 import shutil
+import signal
+import stat
 import subprocess
 import sys
 import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -102,3 +114,174 @@ def test_a_tracking_store_that_does_not_answer_stops_a_stage_before_any_work(tmp
     assert f"decode: error: MLFLOW_TRACKING_URI={uri}: the tracking store does not answer" in done.stderr
     assert "make tracking-server" in done.stderr
     assert not (tmp_path / "runs").exists() and not (tmp_path / "art").exists()
+
+
+TOOL = [sys.executable, "tools/tracking_server.py"]
+LOGIN = {"MLFLOW_TRACKING_USERNAME": "emad-admin", "MLFLOW_TRACKING_PASSWORD": "not-a-default-password"}
+
+
+def _tool(*args: str, environ: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([*TOOL, *args], cwd=ROOT, env=environ or _without_login(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _without_login() -> dict:
+    return {k: v for k, v in os.environ.items() if k not in LOGIN}
+
+
+@pytest.mark.parametrize("args", [["--host", "0.0.0.0"], ["--host", "192.0.2.7"], ["--auth"]])
+def test_a_server_with_a_door_open_is_refused_before_anything_starts(tmp_path, args):
+    state = tmp_path / "state"
+    done = _tool("--dir", str(state), "--port", str(free_port()), *args, "--detach", timeout=60)
+    assert done.returncode == 1
+    assert "MLFLOW_TRACKING_USERNAME" in done.stderr and "MLFLOW_TRACKING_PASSWORD" in done.stderr
+    assert not state.exists()  # no PostgreSQL, no server, no files
+    short = _tool("--dir", str(state), *args, environ={**_without_login(), **LOGIN, "MLFLOW_TRACKING_PASSWORD": "x"},
+                  timeout=60)
+    assert short.returncode == 1 and "at least 12 characters" in short.stderr and not state.exists()
+
+
+class _Healthy(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 - http.server's name
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"OK")
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_port_another_program_holds_is_refused_before_anything_starts(tmp_path):
+    """Even when that program answers /health as an MLflow server would (an orphan, say)."""
+    other = http.server.HTTPServer(("127.0.0.1", 0), _Healthy)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    port = other.server_address[1]
+    try:
+        state = tmp_path / "state"
+        began = time.monotonic()
+        done = _tool("--dir", str(state), "--port", str(port), "--detach", timeout=60)
+        assert done.returncode == 1, done.stdout
+        assert f"port {port} on 127.0.0.1 is taken by another program" in done.stderr
+        assert "serving at" not in done.stdout and not state.exists()
+        assert time.monotonic() - began < 30
+    finally:
+        other.shutdown()
+        other.server_close()
+
+
+@pytest.fixture
+def state():
+    """A fresh folder for a server the test starts (the ``postgres`` user can reach it); stopped afterwards."""
+    from tools.tracking_server import pg_bin
+
+    pg_bin("initdb")
+    folder = Path(tempfile.mkdtemp(prefix="emad-lifecycle-"))
+    folder.chmod(0o755)
+    yield folder
+    _tool("--dir", str(folder), "--stop", timeout=120)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _serving(folder: Path) -> tuple[int, int]:
+    """The (pid, port) of the server the pid file in ``folder`` records."""
+    pid, port = (int(x) for x in (folder / "server.pid").read_text().split())
+    return pid, port
+
+
+def _all_stopped(folder: Path, pid: int, port: int) -> None:
+    """The server's process group, PostgreSQL and the port: all gone."""
+    from tools.tracking_server import port_taken, postgres_running
+
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pid, 0)
+    assert not postgres_running(folder / "postgres")
+    assert not port_taken("127.0.0.1", port)
+    assert not (folder / "server.pid").exists()
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=lambda s: s.name)
+def test_a_stop_signal_stops_the_server_and_postgresql_and_frees_the_port(state, stop):
+    port = free_port()
+    log = state / "foreground.log"
+    tool = subprocess.Popen([*TOOL, "--dir", str(state), "--port", str(port), "--pg-port", str(free_port())],
+                            cwd=ROOT, env=_without_login(), stdout=log.open("w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 240
+    while "serving at" not in log.read_text() and tool.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert tool.poll() is None, log.read_text()[-3000:]
+    pid, _ = _serving(state)
+    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10).close()
+    tool.send_signal(stop)
+    assert tool.wait(timeout=120) == 0, log.read_text()[-3000:]
+    assert f"{stop.name}: stopping" in log.read_text()
+    _all_stopped(state, pid, port)
+
+
+@pytest.mark.heavy
+def test_detach_serves_a_taken_port_names_our_pid_and_stop_stops_both(state):
+    port, pg_port = free_port(), free_port()
+    args = ["--dir", str(state), "--port", str(port), "--pg-port", str(pg_port)]
+    started = _tool(*args, "--detach")
+    assert started.returncode == 0, started.stderr
+    assert f"export MLFLOW_TRACKING_URI=http://127.0.0.1:{port}" in started.stdout
+    pid, recorded = _serving(state)
+    assert recorded == port
+    os.killpg(pid, 0)  # alive, after the command returned
+
+    again = _tool(*args, "--detach", timeout=60)
+    assert again.returncode == 1
+    assert f"port {port} is taken by the MLflow server of {state} (pid {pid})" in again.stderr
+    os.killpg(pid, 0)  # untouched
+
+    stopped = _tool("--dir", str(state), "--stop", timeout=120)
+    assert stopped.returncode == 0, stopped.stderr
+    assert f"stopped the MLflow server (pid {pid}, port {port})" in stopped.stdout
+    assert "stopped PostgreSQL" in stopped.stdout
+    _all_stopped(state, pid, port)
+    assert "no MLflow server" in _tool("--dir", str(state), "--stop", timeout=120).stdout
+
+
+LOG_ONE_RUN = """
+import mlflow
+mlflow.set_experiment("door")
+with mlflow.start_run(run_name="through the door") as run:
+    mlflow.log_metric("x", 1.0)
+print(run.info.run_id)
+"""
+
+
+@pytest.mark.heavy
+def test_a_server_with_a_login_refuses_requests_without_it_and_takes_runs_with_it(state, monkeypatch):
+    port = free_port()
+    started = _tool("--dir", str(state), "--port", str(port), "--pg-port", str(free_port()), "--auth", "--detach",
+                    environ={**_without_login(), **LOGIN})
+    assert started.returncode == 0, started.stderr
+    assert "login required" in started.stdout
+    ini = state / "auth" / "basic_auth.ini"
+    assert stat.S_IMODE(ini.stat().st_mode) == 0o600
+    uri = f"http://127.0.0.1:{port}"
+
+    search = f"{uri}/api/2.0/mlflow/experiments/search?max_results=1"
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(search, timeout=30)
+    assert refused.value.code == 401
+    urllib.request.urlopen(f"{uri}/health", timeout=30).close()  # what a stage checks first stays open
+
+    client = {**_without_login(), **LOGIN, "MLFLOW_TRACKING_URI": uri}
+    logged = subprocess.run([sys.executable, "-c", LOG_ONE_RUN], cwd=ROOT, env=client, capture_output=True,
+                            text=True, timeout=300)
+    assert logged.returncode == 0, logged.stderr[-3000:]
+    anonymous = subprocess.run([sys.executable, "-c", LOG_ONE_RUN], cwd=ROOT, timeout=300, capture_output=True,
+                               text=True, env={**_without_login(), "MLFLOW_TRACKING_URI": uri,
+                                               "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"})
+    assert anonymous.returncode != 0 and "401" in anonymous.stderr
+
+    import mlflow
+
+    for name, value in LOGIN.items():
+        monkeypatch.setenv(name, value)
+    run = mlflow.MlflowClient(tracking_uri=uri).get_run(logged.stdout.split()[-1])
+    assert run.info.run_name == "through the door" and run.info.status == "FINISHED"
+    assert run.data.metrics == {"x": 1.0}
+

@@ -3,34 +3,55 @@
 Starts PostgreSQL on a data directory under the project (``.tracking/postgres``, ignored by git; made with
 ``initdb`` on first use, run as the ``postgres`` user when started as root, which PostgreSQL refuses), creates the
 database ``mlflow``, and runs ``mlflow server`` on it with an artifact store (``.tracking/artifacts``, served by the
-server so that other hosts need no shared file system). It prints the ``MLFLOW_TRACKING_URI`` to export; every
-stage logs there, and ``dvc exp run`` on other hosts can too (``--host 0.0.0.0``). Ctrl-C stops the server;
-``--stop`` stops PostgreSQL.
+server so that other hosts need no shared file system). It prints the ``MLFLOW_TRACKING_URI`` to export.
 
     python tools/tracking_server.py                          # serve on 127.0.0.1:5001, PostgreSQL on 5433
     python tools/tracking_server.py --detach                 # start both in the background and return
     python tools/tracking_server.py --stop                   # stop both
 
+In the foreground, Ctrl-C, SIGTERM and SIGHUP stop the server (its whole process group) and PostgreSQL. A port
+that is taken is an error before anything starts. ``--detach`` returns once its own server process is alive and
+answers ``/health``; ``--stop`` stops the server the pid file (``.tracking/server.pid``) names and PostgreSQL.
+
+A server bound to anything but loopback (``--host 0.0.0.0``: other hosts) requires authentication: MLflow's
+``basic-auth`` app, with the admin user ``MLFLOW_TRACKING_USERNAME`` / ``MLFLOW_TRACKING_PASSWORD`` (the variables
+MLflow clients read); without them it refuses to start. ``--auth`` asks for the same on loopback.
+
 PostgreSQL's server binaries are a system package (Debian/Ubuntu: ``apt-get install postgresql``; they land in
-``/usr/lib/postgresql/<version>/bin``); without them this says so and exits 1. Standard library only (the server
-and its PostgreSQL driver, psycopg2, come with the project's dependencies).
+``/usr/lib/postgresql/<version>/bin``); without them this says so and exits 1. Standard library only (the server,
+its auth app and its PostgreSQL driver come with the project's dependencies).
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import glob
+import ipaddress
 import os
+import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 INSTALL = "install PostgreSQL's server binaries: `apt-get install postgresql` (Debian/Ubuntu) or your system's package"
+USER, PASSWORD = "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"  # what MLflow clients send
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class ServerError(Exception):
+    """A start or stop that cannot go on; the message says what to do."""
+
+
+class Stop(BaseException):
+    """A stop signal arrived (SIGTERM, SIGINT or SIGHUP) while the server starts or serves."""
 
 
 def pg_bin(name: str) -> str:
@@ -47,9 +68,16 @@ def _as_owner(cmd: list[str]) -> list[str]:
     return ["runuser", "-u", "postgres", "--", *cmd] if os.geteuid() == 0 else cmd
 
 
+def postgres_running(data: Path) -> bool:
+    """Whether a PostgreSQL serves the data directory ``data``."""
+    if not (data / "PG_VERSION").exists():
+        return False
+    return subprocess.run(_as_owner([pg_bin("pg_ctl"), "-D", str(data), "status"]), capture_output=True).returncode == 0
+
+
 def start_postgres(data: Path, port: int) -> str:
     """PostgreSQL on ``data`` (initialised on first use) listening on 127.0.0.1:``port`` with a database
-    ``mlflow``; returns its SQLAlchemy URI."""
+    ``mlflow``; returns its SQLAlchemy URI. Raises ServerError when ``port`` is taken by another program."""
     data.mkdir(parents=True, exist_ok=True)
     if os.geteuid() == 0:
         shutil.chown(data, "postgres")
@@ -57,8 +85,10 @@ def start_postgres(data: Path, port: int) -> str:
     if not (data / "PG_VERSION").exists():
         subprocess.run(_as_owner([pg_bin("initdb"), "-D", str(data), "-U", "emad", "--auth=trust", "-E", "UTF8"]),
                        check=True, stdout=subprocess.DEVNULL)
-    status = subprocess.run(_as_owner([pg_bin("pg_ctl"), "-D", str(data), "status"]), capture_output=True)
-    if status.returncode != 0:
+    if not postgres_running(data):
+        if port_taken("127.0.0.1", port):
+            raise ServerError(f"PostgreSQL's port {port} on 127.0.0.1 is taken by another program; choose another "
+                              f"with --pg-port")
         options = f"-p {port} -k {data} -c listen_addresses=127.0.0.1"
         subprocess.run(_as_owner([pg_bin("pg_ctl"), "-D", str(data), "-o", options, "-l", str(data / "server.log"),
                                   "-w", "start"]), check=True, stdout=subprocess.DEVNULL)
@@ -70,75 +100,296 @@ def start_postgres(data: Path, port: int) -> str:
     return f"postgresql+psycopg2://emad@127.0.0.1:{port}/mlflow"  # the driver the project installs
 
 
-def stop_postgres(data: Path) -> None:
-    if (data / "PG_VERSION").exists():
-        subprocess.run(_as_owner([pg_bin("pg_ctl"), "-D", str(data), "-m", "fast", "stop"]), check=False)
+def stop_postgres(data: Path) -> bool:
+    """Stop the PostgreSQL serving ``data``; whether one was running."""
+    if not postgres_running(data):
+        return False
+    subprocess.run(_as_owner([pg_bin("pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"]), check=False,
+                   stdout=subprocess.DEVNULL)
+    return True
 
 
-def server_command(store: str, artifacts: Path, host: str, port: int, workers: int) -> list[str]:
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is this machine only (127.0.0.0/8, ``localhost``, ``::1``)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: whatever it resolves to, other hosts may reach it
+
+
+def credentials(host: str, forced: bool) -> tuple[str, str] | None:
+    """The admin user and password the server requires, or None for an open server on loopback.
+
+    Raises:
+        ServerError: authentication is required (``host`` is not loopback, or ``forced``) and
+            ``MLFLOW_TRACKING_USERNAME`` / ``MLFLOW_TRACKING_PASSWORD`` are not both set, or the password is
+            shorter than MLflow accepts.
+    """
+    if not forced and is_loopback(host):
+        return None
+    user, password = os.environ.get(USER, ""), os.environ.get(PASSWORD, "")
+    why = "--auth" if forced else f"--host {host} lets other hosts in, so the server requires authentication"
+    if not user or not password:
+        raise ServerError(f"{why}: set {USER} and {PASSWORD} (the admin user the server creates on its first start "
+                          f"with authentication; MLflow clients read the same variables), then start again")
+    if len(password) < 12 or "\n" in password:
+        raise ServerError(f"{PASSWORD}: MLflow wants at least 12 characters on one line")
+    return user, password
+
+
+def write_auth_config(state: Path, user: str, password: str) -> Path:
+    """The basic-auth app's ini file (mode 0600: it holds the admin password) and its user store, under
+    ``state/auth``; returns the file's path, for ``MLFLOW_AUTH_CONFIG_PATH``."""
+    folder = state / "auth"
+    folder.mkdir(parents=True, exist_ok=True)
+    folder.chmod(0o700)  # the user store too is for the server's owner only
+    path = folder / "basic_auth.ini"
+    text = (f"[mlflow]\ndefault_permission = READ\ndatabase_uri = sqlite:///{folder / 'users.db'}\n"
+            f"admin_username = {user}\nadmin_password = {password.replace('%', '%%')}\n"
+            f"authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(fd, 0o600)  # an older file of wider mode, too
+        f.write(text)
+    return path
+
+
+def port_taken(host: str, port: int) -> bool:
+    """Whether something listens on ``host``:``port`` (this process cannot bind it, or a connection is answered)."""
+    address = "127.0.0.1" if host == "localhost" else host.strip("[]")
+    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed socket's TIME_WAIT is no owner
+        try:
+            s.bind((address, port))
+        except OSError:
+            return True
+    probe = "127.0.0.1" if address in ("0.0.0.0", "") else "::1" if address == "::" else address
+    try:
+        socket.create_connection((probe, port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def read_pid_file(path: Path) -> tuple[int, int] | None:
+    """The (pid, port) of the server the pid file records, when that server's process group still runs."""
+    try:
+        pid, port = (int(x) for x in path.read_text().split()[:2])
+    except (OSError, ValueError):
+        return None
+    return (pid, port) if _is_our_server(pid) else None
+
+
+def _group(pgid: int) -> list[str]:
+    """The command lines of the processes of process group ``pgid`` (Linux's /proc; elsewhere: empty)."""
+    lines = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            fields = Path(stat).read_text().rsplit(")", 1)[1].split()  # after "(comm)": state ppid pgrp ...
+            if int(fields[2]) == pgid:
+                lines.append(Path(stat).with_name("cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except (OSError, ValueError, IndexError):
+            continue
+    return lines
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _is_our_server(pgid: int) -> bool:
+    """Whether process group ``pgid`` is an ``mlflow server`` (not a process that reused a recorded pid)."""
+    if not _group_alive(pgid):
+        return False
+    members = _group(pgid)
+    return not Path("/proc").is_dir() or any("mlflow" in line for line in members)
+
+
+def stop_group(pgid: int, child: subprocess.Popen | None = None, timeout: float = 30.0) -> None:
+    """SIGTERM to process group ``pgid``, SIGKILL to what is left after ``timeout``; returns when it is gone
+    (``child``: the group's leader when it is this process's child, reaped here)."""
+    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if child is not None:
+                child.poll()  # a zombie leader still counts as a member of its group
+            if not _group_alive(pgid):
+                return
+            time.sleep(0.1)
+    if child is not None:
+        child.wait(timeout=10)
+
+
+def server_command(store: str, artifacts: Path, host: str, port: int, workers: int, auth: bool) -> list[str]:
     """``mlflow server`` on the PostgreSQL store, serving its artifacts (other hosts upload through it)."""
     mlflow = str(Path(sys.executable).with_name("mlflow"))
     return [mlflow, "server", "--backend-store-uri", store, "--artifacts-destination", str(artifacts),
-            "--serve-artifacts", "--host", host, "--port", str(port), "--workers", str(workers)]
+            "--serve-artifacts", "--host", host, "--port", str(port), "--workers", str(workers),
+            *(["--app-name", "basic-auth"] if auth else [])]
 
 
-def wait_healthy(uri: str, timeout: float = 120.0) -> None:
-    """Until ``<uri>/health`` answers (the server migrates a new database first)."""
+def wait_healthy(uri: str, server: subprocess.Popen, log: Path | None, timeout: float = 180.0) -> None:
+    """Until ``<uri>/health`` answers while ``server`` is alive (the server migrates a new database first).
+
+    Raises:
+        ServerError: ``server`` exited (its log's last lines in the message), or did not answer in ``timeout`` s.
+    """
     deadline = time.monotonic() + timeout
     while True:
+        if server.poll() is not None:
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:]) if log and log.exists() else ""
+            raise ServerError(f"mlflow server exited with code {server.returncode} before answering at {uri}"
+                              + (f"; the end of {log}:\n{tail}" if tail else ""))
         try:
             urllib.request.urlopen(f"{uri}/health", timeout=5).close()
-            return
+            if server.poll() is None:
+                return
         except OSError:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{uri}: the tracking server did not answer within {timeout:.0f} s") from None
-            time.sleep(1)
+            pass
+        if time.monotonic() > deadline:
+            raise ServerError(f"{uri}: the tracking server did not answer within {timeout:.0f} s")
+        time.sleep(0.5)
+
+
+def check_login(uri: str, user: str, password: str) -> None:
+    """Raise ServerError when the server refuses the admin credentials (its user store has another password)."""
+    token = base64.b64encode(f"{user}:{password}".encode()).decode()
+    request = urllib.request.Request(f"{uri}/api/2.0/mlflow/experiments/search?max_results=1",
+                                     headers={"Authorization": f"Basic {token}"})
+    try:
+        urllib.request.urlopen(request, timeout=30).close()
+    except urllib.error.HTTPError as err:
+        raise ServerError(f"the server refuses {USER}={user} with {PASSWORD} (HTTP {err.code}): the admin user "
+                          f"exists in its user store with another password; use that one, or change it with "
+                          f"MLflow's update-password API") from err
+
+
+_held: list[str | None] = []  # non-empty: stop signals are noted after its first item, not raised
+
+
+def _on_stop(signum, frame) -> None:
+    for sig in STOP_SIGNALS:  # a second signal must not cut the stopping short
+        signal.signal(sig, signal.SIG_IGN)
+    if _held:
+        _held.append(signal.Signals(signum).name)
+        return
+    raise Stop(signal.Signals(signum).name)
+
+
+def stop(state: Path) -> int:
+    """``--stop``: the server the pid file names (its process group) and PostgreSQL; says what it stopped."""
+    pid_file, data = state / "server.pid", state / "postgres"
+    recorded = read_pid_file(pid_file)
+    if recorded:
+        stop_group(recorded[0])
+        print(f"tracking-server: stopped the MLflow server (pid {recorded[0]}, port {recorded[1]})")
+    else:
+        print(f"tracking-server: no MLflow server of {state} was running")
+    pid_file.unlink(missing_ok=True)
+    if stop_postgres(data):
+        print(f"tracking-server: stopped PostgreSQL ({data})")
+    else:
+        print(f"tracking-server: PostgreSQL of {state} was not running")
+    return 0
+
+
+def serve(args: argparse.Namespace, state: Path) -> int:
+    """Start PostgreSQL and the server; in the foreground serve until a stop signal, then stop both."""
+    pid_file, data = state / "server.pid", state / "postgres"
+    login = credentials(args.host, args.auth)  # every refusal comes before anything starts
+    if running := read_pid_file(pid_file):
+        pid, port = running
+        raise ServerError(f"port {port} is taken by the MLflow server of {state} (pid {pid}); `--stop` stops it"
+                          if port == args.port else f"the MLflow server of {state} runs already (pid {pid}, port "
+                          f"{port}); `--stop` stops it")
+    if port_taken(args.host, args.port):
+        raise ServerError(f"port {args.port} on {args.host} is taken by another program; choose another with --port")
+    pg_bin("initdb")  # missing binaries: FileNotFoundError with the install instruction
+    state.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_AUTH_ADMIN_")}  # the ini file decides
+    env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"
+    if login:
+        env["MLFLOW_AUTH_CONFIG_PATH"] = str(write_auth_config(state, *login))
+        env.setdefault("MLFLOW_FLASK_SERVER_SECRET_KEY", secrets.token_hex(32))  # the sign-up form's CSRF key
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host.strip("[]")
+    uri = f"http://{f'[{host}]' if ':' in host else host}:{args.port}"
+    log = state / "server.log" if args.detach else None
+    server, serving = None, False
+    previous = {sig: signal.signal(sig, _on_stop) for sig in STOP_SIGNALS}
+    try:
+        store = start_postgres(data, args.pg_port)
+        cmd = server_command(store, state / "artifacts", args.host, args.port, args.workers, bool(login))
+        out = log.open("ab") if log else None
+        _held.clear()
+        _held.append(None)  # a stop signal now waits until the server is started and recorded
+        try:
+            server = subprocess.Popen(cmd, env=env, start_new_session=True, stdin=subprocess.DEVNULL, stdout=out,
+                                      stderr=subprocess.STDOUT)
+            pid_file.write_text(f"{server.pid} {args.port}\n")
+        finally:
+            if out:
+                out.close()
+            pending = _held[1:]
+            _held.clear()
+        if pending:
+            raise Stop(pending[0])
+        wait_healthy(uri, server, log)
+        if login:
+            check_login(uri, *login)
+        print(f"MLflow on PostgreSQL ({store}) serving at {uri}{' (login required)' if login else ''}\n"
+              f"  export MLFLOW_TRACKING_URI={uri}", flush=True)
+        if args.detach:
+            serving = True
+            return 0
+        code = server.wait()
+        print(f"tracking-server: mlflow server exited with code {code}", file=sys.stderr)
+        return code or 1
+    except Stop as why:
+        print(f"tracking-server: {why}: stopping", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        if not serving:
+            for sig in STOP_SIGNALS:
+                signal.signal(sig, signal.SIG_IGN)
+            if server is not None:
+                stop_group(server.pid, server)
+            pid_file.unlink(missing_ok=True)
+            stop_postgres(data)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, default=ROOT / ".tracking", help="PostgreSQL data and artifacts")
-    parser.add_argument("--host", default="127.0.0.1", help="the server's address (0.0.0.0: other hosts)")
+    parser.add_argument("--host", default="127.0.0.1", help="the server's address (0.0.0.0: other hosts; needs "
+                                                            f"{USER} and {PASSWORD})")
     parser.add_argument("--port", type=int, default=5001, help="the tracking server's port")
     parser.add_argument("--pg-port", type=int, default=5433, help="PostgreSQL's port (127.0.0.1 only)")
-    parser.add_argument("--workers", type=int, default=2, help="the server's worker processes")
+    parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                        help="the server's worker processes (default: half the cores)")
+    parser.add_argument("--auth", action="store_true", help="require a login on loopback too")
     parser.add_argument("--detach", action="store_true", help="start in the background and return")
     parser.add_argument("--stop", action="store_true", help="stop the server and PostgreSQL")
     args = parser.parse_args(argv)
-    data, pid_file = args.dir.resolve() / "postgres", args.dir.resolve() / "server.pid"
-    if args.stop:
-        if pid_file.exists():
-            try:
-                os.killpg(int(pid_file.read_text()), signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            pid_file.unlink()
-        stop_postgres(data)
-        return 0
+    state = args.dir.resolve()
     try:
-        store = start_postgres(data, args.pg_port)
-    except FileNotFoundError as err:
-        print(f"tracking-server: {err}", file=sys.stderr)
+        return stop(state) if args.stop else serve(args, state)
+    except (ServerError, FileNotFoundError, subprocess.CalledProcessError) as err:
+        print(f"tracking-server: error: {err}", file=sys.stderr)
         return 1
-    uri = f"http://{'127.0.0.1' if args.host == '0.0.0.0' else args.host}:{args.port}"
-    cmd = server_command(store, args.dir.resolve() / "artifacts", args.host, args.port, args.workers)
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    server = subprocess.Popen(cmd, env=env, start_new_session=True,
-                              stdout=subprocess.DEVNULL if args.detach else None, stderr=subprocess.STDOUT)
-    pid_file.write_text(str(server.pid))
-    wait_healthy(uri)
-    print(f"MLflow on PostgreSQL ({store}) serving at {uri}\n  export MLFLOW_TRACKING_URI={uri}", flush=True)
-    if args.detach:
-        return 0
-    try:
-        return server.wait()
-    except KeyboardInterrupt:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait()
-        return 0
-    finally:
-        pid_file.unlink(missing_ok=True)
-        stop_postgres(data)
 
 
 if __name__ == "__main__":

@@ -3,19 +3,23 @@
 A unit is one eval domain with every job of the call (the one-pass sweep shares its teacher-forced pass across
 them). An executor takes the checked :class:`~emad.evaluation.decoder.Plan` and the units, and returns each unit's
 outcomes **in unit order**, whatever order they were submitted or finished in; only the stage's process (the
-driver) writes files and logs to MLflow. With ``ray``, ``ray.init()`` joins the cluster ``RAY_ADDRESS`` names, or
-starts Ray inside the stage when it is unset (not one already running on this host: ``RAY_ADDRESS=auto`` joins
-that); one actor per worker (``decode.workers``, default: one per GPU of the cluster, else 2) loads the model once
-and scores the units it is given (``num_gpus=1`` each when the cluster has GPUs; on CPUs each actor takes as many
-CPUs as the stage has torch threads and computes with that many, since CPU results depend on the thread count). A
-unit whose actor dies is retried on another (Ray's ``max_task_retries``); when none is left the stage fails before
-writing anything.
+driver) writes files and logs to MLflow. With ``ray``, ``ray.init()`` joins the cluster ``RAY_ADDRESS`` names,
+or starts Ray inside the stage when it is unset or ``local`` (not one already running on this host:
+``RAY_ADDRESS=auto`` joins that); one actor per worker (``decode.workers``, default: one per GPU of the cluster,
+else 2) loads the model once and scores the units it is given (``num_gpus=1`` each when the cluster has GPUs; on
+CPUs each actor takes as many CPUs as the stage has torch threads and computes with that many, since CPU results
+depend on the thread count). A unit whose actor dies is retried on that actor, restarted once (on another node
+when its own is lost); when it dies again the stage fails before writing anything. Whatever the outcome, the
+actors are ended (a failed unit ends the others at once) and a Ray the stage started is shut down before the
+executor returns or raises, SIGTERM included.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import threading
 from collections.abc import Callable, Sequence
 
 from emad.evaluation.decoder import Decoder, Outcome, Plan
@@ -62,28 +66,70 @@ class _Worker:
 
 
 def ray_executor(plan: Plan, units: Sequence[str], workers: int | None = None,
-                 order: Callable[[list[int]], list[int]] = lambda ix: ix) -> list[list[Outcome]]:
+                 order: Callable[[list[int]], list[int]] = lambda ix: ix, actor: type = _Worker
+                 ) -> list[list[Outcome]]:
     """The units on Ray actors (``order`` permutes the submission order: the outcome order never changes).
 
     Each actor takes the next unit when it finishes one; an actor with no unit left is ended, so that its CPU or
-    GPU is free for an actor restarted after its node was lost (its unit is retried there)."""
+    GPU is free for an actor restarted after its node was lost (its unit is retried there). Whatever the outcome
+    (a unit that fails, SIGTERM, Ctrl-C), every actor is ended before this returns or raises, and a Ray this call
+    started (or joined) is shut down (or left).
+
+    Args:
+        plan: the checked plan every actor builds its decoder from.
+        units: the eval domains, one unit each.
+        workers: how many actors (default: one per GPU of the cluster, else 2; never more than the units).
+        order: permutes the submission order (tests).
+        actor: the actor class, built as ``actor(plan, cwd, threads)`` with a method ``run(index, domain)``.
+
+    Returns:
+        Each unit's outcomes, in unit order.
+
+    Raises:
+        Exception: the first unit's error (a failed unit ends the other actors at once).
+    """
     import ray
     import torch
 
-    if not ray.is_initialized():
-        address = os.environ.get("RAY_ADDRESS")
-        _reachable(address)
-        ray.init(address=address or "local", log_to_driver=True,
-                 runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith(("HF_", "EMAD_"))}})
-    gpus = int(ray.cluster_resources().get("GPU", 0))
-    n = max(1, min(len(units), workers or gpus or 2))
-    threads = torch.get_num_threads()  # each actor computes with the stage's thread count: the same numbers
-    cpus = 1 if gpus else threads
-    largest = max((node["Resources"].get("CPU", 0) for node in ray.nodes() if node["Alive"]), default=0)
-    if cpus > largest:
-        raise ValueError(f"decode.executor ray: each actor needs {cpus} CPUs (the stage's torch threads), the "
-                         f"largest Ray node has {largest:g}; set OMP_NUM_THREADS={int(largest)} for the stage")
-    actor = ray.remote(num_cpus=cpus, num_gpus=1 if gpus else 0, max_restarts=1, max_task_retries=1)(_Worker)
+    owner = not ray.is_initialized()  # this call connects, so it disconnects (and a Ray it started, ends)
+    actors: set = set()
+    signals: list[int] = []
+    previous = _sigterm_as_exit(signals)
+    try:
+        if owner:
+            _init_ray(ray)
+            _sigterm_as_exit(signals)  # again: ray.init installs a handler of its own
+        gpus = int(ray.cluster_resources().get("GPU", 0))
+        n = max(1, min(len(units), workers or gpus or 2))
+        threads = torch.get_num_threads()  # each actor computes with the stage's thread count: the same numbers
+        cpus = 1 if gpus else threads
+        largest = max((node["Resources"].get("CPU", 0) for node in ray.nodes() if node["Alive"]), default=0)
+        if cpus > largest:
+            raise ValueError(f"decode.executor ray: each actor needs {cpus} CPUs (the stage's torch threads), the "
+                             f"largest Ray node has {largest:g}; set OMP_NUM_THREADS={int(largest)} for the stage")
+        # a unit whose actor is lost is retried until the actor is back (restarted once) or dead for good: a lost
+        # node's actor is "unavailable" until Ray declares the node dead, and a fixed count of retries is spent then
+        remote = ray.remote(num_cpus=cpus, num_gpus=1 if gpus else 0, max_restarts=1, max_task_retries=-1)(actor)
+        return _run_units(ray, remote, actors, plan, units, n, threads, order)
+    except SystemExit:
+        if signals:  # Ray's wait turns the exception a signal handler raises into SystemExit(1)
+            raise SystemExit(128 + signals[0]) from None
+        raise
+    finally:
+        for handle in actors:  # a failed unit, SIGTERM or Ctrl-C: the others stop now, not when their unit ends
+            try:
+                ray.kill(handle)
+            except Exception:  # noqa: BLE001 - already gone with its node, or Ray is down
+                pass
+        if owner:
+            ray.shutdown()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run_units(ray, remote, actors: set, plan: Plan, units: Sequence[str], n: int, threads: int,
+               order: Callable[[list[int]], list[int]]) -> list[list[Outcome]]:
+    """``n`` actors of ``remote`` (each added to ``actors`` while alive) through the units; outcomes in unit order."""
     queue, running = order(list(range(len(units)))), {}
 
     def submit(worker) -> None:
@@ -91,7 +137,9 @@ def ray_executor(plan: Plan, units: Sequence[str], workers: int | None = None,
         running[worker.run.remote(i, units[i])] = worker
 
     for _ in range(n):
-        submit(actor.options(scheduling_strategy="SPREAD").remote(plan, os.getcwd(), threads))
+        worker = remote.options(scheduling_strategy="SPREAD").remote(plan, os.getcwd(), threads)
+        actors.add(worker)
+        submit(worker)
     done: dict[int, list[Outcome]] = {}
     while running:
         (ready,), _ = ray.wait(list(running), num_returns=1)
@@ -102,15 +150,40 @@ def ray_executor(plan: Plan, units: Sequence[str], workers: int | None = None,
             submit(worker)
         else:
             ray.kill(worker)
+            actors.discard(worker)
     return [done[i] for i in range(len(units))]
 
 
 EXECUTORS.add("ray", ray_executor)
 
 
+def _init_ray(ray) -> None:
+    """Connect to the Ray ``RAY_ADDRESS`` names (unset or ``local``: start one in this process)."""
+    address = os.environ.get("RAY_ADDRESS")
+    _reachable(address)
+    ray.init(address=address or "local", log_to_driver=True,
+             runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith(("HF_", "EMAD_"))}})
+
+
+def _sigterm_as_exit(received: list[int]):
+    """Until restored, SIGTERM raises SystemExit(143) (once: a second one cannot cut the cleanup short), so the
+    executor's ``finally`` ends the actors and Ray; each signal is appended to ``received``. Returns the handler
+    to restore (None off the main thread, where no handler can be installed)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        received.append(signum)
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, handler)
+
+
 def _reachable(address: str | None, timeout: float = 5.0) -> None:
-    """Fail fast, naming ``RAY_ADDRESS``, when nothing listens at its ``host:port`` (``auto`` and unset pass)."""
-    if not address or address == "auto":
+    """Fail fast, naming ``RAY_ADDRESS``, when nothing listens at its ``host:port`` (``auto``, ``local`` and unset
+    pass)."""
+    if not address or address in ("auto", "local"):
         return
     host, _, port = address.split("://")[-1].rpartition(":")
     try:
