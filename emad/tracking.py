@@ -242,11 +242,22 @@ def _open(stage: str):
         experiment = _experiment(mlflow, (db.parent / "mlruns").resolve().as_uri() if db else None)
         mlflow.set_experiment(experiment_id=experiment.experiment_id)
         if experiment.tags.get(NOTE) != DESCRIPTION:  # new store, or one made before this text: say what it holds
-            mlflow.MlflowClient().set_experiment_tag(experiment.experiment_id, NOTE, DESCRIPTION)
+            _set_experiment_tag(mlflow, experiment.experiment_id, NOTE, DESCRIPTION)
         if KIND not in experiment.tags:  # the UI opens on the runs table, not on the GenAI trace overview
-            mlflow.MlflowClient().set_experiment_tag(experiment.experiment_id, KIND, "custom_model_development")
+            _set_experiment_tag(mlflow, experiment.experiment_id, KIND, "custom_model_development")
     _OPENED.add((uri, EXPERIMENT))
     return mlflow
+
+
+def _set_experiment_tag(mlflow, experiment_id: str, key: str, value: str) -> None:
+    """Set an experiment tag. Processes racing to set the same tag on a shared server collide in its database
+    (a duplicate key); the loser reads the tag back and accepts it when the winner wrote the same value."""
+    client = mlflow.MlflowClient()
+    try:
+        client.set_experiment_tag(experiment_id, key, value)
+    except mlflow.exceptions.MlflowException:
+        if client.get_experiment(experiment_id).tags.get(key) != value:
+            raise
 
 
 def _experiment(mlflow, artifact_location: str | None):
