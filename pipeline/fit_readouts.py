@@ -2,8 +2,8 @@
 
 Writes ``readouts.safetensors`` (translators, model fingerprint, layers) and ``metrics.json`` (per layer KL, top-1
 agreement with the final layer and perplexity on held-out tokens, for ``logit`` and ``tuned``; the training
-curve) into ``--out-dir``, and a figure. Runs as a plain process or data-parallel under
-``torchrun --nproc_per_node N pipeline/fit_readouts.py ...``.
+curve; each layer's best epoch, 0 for the identity) into ``--out-dir``, and a figure. Runs as a plain process or
+data-parallel under ``torchrun --nproc_per_node N pipeline/fit_readouts.py ...``.
 """
 
 from __future__ import annotations
@@ -61,14 +61,15 @@ def main(argv: list[str] | None = None) -> int:
             result.lens.save(args.out_dir / "readouts.safetensors")
             metrics = {"model": loaded.fingerprint.as_dict(), "corpus": corpus_hash, **facts,
                        "seconds": elapsed, "tokens_per_s": facts["tokens"] * len(result.history) / elapsed,
-                       "best_epoch": result.best_epoch, "history": result.history,
+                       "best_epoch": {str(k): v for k, v in result.best_epoch.items()}, "history": result.history,
                        "held_out": {r: {str(k): v for k, v in m.items()} for r, m in result.held_out.items()}}
             atomic_write_json(args.out_dir / "metrics.json", metrics)
             save_figure(readouts_figure(result.held_out, title=str(args.out_dir)), args.plot)
             for readout, per_layer in result.held_out.items():
                 for key in ("kl", "agreement", "perplexity"):
                     run.log_series(f"held_out.{readout}.{key}", {k: v[key] for k, v in per_layer.items()})
-            run.log_metrics({"seconds": elapsed, "best_epoch": result.best_epoch, "tokens": facts["tokens"]})
+            run.log_metrics({"seconds": elapsed, "epochs_run": len(result.history), "tokens": facts["tokens"],
+                             **{f"best_epoch.layer_{k}": v for k, v in result.best_epoch.items()}})
             run.log_dict(metrics["held_out"], "held_out.json")
             run.log_artifact(args.plot)
             deepest = max(facts["layers"])

@@ -1,6 +1,7 @@
 """Readouts (logit lens, tuned lens): identity translators ≡ the logit lens in every method, the translator's cost,
-fitting (KL falls; 2-process gradients ≡ 1-process), files, refusals, and every method's invariants under a
-tuned readout."""
+fitting (KL falls; each layer keeps its own best epoch, the identity where the state is the final one, never worse
+than the logit lens; early stopping; 2-process gradients ≡ 1-process), files, refusals, and every method's
+invariants under a tuned readout."""
 
 from __future__ import annotations
 
@@ -9,17 +10,20 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from emad.calibration import readout_fit
 from emad.calibration.calibrate import calibrate, windows
 from emad.calibration.profile import smooth
 from emad.calibration.readout_fit import Sample, batch_loss, collect, fit, split_windows, vocabulary_subset
 from emad.decode import Method, generate, score_adaptive
 from emad.engine.cost import CostModel
+from emad.engine.idle import append_idle_layers
 from emad.engine.stack import LayerStack
 from emad.exits.criteria import Confidence, Contrastive, Emad, Fixed, SoftmaxResponse
 from emad.exits.estimators import LowRank, Prune
 from emad.exits.readouts import LogitLens, ReadoutError, TunedLens, load_readout
 from emad.exits.strata import Strata
 from emad.methods import STRATEGIES
+from emad.report.readouts import layer_table
 from tests.tiny import VOCAB, TinyTokenizer, random_prompts, tiny_model
 
 TOK = TinyTokenizer()
@@ -228,10 +232,80 @@ def _sample(stack, seed: int, n: int = 6) -> Sample:
 def test_a_few_steps_lower_the_held_out_kl(stack, vocab_sample):
     train, held = _sample(stack, 1), _sample(stack, 2, 3)
     result = fit(stack, train, held, FINGERPRINT, epochs=3, lr=3e-3, batch_tokens=64, vocab_sample=vocab_sample)
-    assert result.best_epoch > 0
+    assert set(result.best_epoch) == {1, 2, 3} and all(epoch > 0 for epoch in result.best_epoch.values())
     for layer in (1, 2, 3):
         assert result.held_out["tuned"][layer]["kl"] < result.held_out["logit"][layer]["kl"]
     assert result.held_out["tuned"][4] == result.held_out["logit"][4]  # the final layer is the teacher itself
+
+
+def _zero(translator) -> bool:
+    return all(not bool(p.any()) for p in translator.parameters())
+
+
+def _idle() -> tuple[LayerStack, Sample, Sample]:
+    """The tiny model with 2 idle layers (5, 6 add exactly 0, so h_4 = h_5 = h_6) and its samples at 1..5."""
+    idle = LayerStack(append_idle_layers(tiny_model("llama"), 2))
+    return idle, *(collect(idle, random_prompts(n, [32], seed=s), [1, 2, 3, 4, 5], top_k=8) for n, s in ((6, 1), (3, 2)))
+
+
+@pytest.mark.parametrize("lr", [3e-3, 3e-2])
+def test_layers_whose_state_is_the_final_one_keep_the_identity_bit_for_bit(lr):
+    idle, train, held = _idle()
+    assert torch.equal(train.hidden[:, 3], train.final) and torch.equal(train.hidden[:, 4], train.final)
+    result = fit(idle, train, held, FINGERPRINT, epochs=4, lr=lr, batch_tokens=64, vocab_sample=24)
+    for layer in (4, 5):
+        assert _zero(result.lens.translators[layer]), layer
+        assert result.best_epoch[layer] == 0
+        assert result.held_out["tuned"][layer] == {**result.held_out["logit"][6], "kl": 0.0}
+        assert result.held_out["tuned"][layer]["agreement"] == 1.0
+    assert all(layer not in entry["held_out_kl"] for entry in result.history for layer in (4, 5))  # never trained
+    assert result.best_epoch[1] > 0  # the others did train
+
+
+@pytest.mark.parametrize("lr", [3e-3, 3e-2, 10.0])
+def test_the_tuned_readout_is_never_worse_than_the_logit_lens_on_held_out_tokens(stack, lr):
+    train, held = _sample(stack, 1), _sample(stack, 2, 3)
+    result = fit(stack, train, held, FINGERPRINT, epochs=4, lr=lr, batch_tokens=32, vocab_sample=24)
+    for layer in (1, 2, 3):
+        assert result.held_out["tuned"][layer]["kl"] <= result.held_out["logit"][layer]["kl"], layer
+        if result.best_epoch[layer] == 0:
+            assert _zero(result.lens.translators[layer])
+    if lr > 1:  # every step overshoots: no epoch beats the identity anywhere
+        assert result.best_epoch == {1: 0, 2: 0, 3: 0}
+        assert all(_zero(t) for t in result.lens.translators.values())
+
+
+def test_a_layer_whose_held_out_kl_rises_keeps_its_earlier_epoch(stack, monkeypatch):
+    train, held = _sample(stack, 1), _sample(stack, 2, 3)
+    real = readout_fit.held_out_kl
+    scripted = {2: [1e-3, 2e-3, 3e-3]}  # layer 2 after epochs 1, 2, 3; the other layers score for real
+    seen = {}
+
+    def scorer(stack, lens, sample, rows, chunk=512, layers=None):
+        scores = real(stack, lens, sample, rows, chunk, layers)
+        epoch = len(seen.setdefault("calls", [])) - 1  # call 0 scores the identity
+        seen["calls"].append({k: v.clone() for k, v in lens.translators[2].state_dict().items()})
+        for i, layer in enumerate(sample.layers if layers is None else layers):
+            if layer in scripted and epoch >= 0:
+                scores[i] = scripted[layer][epoch]
+        return scores
+
+    monkeypatch.setattr(readout_fit, "held_out_kl", scorer)
+    result = fit(stack, train, held, FINGERPRINT, epochs=3, lr=3e-3, batch_tokens=64, vocab_sample=None,
+                 patience=5)
+    assert result.best_epoch == {1: 3, 2: 1, 3: 3}
+    kept = result.lens.translators[2].state_dict()
+    assert all(torch.equal(kept[k], seen["calls"][1][k]) for k in kept)  # the translator held-out scored at epoch 1
+    assert not torch.equal(seen["calls"][1]["weight"], seen["calls"][3]["weight"])  # it did train on
+
+
+def test_fitting_stops_on_a_plateau(stack):
+    train, held = _sample(stack, 1), _sample(stack, 2, 3)
+    result = fit(stack, train, held, FINGERPRINT, epochs=40, lr=3e-2, batch_tokens=32, vocab_sample=24, patience=2)
+    assert len(result.history) < 40
+    last = {layer: max(e["epoch"] for e in result.history if layer in e["held_out_kl"]) for layer in (1, 2, 3)}
+    assert last == {layer: result.best_epoch[layer] + 2 for layer in (1, 2, 3)}  # 2 epochs without improvement
+    assert len(result.history) == max(last.values())  # and the fit ends when the last layer stops
 
 
 def test_fitting_is_seeded(stack):
@@ -295,6 +369,32 @@ def _worker(rank: int, init: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+def _idle_fit():
+    """Layers 4 and 5 are never trained, 1..3 stop on their own."""
+    return fit(*_idle(), FINGERPRINT, epochs=6, lr=3e-2, batch_tokens=64, vocab_sample=24, patience=1)
+
+
+def _fit_worker(rank: int, init: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        result = _idle_fit()
+        if rank == 0:
+            torch.save((result.lens.modules().state_dict(), result.best_epoch, len(result.history)), out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_two_process_fit_equals_a_one_process_fit(tmp_path):
+    out = tmp_path / "fit.pt"
+    mp.spawn(_fit_worker, args=(f"file://{tmp_path / 'rendezvous'}", str(out)), nprocs=2, join=True)
+    weights, best_epoch, epochs = torch.load(out)
+    one = _idle_fit()
+    assert (best_epoch, epochs) == (one.best_epoch, len(one.history)) and epochs < 6
+    for key, value in one.lens.modules().state_dict().items():
+        assert torch.allclose(weights[key], value, atol=1e-5, rtol=0), key
+
+
 def test_two_process_gradients_equal_one_process_gradients(tmp_path):
     out = tmp_path / "grads.pt"
     mp.spawn(_worker, args=(f"file://{tmp_path / 'rendezvous'}", str(out)), nprocs=2, join=True)
@@ -304,3 +404,10 @@ def test_two_process_gradients_equal_one_process_gradients(tmp_path):
     for key in one:
         assert torch.allclose(two[key], one[key], atol=1e-6, rtol=0), key
     assert any(float(g.abs().max()) > 0 for g in one.values())
+
+
+def test_the_report_shows_each_layers_best_epoch():
+    metrics = {"held_out": {r: {str(k): {"kl": 0.5, "agreement": 0.5, "perplexity": 9.0} for k in (3, 6, 9)}
+                            for r in ("logit", "tuned")}, "best_epoch": {"3": 7, "6": 0}}
+    rows = [line.split("|")[-2].strip() for line in layer_table(metrics).splitlines()[2:]]
+    assert rows == ["7", "0", "–"]  # layer 9 = L is never translated

@@ -75,21 +75,20 @@ class ReadoutsConfig(Section):
 
     Attributes:
         layers: translated layers, as ``calibrate.probe_layers`` (a list, or every k-th layer); L never is.
-        tokens: training tokens (the first of the calibration split).
+        tokens: training tokens (the calibration split's last ones before the held-out tokens).
         holdout: held-out tokens (the last of the split) for early stopping and the metrics.
         window: tokens per teacher-forcing window.
-        epochs: passes over the training tokens (early stopping after ``patience`` without improvement).
-        lr: learning rate at the first step; it falls linearly to 0 over ``epochs``.
-        optimizer: ``sgd`` (with Nesterov momentum when ``momentum`` > 0) or ``adam`` (``momentum`` is its β₁).
-        momentum: SGD momentum, or Adam's β₁.
-        weight_decay: L2 pull of A and b towards 0 (the identity).
+        epochs: at most this many passes over the training tokens, each followed by a held-out evaluation; every
+            layer keeps the epoch of its own lowest held-out KL (0: the identity) and stops after ``patience``
+            evaluations without improvement; fitting ends when all have stopped.
+        lr: Adam's learning rate at the first step; it falls linearly to 0 over ``epochs``.
         rank: translator rank r (A = U·Vᵀ); null = full rank (d × d).
         seed: seeds initialisation, batch order and vocabulary draws.
         batch_tokens: tokens per optimiser step.
         vocab_sample: uniform vocabulary draws per step for the KL, beside the teacher's ``top_k`` of each token
             (null = the full vocabulary: exact and about V / (sample + k·batch) times slower).
         top_k: teacher tokens per token always in the KL's vocabulary subset.
-        patience: epochs without held-out improvement before stopping.
+        patience: epochs without held-out improvement before a layer stops.
         source: the calibration source whose readouts serve points without a calibration (baselines, related).
         device, dtype: where and how the model runs.
     """
@@ -99,16 +98,13 @@ class ReadoutsConfig(Section):
     holdout: int = Field(1024, ge=16)
     window: int = Field(256, ge=2)
     epochs: int = Field(8, ge=1)
-    lr: float = Field(1e-3, gt=0)
-    optimizer: Literal["sgd", "adam"] = "sgd"
-    momentum: float = Field(0.9, ge=0, lt=1)
-    weight_decay: float = Field(0.0, ge=0)
+    lr: float = Field(2e-3, gt=0)
     rank: int | None = Field(None, ge=1)
     seed: int = 0
     batch_tokens: int = Field(256, ge=1)
     vocab_sample: int | None = Field(4096, ge=1)
     top_k: int = Field(32, ge=1)
-    patience: int = Field(2, ge=1)
+    patience: int = Field(3, ge=1)
     source: str = "stdlib-prose"
     device: str = "auto"
     dtype: str = "auto"

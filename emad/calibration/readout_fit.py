@@ -11,7 +11,8 @@ renormalised on it. Held-out metrics always use the full vocabulary.
 
 Data-parallel under ``torch.distributed``: every rank takes its share of each batch's tokens, the loss is
 normalised by the global batch size and gradients are all-reduced (summed), so a step equals the single-process
-step. Seeded; resumable from a per-epoch checkpoint.
+step. Each layer keeps the epoch of its own lowest held-out KL (the identity among the candidates) and stops on
+its own. Seeded; resumable from a per-epoch checkpoint.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import hashlib
 import io
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -91,18 +92,17 @@ def collect(stack: LayerStack, token_windows: Sequence[Sequence[int]], layers: S
     return Sample(torch.cat(hidden), torch.cat(final), torch.cat(top), torch.cat(targets), list(layers))
 
 
-def _logits(stack: LayerStack, x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-    """head(final_norm(x)) on the vocabulary subset ``rows`` (None: all of it), softcap applied: ``[n, |rows|]``."""
-    weight = stack.head.weight if rows is None else stack.head.weight[rows]
+def _logits(stack: LayerStack, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """head(final_norm(x)) through the head's rows ``weight`` ``[R, d]`` (all or a subset), softcap applied:
+    ``[n, R]``."""
     logits = stack.final_norm(x) @ weight.T
     if stack.softcap is not None:
         logits = torch.tanh(logits / stack.softcap) * stack.softcap
     return logits.float()
 
 
-def kl(teacher: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
-    """KL(softmax(teacher) ‖ softmax(student)) per row, nats: ``[n]``."""
-    logp = torch.log_softmax(teacher, -1)
+def kl(logp: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
+    """KL(p ‖ softmax(student)) per row, nats, from the teacher's log-probabilities ``logp``: ``[n]``."""
     return (logp.exp() * (logp - torch.log_softmax(student, -1))).sum(-1)
 
 
@@ -121,13 +121,13 @@ def batch_loss(stack: LayerStack, lens: TunedLens, part: Sample, rows: torch.Ten
     times ``scale`` (1/global batch × local tokens makes rank losses add up to the batch mean); also the per-layer
     KL sums ``[len(layers)]`` (detached)."""
     device = stack.device
-    sub = None if rows is None else rows.to(device)
+    weight = stack.head.weight if rows is None else stack.head.weight[rows.to(device)]  # [R, d], indexed once
     with torch.no_grad():
-        teacher = _logits(stack, part.final.to(device, stack.dtype), sub)  # [n, |rows|]
+        logp = torch.log_softmax(_logits(stack, part.final.to(device, stack.dtype), weight), -1)  # [n, R]
     per_layer = []
     for layer in part.layers if layers is None else layers:
         h = part.hidden[:, part.layers.index(layer)].to(device, torch.float32)  # [n, d]
-        per_layer.append(kl(teacher, _logits(stack, lens.translators[layer](h).to(stack.dtype), sub)).sum())
+        per_layer.append(kl(logp, _logits(stack, lens.translators[layer](h).to(stack.dtype), weight)).sum())
     sums = torch.stack(per_layer)  # [len(layers)]
     return sums.sum() * scale, sums.detach()
 
@@ -141,31 +141,45 @@ def held_out_kl(stack: LayerStack, lens: TunedLens, sample: Sample, rows: torch.
     return sums / len(sample)
 
 
+def _score(logits: torch.Tensor, logp: torch.Tensor, top1: torch.Tensor, tgt: torch.Tensor,
+           has: torch.Tensor) -> torch.Tensor:
+    """Sums over tokens of KL(final ‖ read), top-1 agreements and next-token NLL: ``[3]`` (float64, CPU)."""
+    logq = torch.log_softmax(logits, -1)  # [n, V]
+    nll = -logq.gather(-1, tgt[:, None])[:, 0]  # [n]
+    return torch.stack([(logp.exp() * (logp - logq)).sum(), (logits.argmax(-1) == top1).sum(),
+                        nll[has].sum()]).double().cpu()
+
+
 @torch.no_grad()
-def evaluate(stack: LayerStack, readout: Readout, sample: Sample, chunk: int = 256) -> dict[int, dict[str, float]]:
-    """Per layer (and L) read through ``readout``: mean KL to the final layer, top-1 agreement with it, and
-    perplexity of the next token, on the full vocabulary."""
+def evaluate(stack: LayerStack, readouts: Mapping[str, Readout], sample: Sample,
+             chunk: int = 256) -> dict[str, dict[int, dict[str, float]]]:
+    """Per readout and layer (and L): mean KL to the final layer, top-1 agreement with it, and perplexity of the next
+    token, on the full vocabulary. The final distribution is computed once per chunk, and states that two readouts
+    translate alike (an identity translator) are read out once: ``{name: {layer: metrics}}``."""
     device, layers = stack.device, sample.layers
-    totals = {layer: {"kl": 0.0, "agree": 0.0, "nll": 0.0} for layer in [*layers, stack.n_layers]}
+    sums = {name: {layer: torch.zeros(3, dtype=torch.float64) for layer in [*layers, stack.n_layers]}
+            for name in readouts}  # KL, agreements, NLL
     n, n_next = len(sample), int((sample.targets >= 0).sum())
     for i in range(0, n, chunk):
         part = sample.take(slice(i, i + chunk))
-        teacher = _logits(stack, part.final.to(device, stack.dtype), None)
-        top1 = teacher.argmax(-1)
-        has = part.targets >= 0
-        tgt = part.targets.clamp_min(0).to(device)
-        states = [readout.translate(part.hidden[:, p].to(device, torch.float32), layer).to(stack.dtype)
-                  for p, layer in enumerate(layers)]
-        for layer, logits in [*((ly, _logits(stack, x, None)) for ly, x in zip(layers, states)),
-                              (stack.n_layers, teacher)]:
-            t = totals[layer]
-            t["kl"] += float(kl(teacher, logits).sum())
-            t["agree"] += float((logits.argmax(-1) == top1).sum())
-            nll = -torch.log_softmax(logits, -1).gather(-1, tgt[:, None])[:, 0]
-            t["nll"] += float(nll[has.to(device)].sum())
-    return {layer: {"kl": t["kl"] / n, "agreement": t["agree"] / n,
-                    "perplexity": float(torch.exp(torch.tensor(t["nll"] / max(n_next, 1))))}
-            for layer, t in totals.items()}
+        teacher = _logits(stack, part.final.to(device, stack.dtype), stack.head.weight)  # [n, V]
+        given = (torch.log_softmax(teacher, -1), teacher.argmax(-1), part.targets.clamp_min(0).to(device),
+                 (part.targets >= 0).to(device))  # log p_L [n, V], its top-1 [n], next token [n], has one [n]
+        final = _score(teacher, *given)
+        for p, layer in enumerate(layers):
+            h, seen = part.hidden[:, p].to(device, torch.float32), []  # [n, d]; (state, its score)
+            for name, readout in readouts.items():
+                x = readout.translate(h, layer)
+                hit = next((got for y, got in seen if torch.equal(x, y)), None)
+                if hit is None:
+                    hit = _score(_logits(stack, x.to(stack.dtype), stack.head.weight), *given)
+                    seen.append((x, hit))
+                sums[name][layer] += hit
+        for name in readouts:
+            sums[name][stack.n_layers] += final
+    return {name: {layer: {"kl": float(t[0]) / n, "agreement": float(t[1]) / n,
+                           "perplexity": float(torch.exp(t[2] / max(n_next, 1)))} for layer, t in per.items()}
+            for name, per in sums.items()}
 
 
 @dataclass
@@ -186,53 +200,37 @@ class FitResult:
     best_epoch: dict[int, int] = field(default_factory=dict)
 
 
-OPTIMIZERS = ("sgd", "adam")
-
-
-def make_optimizer(params, name: str, lr: float, momentum: float, weight_decay: float) -> torch.optim.Optimizer:
-    """SGD with Nesterov momentum (``momentum`` > 0) or Adam (``momentum`` is β₁)."""
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0, weight_decay=weight_decay)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr, betas=(momentum, 0.999), weight_decay=weight_decay)
-    raise ValueError(f"readouts.optimizer must be one of {', '.join(OPTIMIZERS)}; got {name!r}")
-
-
 def fit(stack: LayerStack, train: Sample, held_out: Sample, fingerprint: dict, *, epochs: int = 8,
-        lr: float = 1.0, optimizer: str = "sgd", momentum: float = 0.9, weight_decay: float = 0.0,
-        rank: int | None = None, seed: int = 0, batch_tokens: int = 256, vocab_sample: int | None = 4096,
-        patience: int = 2, checkpoint: str | Path | None = None, meta: dict | None = None,
-        on_epoch: Callable[[dict], None] | None = None, on_batch: Callable[[int], None] | None = None) -> FitResult:
-    """Train translators at ``train.layers``; each layer keeps the epoch with its own lowest held-out KL.
+        lr: float = 2e-3, rank: int | None = None, seed: int = 0, batch_tokens: int = 256,
+        vocab_sample: int | None = 4096, patience: int = 2, checkpoint: str | Path | None = None,
+        meta: dict | None = None, on_epoch: Callable[[dict], None] | None = None,
+        on_batch: Callable[[int], None] | None = None) -> FitResult:
+    """Train translators at ``train.layers`` with Adam; each layer keeps the epoch of its own lowest held-out KL.
 
-    The identity (epoch 0) is every layer's first candidate: a layer whose held-out KL is 0 there (its state is the
-    final one) is never trained and keeps A = 0, b = 0 bit for bit. A layer stops training (its parameters get no
-    more updates) after ``patience`` epochs without a lower held-out KL; fitting ends when every layer has stopped or
-    after ``epochs``. The learning rate falls linearly from ``lr`` to 0 over the ``epochs`` budget. Last, a layer
-    whose kept translator reads worse than the logit lens on the full vocabulary is reset to the identity.
+    The identity (epoch 0) is every layer's first candidate; a layer whose held-out KL is 0 there (its state is the
+    final one) is never trained and keeps A = 0, b = 0 bit for bit. A layer stops (no more updates) after
+    ``patience`` epochs without a lower held-out KL; fitting ends when every layer has stopped or after ``epochs``.
+    The learning rate falls linearly from ``lr`` to 0 over the ``epochs`` budget. Last, a layer whose kept
+    translator reads worse than the logit lens on the full vocabulary is reset to the identity.
 
     Under ``torch.distributed`` every rank must hold the same ``train`` and ``held_out``; each takes tokens
     ``rank::world`` of every batch, gradients are summed across ranks and rank 0's held-out scores decide.
 
     Args:
-        epochs: at most this many passes over ``train``, with a held-out evaluation after each.
-        lr, optimizer, momentum, weight_decay: see :func:`make_optimizer`.
+        epochs: at most this many passes over ``train``, each followed by a held-out evaluation.
         rank: translator rank (None: full rank).
         batch_tokens: tokens per optimiser step (over all ranks).
         vocab_sample: uniform vocabulary draws per step for the subset KL (None: full vocabulary).
-        patience: epochs without improvement after which a layer stops.
         checkpoint: file for per-epoch progress; removed when fitting completes.
         on_epoch: called with each epoch's history entry; on_batch with the tokens of each step.
     """
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank_id = dist.get_rank() if dist.is_initialized() else 0
+    world, rank_id = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     torch.manual_seed(seed)
-    for p in stack.model.parameters():
-        p.requires_grad_(False)
+    stack.model.requires_grad_(False)
     lens = TunedLens.identity(train.layers, stack.config.hidden_size, fingerprint, rank, seed).to(
         stack.device, torch.float32)
     modules = lens.modules()
-    opt = make_optimizer(modules.parameters(), optimizer, lr, momentum, weight_decay)
+    opt = torch.optim.Adam(modules.parameters(), lr=lr)
     eval_rows = vocabulary_subset(held_out.top, stack.vocab_size, vocab_sample, torch.Generator().manual_seed(seed))
     initial = {layer: _copy_state(t) for layer, t in lens.translators.items()}
     start = _agreed(held_out_kl(stack, lens, held_out, eval_rows), stack.device, world).tolist()
@@ -240,41 +238,37 @@ def fit(stack: LayerStack, train: Sample, held_out: Sample, fingerprint: dict, *
              "best_epoch": dict.fromkeys(train.layers, 0), "best_state": dict(initial),
              "stale": dict.fromkeys(train.layers, 0),
              "active": [layer for layer, kl0 in zip(train.layers, start) if kl0 > 0]}  # KL 0 cannot improve
-    key = _key(fingerprint, train, held_out, epochs, lr, optimizer, momentum, weight_decay, rank, seed,
-               batch_tokens, vocab_sample, patience, world)
+    key = _key(fingerprint, train, held_out, epochs, lr, rank, seed, batch_tokens, vocab_sample, patience, world)
     ckpt = None if checkpoint is None else Path(f"{checkpoint}.rank{rank_id}" if world > 1 else checkpoint)
     _resume(ckpt, key, modules, opt, state)
-    n = len(train)
-    total_steps = epochs * -(-n // batch_tokens)
+    total_steps = epochs * -(-len(train) // batch_tokens)
     for epoch in range(state["epoch"] + 1, epochs + 1):
         active = state["active"]
         if not active:
             break
         gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-        order = torch.randperm(n, generator=gen)
-        sums, seen = torch.zeros(len(active), dtype=torch.float64), 0
-        for begin in range(0, n, batch_tokens):
+        order = torch.randperm(len(train), generator=gen)
+        sums = torch.zeros(len(active), dtype=torch.float64)  # [len(active)]
+        for begin in range(0, len(train), batch_tokens):
             batch = order[begin:begin + batch_tokens]
-            rows = vocabulary_subset(train.top[batch], stack.vocab_size, vocab_sample, gen)
             for group in opt.param_groups:
                 group["lr"] = lr * (1 - state["step"] / total_steps)
-            opt.zero_grad(set_to_none=True)  # stopped layers keep grad None: the optimiser skips them
+            opt.zero_grad(set_to_none=True)  # a stopped layer keeps grad None: Adam leaves it alone
+            rows = vocabulary_subset(train.top[batch], stack.vocab_size, vocab_sample, gen)
             loss, layer_sums = batch_loss(stack, lens, train.take(batch[rank_id::world]), rows, 1.0 / len(batch),
                                           active)
             loss.backward()
             if world > 1:
-                for p in modules.parameters():
-                    if p.grad is not None:
-                        dist.all_reduce(p.grad)
+                for p in (p for p in modules.parameters() if p.grad is not None):
+                    dist.all_reduce(p.grad)
                 dist.all_reduce(layer_sums)
             opt.step()
             state["step"] += 1
             sums += layer_sums.double().cpu()
-            seen += len(batch)
             if on_batch is not None:
                 on_batch(len(batch))
         scores = _agreed(held_out_kl(stack, lens, held_out, eval_rows, layers=active), stack.device, world)
-        entry = {"epoch": epoch, "train_kl": dict(zip(active, (sums / seen).tolist())),
+        entry = {"epoch": epoch, "train_kl": dict(zip(active, (sums / len(train)).tolist())),
                  "held_out_kl": dict(zip(active, scores.tolist()))}
         _keep_best(state, lens, epoch, entry["held_out_kl"], patience)
         state["history"].append(entry)
@@ -284,20 +278,27 @@ def fit(stack: LayerStack, train: Sample, held_out: Sample, fingerprint: dict, *
         _save_checkpoint(ckpt, key, modules, opt, state)
     for layer, saved in state["best_state"].items():
         lens.translators[layer].load_state_dict(saved)
-    logit_metrics, tuned_metrics = evaluate(stack, LogitLens(), held_out), evaluate(stack, lens, held_out)
-    for layer in train.layers:  # the subset KL chose; the full vocabulary has the last word
-        if tuned_metrics[layer]["kl"] > logit_metrics[layer]["kl"]:
-            log.warning("readout layer %d: the fitted translator reads worse than the logit lens on the full "
-                        "vocabulary; keeping the identity", layer)
-            lens.translators[layer].load_state_dict(initial[layer])
-            state["best_epoch"][layer] = 0
-            tuned_metrics[layer] = dict(logit_metrics[layer])
+    held = _never_worse(stack, lens, held_out, initial, state["best_epoch"])
     best = TunedLens({layer: t.to(torch.float32) for layer, t in lens.translators.items()}, fingerprint,
                      {**(meta or {}), "best_epoch": state["best_epoch"], "epochs_run": state["epoch"]})
     if ckpt is not None:
         ckpt.unlink(missing_ok=True)
-    return FitResult(best, {"logit": logit_metrics, "tuned": tuned_metrics}, state["history"],
-                     dict(state["best_epoch"]))
+    return FitResult(best, held, state["history"], dict(state["best_epoch"]))
+
+
+def _never_worse(stack: LayerStack, lens: TunedLens, held_out: Sample, initial: dict[int, dict],
+                 best_epoch: dict[int, int]) -> dict[str, dict[int, dict[str, float]]]:
+    """Held-out metrics of both readouts (:func:`evaluate`); a layer whose translator reads worse than the logit lens
+    on the full vocabulary (the subset KL chose it) goes back to the identity, ``best_epoch`` 0."""
+    held = evaluate(stack, {"logit": LogitLens(), "tuned": lens}, held_out)
+    for layer in lens.layers:
+        if held["tuned"][layer]["kl"] > held["logit"][layer]["kl"]:
+            log.warning("readout layer %d: the fitted translator reads worse than the logit lens on the full "
+                        "vocabulary; keeping the identity", layer)
+            lens.translators[layer].load_state_dict(initial[layer])
+            best_epoch[layer] = 0
+            held["tuned"][layer] = dict(held["logit"][layer])
+    return held
 
 
 def _keep_best(state: dict, lens: TunedLens, epoch: int, scores: dict[int, float], patience: int) -> None:
@@ -315,11 +316,10 @@ def _keep_best(state: dict, lens: TunedLens, epoch: int, scores: dict[int, float
 
 def _agreed(scores: torch.Tensor, device: torch.device, world: int) -> torch.Tensor:
     """Rank 0's held-out scores on every rank, so that all ranks keep and stop the same layers."""
-    if world == 1:
-        return scores
-    shared = scores.to(device)
-    dist.broadcast(shared, 0)
-    return shared.cpu()
+    if world > 1:
+        dist.broadcast(shared := scores.to(device), 0)
+        scores = shared.cpu()
+    return scores
 
 
 def _copy_state(module: torch.nn.Module) -> dict:
@@ -333,17 +333,14 @@ def _key(fingerprint, train, held_out, *settings) -> str:
 
 
 def _save_checkpoint(ckpt: Path | None, key: str, modules, optimizer, state: dict) -> None:
-    if ckpt is None:
-        return
-    buffer = io.BytesIO()
-    torch.save({"key": key, "modules": modules.state_dict(), "optimizer": optimizer.state_dict(), "state": state},
-               buffer)
-    atomic_write_bytes(ckpt, buffer.getvalue())
+    if ckpt is not None:
+        torch.save({"key": key, "modules": modules.state_dict(), "optimizer": optimizer.state_dict(),
+                    "state": state}, buffer := io.BytesIO())
+        atomic_write_bytes(ckpt, buffer.getvalue())
 
 
 def _resume(ckpt: Path | None, key: str, modules, optimizer, state: dict) -> None:
-    """Load a matching checkpoint (translators, optimiser, epoch, each layer's best so far); a damaged one is
-    ignored."""
+    """Load a matching checkpoint (translators, optimiser, each layer's best and state); ignore a damaged one."""
     if ckpt is None or not ckpt.is_file():
         return
     try:
@@ -408,8 +405,7 @@ def fit_texts(loaded, texts: Sequence[str], cfg, *, checkpoint: str | Path | Non
     train = collect(stack, train_w, layers, cfg.top_k)
     held = collect(stack, held_w, layers, cfg.top_k)
     fingerprint = loaded.fingerprint.as_dict()
-    result = fit(stack, train, held, fingerprint, epochs=cfg.epochs, lr=cfg.lr, optimizer=cfg.optimizer,
-                 momentum=cfg.momentum, weight_decay=cfg.weight_decay, rank=cfg.rank, seed=cfg.seed,
+    result = fit(stack, train, held, fingerprint, epochs=cfg.epochs, lr=cfg.lr, rank=cfg.rank, seed=cfg.seed,
                  batch_tokens=cfg.batch_tokens, vocab_sample=cfg.vocab_sample, patience=cfg.patience,
                  checkpoint=checkpoint, meta={"tokens": len(train), "holdout": len(held)}, on_epoch=on_epoch,
                  on_batch=on_batch)

@@ -15,15 +15,18 @@ TUNED = "tuned"
 
 
 def layer_table(fit: Mapping[str, Any]) -> str:
-    """One row per layer: held-out top-1 agreement with layer L, KL to it and perplexity, logit vs tuned."""
-    held = fit["held_out"]
+    """One row per layer: held-out top-1 agreement with layer L, KL to it and perplexity, logit vs tuned, and the
+    epoch whose translator the layer kept (0: the identity; – at L, which is never translated)."""
+    held, best = fit["held_out"], fit.get("best_epoch")
+    final = max(held["logit"], key=int)
     rows = []
     for layer in sorted(held["logit"], key=int):
         lo, tu = held["logit"][layer], held["tuned"][layer]
+        epoch = best.get(str(layer), best.get(int(layer))) if isinstance(best, Mapping) else best  # older: one epoch
         rows.append([str(layer), fmt(lo["agreement"]), fmt(tu["agreement"]), fmt(lo["kl"], ".2f"), fmt(tu["kl"], ".2f"),
-                     fmt(lo["perplexity"], ".4g"), fmt(tu["perplexity"], ".4g")])
+                     fmt(lo["perplexity"], ".4g"), fmt(tu["perplexity"], ".4g"), fmt(None if layer == final else epoch, "d")])
     return markdown_table(["layer", "agreement (logit)", "agreement (tuned)", "KL (logit)", "KL (tuned)",
-                           "perplexity (logit)", "perplexity (tuned)"], rows)
+                           "perplexity (logit)", "perplexity (tuned)", "best epoch"], rows)
 
 
 def _closest(v: ModelVerdict) -> str:
@@ -69,8 +72,8 @@ def readouts_markdown(fits: Mapping[str, Mapping[str, Any]], runs: Sequence[dict
     parts = ["Held-out tokens of the calibration split, read out at each layer through the final norm and head "
              "(`logit`) or through the fitted translator first (`tuned`). Agreement = top-1 equal to layer L's."]
     for name, fit in sorted(fits.items()):
-        parts += [f"### {name}: {fit['tokens']} training tokens, {len(fit['history'])} epochs "
-                  f"(best {fit['best_epoch']}), {fit['seconds']:.0f} s", layer_table(fit)]
+        parts += [f"### {name}: {fit['tokens']} training tokens, {len(fit['history'])} epochs, "
+                  f"{fit['seconds']:.0f} s", layer_table(fit)]
     bounds = oracle_bounds(runs)
     if bounds:
         rows = [[model, cal, fmt(ratio)] for model, per in bounds.items() for cal, ratio in per.items()]
