@@ -2,7 +2,9 @@
 value of one method knob (Learn then Test on held-out prompts), then an honest check of that value on fresh prompts.
 
 Writes ``<out>/<model>--<search>--cal-<calibration>.json`` per search (read by ``aggregate``) and logs one MLflow
-run each. One process serves every search: the model and the full-depth references are made once.
+run each. Each search is a work unit of the executor (``risk.executor`` or ``$EMAD_DECODE_EXECUTOR``: ``serial``,
+one process whose model and full-depth references serve every search, or ``ray``, the searches on actors); only
+this process writes and logs, in search order.
 """
 
 from __future__ import annotations
@@ -11,33 +13,18 @@ import argparse
 import hashlib
 from pathlib import Path
 
-import torch
-
 from emad import tracking
-from emad.decode import generate
-from emad.engine.models import load_model
-from emad.engine.stack import LayerStack
+from emad.evaluation.executors import EXECUTORS, executor_name
 from emad.evaluation.identity import point_folder
-from emad.evaluation.operating_point import build_method, readout_path
-from emad.evaluation.risk import control, prompt_losses
+from emad.evaluation.operating_point import readout_path
+from emad.evaluation.provenance import check_mergeable
 from emad.evaluation.risk_config import RiskConfig
-from emad.exits.criteria import Full
+from emad.evaluation.risk_search import RiskPlan, RiskWorker, SearchOutcome
 from emad.io import atomic_write_json
 from emad.params import load_section
 from emad.stage import run_stage
-from emad.tasks.registry import TASKS
 
 FORMAT, VERSION = "emad-risk", 1
-
-
-def split_prompts(cfg: RiskConfig, corpus: Path, tokenizer) -> tuple[list[list[int]], list[list[int]]]:
-    """Held-out and fresh prompts: disjoint, drawn by a seeded permutation of prompts spread over the eval split."""
-    fidelity = TASKS.get("fidelity")()
-    total = cfg.prompts + cfg.fresh_prompts
-    settings = fidelity.settings({"prompts": total, "prompt_tokens": cfg.prompt_tokens, "new_tokens": cfg.new_tokens})
-    prompts = fidelity.load(settings, corpus, tokenizer)
-    order = torch.randperm(total, generator=torch.Generator().manual_seed(0)).tolist()
-    return [prompts[i] for i in order[: cfg.prompts]], [prompts[i] for i in order[cfg.prompts:]]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,61 +46,43 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [name for name in names if name not in cfg.searches]
     if unknown:
         raise ValueError(f"unknown search {', '.join(map(repr, unknown))}; valid: {', '.join(cfg.searches) or 'none'}")
-    loaded = load_model(args.model_dir, device=cfg.device, dtype=cfg.dtype)
-    stack, tok = LayerStack(loaded.model), loaded.tokenizer
-    fingerprint = loaded.fingerprint.as_dict()
-    methods = {}  # (search, value) -> method: every one built (and checked) before any decoding
-    for name in names:
-        for value in cfg.searches[name].values:
-            point = cfg.searches[name].point_at(value)
-            methods[name, float(value)] = build_method(
-                point, stack.n_layers, fingerprint,
-                readout_path(args.profile, point.readout) if point.needs_profile else None,
-                readouts_path=args.readouts)
-    held, fresh = split_prompts(cfg, args.corpus, tok)
-    reference = generate(stack, tok, held, Full(), cfg.new_tokens).token_ids
-    truth = []  # full depth on the fresh prompts, made when a search first certifies a value
-    for name in names:
-        search = cfg.searches[name]
-
-        def losses(value: float, name=name) -> list[float]:
-            return prompt_losses(generate(stack, tok, held, methods[name, value], cfg.new_tokens).token_ids,
-                                 reference, cfg.loss)
-
-        params = {"risk": cfg.model_dump(exclude={"searches"}), "search": search.model_dump(), "model": args.model,
-                  "calibration": args.calibration}
-        rid = f"{args.model}--{point_folder(name, args.calibration)}"
-        profile = readout_path(args.profile, search.point_at(search.values[0]).readout)
-        profile_hash = hashlib.sha256(profile.read_bytes()).hexdigest()[:16] if profile.is_file() else ""
-        with tracking.stage_run("risk", params, {"model_fingerprint": loaded.fingerprint.digest,
-                                                 "profile_fingerprint": profile_hash, "run_id": rid},
-                                run_name=tracking.run_name("risk", args.model, name, args.calibration)) as run:
-            result = control(losses, search.knob, search.values, search.conservative, cfg.delta, cfg.epsilon,
-                             len(held), cfg.loss)
-            check = {}
-            if result.chosen is not None:
-                ours = generate(stack, tok, fresh, methods[name, result.chosen], cfg.new_tokens)
-                truth = truth or generate(stack, tok, fresh, Full(), cfg.new_tokens).token_ids
-                result.fresh_n = len(fresh)
-                result.fresh_risk = sum(prompt_losses(ours.token_ids, truth, cfg.loss)) / len(fresh)
-                result.fresh_holds = result.fresh_risk <= cfg.delta
-                check = {"fresh_flops_ratio": ours.cost_ratio(), "fresh_mean_depth":
-                         sum(map(sum, ours.depths)) / max(sum(map(len, ours.depths)), 1)}
-            record = {"format": FORMAT, "version": VERSION, "name": rid, "model": args.model, "search": name,
-                      "calibration": args.calibration, "domain": cfg.domain, "point": search.point,
-                      "method": search.point_at(search.values[0]).method, **result.as_dict(), **check,
-                      "mlflow_run_id": run.run_id}
-            for i, (risk, p) in enumerate(zip(result.risks, result.p_values)):
-                run.log_metrics({"risk.held_out": risk, "risk.p_value": p}, step=i)
-            run.log_metrics({k: float(v) for k, v in record.items() if k in ("chosen", "fresh_risk",
-                                                                              "fresh_flops_ratio") and v is not None})
-            out = args.out / f"{rid}.json"
-            atomic_write_json(out, record)
-            run.log_artifact(out)
-        print(f"risk: {rid}: {result.guarantee}" + (f"; fresh prompts: loss {result.fresh_risk:.3f} "
-                                                    f"({'holds' if result.fresh_holds else 'does not hold'})"
-                                                    if result.fresh_risk is not None else ""))
+    run_units = EXECUTORS.get(executor_name(cfg.executor, "risk.executor"))
+    plan = RiskPlan(cfg, tuple(names), args.model_dir, args.corpus, args.profile, args.readouts)
+    outcomes = run_units(plan, names, cfg.workers, actor=RiskWorker)
+    check_mergeable([(f"{o.name} on {o.provenance.get('worker') or 'this process'}", o.provenance)
+                     for o in outcomes])
+    for outcome in outcomes:  # only this process writes and logs, in search order
+        _write(args, cfg, outcome)
     return 0
+
+
+def _write(args, cfg: RiskConfig, out: SearchOutcome) -> None:
+    """One search: its result file and one MLflow run."""
+    search, result = cfg.searches[out.name], out.result
+    params = {"risk": cfg.model_dump(exclude={"searches", "executor", "workers"}), "search": search.model_dump(),
+              "model": args.model, "calibration": args.calibration}
+    rid = f"{args.model}--{point_folder(out.name, args.calibration)}"
+    profile = readout_path(args.profile, search.point_at(search.values[0]).readout)
+    profile_hash = hashlib.sha256(profile.read_bytes()).hexdigest()[:16] if profile.is_file() else ""
+    where = {f"provenance.{k}": "" if v is None else str(v) for k, v in out.provenance.items()}
+    with tracking.stage_run("risk", params, {"model_fingerprint": out.model_digest,
+                                             "profile_fingerprint": profile_hash, "run_id": rid, **where},
+                            run_name=tracking.run_name("risk", args.model, out.name, args.calibration)) as run:
+        record = {"format": FORMAT, "version": VERSION, "name": rid, "model": args.model, "search": out.name,
+                  "calibration": args.calibration, "domain": cfg.domain, "point": search.point,
+                  "method": search.point_at(search.values[0]).method, **result, **out.check,
+                  "provenance": out.provenance, "mlflow_run_id": run.run_id}
+        for i, (risk, p) in enumerate(zip(result["risks"], result["p_values"])):
+            run.log_metrics({"risk.held_out": risk, "risk.p_value": p}, step=i)
+        run.log_metrics({k: float(v) for k, v in record.items() if k in ("chosen", "fresh_risk",
+                                                                          "fresh_flops_ratio") and v is not None})
+        path = args.out / f"{rid}.json"
+        atomic_write_json(path, record)
+        run.log_artifact(path)
+    fresh = result.get("fresh_risk")
+    print(f"risk: {rid}: {result['guarantee']}" + (f"; fresh prompts: loss {fresh:.3f} "
+                                                  f"({'holds' if result['fresh_holds'] else 'does not hold'})"
+                                                  if fresh is not None else ""))
 
 
 if __name__ == "__main__":

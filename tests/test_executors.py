@@ -275,3 +275,32 @@ def test_a_stage_that_started_ray_leaves_no_ray_process_when_it_fails(tmp_path, 
     assert "Started a local Ray instance" in log
     assert ("broken on purpose" in log) == (end == "a failed unit")
     assert not _no_ray_process_left(mark), log[-3000:]
+
+
+RISK = {"domain": "toy-a", "calibration": "toy", "prompts": 4, "fresh_prompts": 2, "prompt_tokens": 8,
+        "new_tokens": 4, "delta": 0.3, "epsilon": 0.3, "loss": "agreement", "device": "cpu", "dtype": "float32",
+        "searches": {"margin": {"point": {"method": "emad", "strata": "none"}, "knob": "margin",
+                                "values": [10.0, 0.0]},
+                     "threshold": {"point": {"method": "confidence"}, "knob": "threshold", "values": [0.1, 5.0]}}}
+
+
+def test_the_risk_stage_writes_the_same_on_ray_as_serial(workspace, local_ray, monkeypatch):
+    """Each search is a unit: on Ray actors the result files equal the stage's own process's."""
+    import pipeline.risk as stage
+
+    params = workspace / "params-risk.yaml"
+    params.write_text(yaml.safe_dump({"risk": RISK}))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{workspace / 'mlflow.db'}")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    outs = {}
+    for executor in ("serial", "ray"):
+        monkeypatch.setenv("EMAD_DECODE_EXECUTOR", executor)
+        assert stage.main(["--model", "tiny", "--model-dir", str(workspace / "model"), "--corpus",
+                           str(workspace / "corpora" / "toy-a"), "--calibration", "toy", "--profile",
+                           str(workspace / "profile.json"), "--out", str(workspace / f"risk-{executor}"),
+                           "--params", str(params)]) == 0
+        outs[executor] = _outputs(workspace / f"risk-{executor}")
+    assert sorted(outs["serial"]) == ["tiny--margin--cal-toy.json", "tiny--threshold--cal-toy.json"]
+    assert outs["ray"] == outs["serial"]
+    record = json.loads((workspace / "risk-ray" / "tiny--margin--cal-toy.json").read_text())
+    assert record["provenance"]["ray_node"] and record["provenance"]["dtype"] == "float32"

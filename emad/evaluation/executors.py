@@ -1,7 +1,7 @@
-"""Who runs a decode call's work units: ``serial`` (the stage's own process, the default) or ``ray``.
+"""Who runs a stage's work units: ``serial`` (the stage's own process, the default) or ``ray``.
 
-A unit is one eval domain with every job of the call (the one-pass sweep shares its teacher-forced pass across
-them). An executor takes the checked :class:`~emad.evaluation.decoder.Plan` and the units, and returns each unit's
+A decode unit is one eval domain with every job of the call (the one-pass sweep shares its teacher-forced pass
+across them); a risk unit is one search (:mod:`emad.evaluation.risk_search`), run by the ``actor`` given. An executor takes the checked :class:`~emad.evaluation.decoder.Plan` and the units, and returns each unit's
 outcomes **in unit order**, whatever order they were submitted or finished in; only the stage's process (the
 driver) writes files and logs to MLflow. With ``ray``, ``ray.init()`` joins the cluster ``RAY_ADDRESS`` names,
 or starts Ray inside the stage when it is unset or ``local`` (not one already running on this host:
@@ -29,27 +29,30 @@ EXECUTORS: Registry[Callable] = Registry("decode executor")
 ENV = "EMAD_DECODE_EXECUTOR"  # overrides decode.executor (outputs are the same either way)
 
 
-def executor_name(configured: str) -> str:
-    """The executor a call uses: ``$EMAD_DECODE_EXECUTOR`` when set, else ``decode.executor``; checked."""
+def executor_name(configured: str, key: str = "decode.executor") -> str:
+    """The executor a call uses: ``$EMAD_DECODE_EXECUTOR`` when set, else ``configured`` (the params ``key``, named
+    in the error); checked."""
     name = os.environ.get(ENV) or configured
     if name not in EXECUTORS:
-        where = f"${ENV}" if os.environ.get(ENV) else "decode.executor"
+        where = f"${ENV}" if os.environ.get(ENV) else key
         raise ValueError(f"{where} = {name!r}: not a decode executor; valid: {', '.join(EXECUTORS.names())}")
     return name
 
 
-def serial(plan: Plan, units: Sequence[str], workers: int | None = None) -> list[list[Outcome]]:
-    """Every unit in this process, in order (the model loaded once)."""
-    decoder = Decoder(plan)
-    return [decoder.run(domain, socket.gethostname()) for domain in units]
+def worker_name() -> str:
+    """This process as a worker: its host, and under Ray ``host:pid node <id>``."""
+    import sys
 
-
-EXECUTORS.add("serial", serial)
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return socket.gethostname()
+    return f"{socket.gethostname()}:{os.getpid()} node {ray.get_runtime_context().get_node_id()[:12]}"
 
 
 class _Worker:
-    """A Ray actor's state: one :class:`Decoder` (the model loaded once per actor), built in the driver's working
-    directory (the plan's paths are relative to it; on a cluster it is a path every node mounts)."""
+    """A decode unit's worker (in the stage's process, or a Ray actor's state): one :class:`Decoder` (the model
+    loaded once per worker), built in the driver's working directory (the plan's paths are relative to it; on a
+    cluster it is a path every node mounts). Any ``actor`` an executor takes has this shape."""
 
     def __init__(self, plan: Plan, cwd: str, threads: int):
         import torch
@@ -59,10 +62,18 @@ class _Worker:
         self.decoder = Decoder(plan)
 
     def run(self, index: int, domain: str) -> tuple[int, list[Outcome]]:
-        import ray
+        return index, self.decoder.run(domain, worker_name())
 
-        node = ray.get_runtime_context().get_node_id()[:12]
-        return index, self.decoder.run(domain, f"{socket.gethostname()}:{os.getpid()} node {node}")
+
+def serial(plan, units: Sequence[str], workers: int | None = None, actor: type = _Worker) -> list:
+    """Every unit in this process, in order (one worker: the model loaded once)."""
+    import torch
+
+    worker = actor(plan, os.getcwd(), torch.get_num_threads())
+    return [worker.run(i, unit)[1] for i, unit in enumerate(units)]
+
+
+EXECUTORS.add("serial", serial)
 
 
 def ray_executor(plan: Plan, units: Sequence[str], workers: int | None = None,

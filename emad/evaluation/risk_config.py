@@ -57,6 +57,10 @@ class RiskConfig(Section):
         epsilon: ε in (0, 1), the probability that the guarantee fails.
         loss: ``agreement`` or ``exact``.
         searches: name → :class:`SearchConfig`.
+        executor: who runs the searches, one work unit each: ``serial`` (this process: the model and the full-depth
+            references made once for all) or ``ray`` (actors, :mod:`emad.evaluation.executors`);
+            ``$EMAD_DECODE_EXECUTOR`` overrides it. The outputs are the same either way.
+        workers: Ray actors (null: one per GPU of the cluster, else 2).
         device, dtype: where and how the model runs.
     """
 
@@ -70,6 +74,8 @@ class RiskConfig(Section):
     epsilon: float = Field(0.1, gt=0, lt=1)
     loss: str = "agreement"
     searches: dict[str, SearchConfig] = Field(default_factory=dict)
+    executor: str = "serial"
+    workers: int | None = Field(None, ge=1)
     device: str = "auto"
     dtype: str = "auto"
 
