@@ -41,17 +41,25 @@ _EXPORTS = {
     "emad.tasks.registry": ["TASKS"],
     "emad.evaluation.operating_point": ["PointConfig", "build_method"],
 }
-_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
-__all__ = sorted(_WHERE)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module 'emad' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_WHERE[name]), name)
-    globals()[name] = value
-    return value
+def lazy_exports(package: str, namespace: dict[str, Any], exports: dict[str, list[str]]):
+    """``(__all__, __getattr__, __dir__)`` for a package whose public names are imported on first use: each name
+    of ``exports`` (module → names) is looked up in its module when first asked for, then kept in ``namespace``
+    (the package's globals)."""
+    where = {name: module for module, names in exports.items() for name in names}
+
+    def getattr_(name: str) -> Any:
+        if name not in where:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(where[name]), name)
+        namespace[name] = value
+        return value
+
+    def dir_() -> list[str]:
+        return sorted([*namespace, *where])
+
+    return sorted(where), getattr_, dir_
 
 
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+__all__, __getattr__, __dir__ = lazy_exports("emad", globals(), _EXPORTS)

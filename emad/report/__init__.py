@@ -25,33 +25,31 @@ data, a matplotlib figure or text; nothing here reads run files or knows about r
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from emad import lazy_exports
 
 _EXPORTS = {
-    "emad.report.curves": ["AtFlops", "Curve", "CurvePoint", "at_flops", "domain_curves", "domain_shift_curves", "envelope", "largest_reduction", "model_curves"],
-    "emad.report.figures.frontier": ["domain_shift_figure", "overview_figure", "pareto_figure", "write_domain_shift_figure", "write_overview_figure", "write_pareto_figures"],
-    "emad.report.frontier": ["ParetoSeries", "baselines", "oracle_bounds", "oracle_flops_ratio", "pareto_data", "point_label", "speedup"],
-    "emad.report.render": ["metrics_summary", "report_markdown", "run_details"],
-    "emad.report.tables": ["ablation_markdown", "ablation_tables", "domain_shift_markdown", "domain_shift_table"],
-    "emad.report.verdict": ["C1Result", "C2Result", "Check", "CriterionResult", "ModelVerdict", "PointAssessment", "Thresholds", "families_of", "family_verdicts", "model_verdict"],
+    "emad.report.curves": [
+        "AtFlops", "Curve", "CurvePoint", "at_flops", "domain_curves", "domain_shift_curves", "envelope",
+        "largest_reduction", "model_curves"
+    ],
+    "emad.report.figures.frontier": [
+        "domain_shift_figure", "overview_figure", "pareto_figure", "write_domain_shift_figure",
+        "write_overview_figure", "write_pareto_figures"
+    ],
+    "emad.report.frontier": [
+        "ParetoSeries", "baselines", "oracle_bounds", "oracle_flops_ratio", "pareto_data", "point_label", "speedup"
+    ],
+    "emad.report.render": [
+        "metrics_summary", "report_markdown", "run_details"
+    ],
+    "emad.report.tables": [
+        "ablation_markdown", "ablation_tables", "domain_shift_markdown", "domain_shift_table"
+    ],
+    "emad.report.verdict": [
+        "C1Result", "C2Result", "Check", "CriterionResult", "ModelVerdict", "PointAssessment", "Thresholds",
+        "families_of", "family_verdicts", "model_verdict"
+    ],
 }
-_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
-__all__ = sorted(_WHERE)
-
-
 # ``verdict`` and ``frontier`` are submodules' names as well as functions: import those functions from their
 # modules (``from emad.report.verdict import verdict``), a lazily bound name would be the module.
-
-
-def __getattr__(name: str) -> Any:
-    """Each name is imported on first use, so a stage that needs one module of the report loads only that one."""
-    if name not in _WHERE:
-        raise AttributeError(f"module 'emad.report' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_WHERE[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+__all__, __getattr__, __dir__ = lazy_exports("emad.report", globals(), _EXPORTS)
