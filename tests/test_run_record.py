@@ -30,7 +30,8 @@ def _record(point: str, family: str, ppl: float, score: float, flops: float) -> 
     base = RunRecord(run_id=f"m--{point}--prose", model="m", point=point, kind="baseline", family=family,
                      readout="logit", curve=point, knob=None, value=None, options={"method": family},
                      calibration=None, domain="prose", model_fingerprint="abc", n_layers=30, free_prompts=None,
-                     method={"method": family}, profile_fingerprint=None, factors={}, oracle=None)
+                     method={"method": family}, profile_fingerprint=None, factors={}, oracle=None,
+                     provenance={"host": "h", "device": "cpu", "dtype": "float32", "ray_node": None})
     cost = {"flops_ratio": flops, "bytes_ratio": flops, "mean_depth": 30 * flops, "tokens": 1000.0,
             "seconds": 10.0, "tokens_per_s": 100.0, "speedup": None}
     return base.with_results(_tasks(ppl, score), cost, {30: 1000}, None)
@@ -72,7 +73,9 @@ def test_the_run_file_is_the_record(tmp_path):
 def test_the_record_gives_its_mlflow_tags_and_name():
     record = _record("full", "full", 10.0, 0.5, 1.0)
     assert record.mlflow_tags() == {"model_fingerprint": "abc", "run_id": "m--full--prose", "family": "full",
-                                    "profile_fingerprint": "", "readout": "logit"}
+                                    "profile_fingerprint": "", "readout": "logit", "provenance.host": "h",
+                                    "provenance.device": "cpu", "provenance.dtype": "float32",
+                                    "provenance.ray_node": ""}
     assert record.mlflow_run_name() == "decode m full prose"
     assert record.curve_id.family == "full" and record.curve_id.domain == "prose"
 

@@ -23,6 +23,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from emad.evaluation.decoder import Decoder, Outcome, Plan
+from emad.evaluation.provenance import ray_node
 from emad.registry import Registry
 
 EXECUTORS: Registry[Callable] = Registry("decode executor")
@@ -40,13 +41,9 @@ def executor_name(configured: str, key: str = "decode.executor") -> str:
 
 
 def worker_name() -> str:
-    """This process as a worker: its host, and under Ray ``host:pid node <id>``."""
-    import sys
-
-    ray = sys.modules.get("ray")
-    if ray is None or not ray.is_initialized():
-        return socket.gethostname()
-    return f"{socket.gethostname()}:{os.getpid()} node {ray.get_runtime_context().get_node_id()[:12]}"
+    """This process as a worker: its host, and in a Ray actor ``host:pid node <id>``."""
+    node = ray_node()
+    return socket.gethostname() if node is None else f"{socket.gethostname()}:{os.getpid()} node {node[:12]}"
 
 
 class _Worker:

@@ -35,12 +35,13 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
-def _ray_node() -> str | None:
-    """The Ray node this process runs on, when it is a Ray worker (None otherwise)."""
+def ray_node() -> str | None:
+    """The Ray node this process runs on when it is a Ray actor (None otherwise, the driver included)."""
     ray = sys.modules.get("ray")
     if ray is None or not ray.is_initialized():
         return None
-    return ray.get_runtime_context().get_node_id()
+    context = ray.get_runtime_context()
+    return context.get_node_id() if context.get_actor_id() is not None else None
 
 
 def provenance(device: torch.device | str, dtype: torch.dtype | str, worker: str = "") -> dict[str, Any]:
@@ -51,7 +52,7 @@ def provenance(device: torch.device | str, dtype: torch.dtype | str, worker: str
 
     from emad.tracking import git_rev
 
-    return {"host": socket.gethostname(), "worker": worker, "ray_node": _ray_node(), "device": str(device),
+    return {"host": socket.gethostname(), "worker": worker, "ray_node": ray_node(), "device": str(device),
             "dtype": str(dtype).removeprefix("torch."), "torch_threads": torch.get_num_threads(),
             "cpu": cpu_model(), "torch": torch.__version__, "transformers": transformers.__version__,
             "code_revision": git_rev()}
