@@ -277,9 +277,10 @@ def check_decode(raw, argv, mp):
 
 
 def check_risk(raw, argv, mp):
+    import emad.evaluation.risk_search as search
     import pipeline.risk as stage
 
-    _stops_at_decoding(stage, "generate", argv, mp)
+    _stops_at_decoding(stage, "generate", argv, mp, search)  # every search's methods are built first
 
 
 def check_aggregate(raw, argv, mp):
@@ -342,7 +343,8 @@ def built(workspace, graph) -> Counter:
         mp.chdir(workspace)
         mp.setattr(tracking, "stage_run", no_mlflow)
         mp.setattr(registry, "arc_items", arc_stand_in)
-        for stage in ("pipeline.calibrate", "pipeline.fit_estimators", "emad.evaluation.decoder", "pipeline.risk"):
+        for stage in ("pipeline.calibrate", "pipeline.fit_estimators", "emad.evaluation.decoder",
+                      "emad.evaluation.risk_search"):
             mp.setattr(f"{stage}.load_model", load_model_cached)
         for name, cmd in graph:
             argv = shlex.split(cmd)
