@@ -34,10 +34,11 @@ def _path(prefix: str, loc: tuple) -> str:
     return out
 
 
-def validate_section(name: str, raw: Any, model: type[S]) -> S:
-    """Validate ``raw`` (the section's dict) as ``model``; errors name ``name.key[i]``, the value and the rule."""
+def validate_section(name: str, raw: Any, model: type[S], context: dict | None = None) -> S:
+    """Validate ``raw`` (the section's dict) as ``model`` (``context``: pydantic's validation context); errors name
+    ``name.key[i]``, the value and the rule."""
     try:
-        return model.model_validate({} if raw is None else raw)
+        return model.model_validate({} if raw is None else raw, context=context)
     except ValidationError as err:
         lines = []
         for e in err.errors():

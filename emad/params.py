@@ -71,7 +71,7 @@ CONTROL_INHERITS = ("tasks", "heatmap_texts", "swept_prompts", "unserved_tokens"
                     "speed_tokens", "executor", "workers", "device", "dtype")  # ... and takes these from decode (its DVC params)
 
 
-def control_decode(raw: dict[str, Any]) -> DecodeConfig:
+def control_decode(raw: dict[str, Any], context: dict | None = None) -> DecodeConfig:
     """The control's decode section: ``control.decode`` over the keys of ``decode`` it inherits
     (:data:`CONTROL_INHERITS`; no ablations, no related methods). Errors name ``control.decode.<key>``."""
     own = (raw.get("control") or {}).get("decode") or {}
@@ -80,18 +80,23 @@ def control_decode(raw: dict[str, Any]) -> DecodeConfig:
         raise ConfigError(f"control.decode: give {', '.join(missing)} (the control's own; it inherits only "
                           f"decode.{', decode.'.join(CONTROL_INHERITS)})")
     base = {k: v for k, v in (raw.get("decode") or {}).items() if k in CONTROL_INHERITS}
-    return validate_section("control.decode", {**base, **own}, DecodeConfig)
+    return validate_section("control.decode", {**base, **own}, DecodeConfig, context)
 
 
-def load_decode(path: str | Path = "params.yaml", control: bool = False) -> DecodeConfig:
-    """The decode section (``control``: the control's, :func:`control_decode`) after checking the whole file."""
+def load_decode(path: str | Path = "params.yaml", control: bool = False, context: dict | None = None
+                ) -> DecodeConfig:
+    """The decode section (``control``: the control's, :func:`control_decode`) after checking the whole file;
+    ``context`` (``{"n_layers": L, "auto": {sweep: largest tau}}``) resolves its layers and ranges for one model
+    (:mod:`emad.evaluation.sweeps`)."""
     if not control:
-        return load_section("decode", DecodeConfig, path)
+        cfg = load_section("decode", DecodeConfig, path)
+        return cfg if context is None else validate_section("decode", read_params(path).get("decode"),
+                                                             DecodeConfig, context)
     validate_params(path)
     raw = read_params(path)
     if not raw.get("control"):
         raise ConfigError(f"params file {path}: no control section (control.model, control.source, control.decode)")
-    return control_decode(raw)
+    return control_decode(raw, context)
 
 
 def sections() -> dict[str, type[Section] | type[RootModel]]:

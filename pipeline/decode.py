@@ -16,9 +16,13 @@ the process that ran its unit). Every point's method is built and every domain's
 decoding, so bad input fails first.
 
 Per domain, the teacher-forced tasks (perplexity, agreement, cloze, choice ...) of every point are scored first,
-together (:func:`emad.evaluation.evaluate.score_all`: one sweep pass serves every point it can serve exactly);
-then each point runs its free-running tasks (the first ``decode.swept_prompts`` prompts for a swept point) and
-times its speed-up against full depth in this process (:mod:`emad.evaluation.speed`).
+together (:func:`emad.evaluation.evaluate.score_all`: one sweep pass serves every point it can serve exactly) —
+the screen: a screened sweep (a range or ``all``) is scored there at every value of its dense grid, and the values
+it keeps are chosen from those rows over every domain (:mod:`emad.evaluation.screen`; the rows are written to
+``<out>/screens/<sweep>.json``). Then each kept point runs its free-running tasks (none for a swept point a
+teacher-forced check rules out; the first ``decode.swept_prompts`` prompts for one that never exits) and times its
+speed-up against full depth in this process (:mod:`emad.evaluation.speed`). Layer fields relative to the model's
+depth (``0.7L``) and ``to: auto`` (the profile's largest τ) resolve here, for the model of ``--model-dir``.
 """
 
 from __future__ import annotations
@@ -33,9 +37,12 @@ from emad.evaluation.checks import Thresholds
 from emad.evaluation.config import DecodeConfig
 from emad.evaluation.decoder import Job, Outcome, Plan, Sources
 from emad.evaluation.executors import EXECUTORS, executor_name
+from emad.calibration.profile import Profile
+from emad.evaluation.operating_point import profile_file, readout_path
 from emad.evaluation.provenance import check_mergeable
 from emad.evaluation.record import RunRecord
-from emad.io import atomic_write_text
+from emad.evaluation.screen import ScreenRow, keep, screen_record
+from emad.io import atomic_write_json, atomic_write_text
 from emad.params import load_decode, load_section
 from emad.report.config import AggregateConfig
 from emad.report.heatmap import heatmap_html
@@ -112,9 +119,39 @@ def _calibrations(cfg: DecodeConfig, name: str, every: list[str], given: list[st
     return every if given or cfg.shifts(name) else [cfg.ablation_calibration]
 
 
+def n_layers_of(model_dir: str) -> int:
+    """The depth L of the prepared model in ``model_dir`` (its config; the weights are not loaded)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir).get_text_config().num_hidden_layers
+
+
+def largest_tau(cfg: DecodeConfig, args: argparse.Namespace, every: list[str]) -> dict[str, float]:
+    """Each screened sweep with ``to: auto`` → the largest τ of the profiles it runs with (its readout and strata,
+    every calibration source it runs with), so that one grid serves all of them."""
+    out = {}
+    for name, screen in cfg.screens.items():
+        point = getattr(cfg, screen.table)[name]
+        if not point.needs_profile or args.profile is None:
+            continue
+        for cal in _calibrations(cfg, name, every, args.calibration):
+            path = profile_file(readout_path(args.profile.replace("{calibration}", cal), point.readout), point.strata)
+            if not path.is_file():
+                raise FileNotFoundError(f"decode.{screen.table}.{name}.{screen.knob}: to: auto reads the profile "
+                                        f"{path}, which does not exist (run the calibrate and smooth stages)")
+            tau = max(max(row) for row in Profile.load(path).tau.values())
+            out[name] = max(out.get(name, tau), tau)
+    return out
+
+
 def plan(args: argparse.Namespace) -> Plan:
-    """The call checked against params before any model is loaded: its points, calibrations and domains."""
+    """The call checked against params before any model is loaded: its points, calibrations and domains, with
+    layers and ranges resolved for the model."""
     cfg = load_decode(args.params, control=args.control)
+    every = load_section("calibrate", CalibrateConfig, args.params).sources
+    auto = largest_tau(cfg, args, args.calibration or every)
+    cfg = load_decode(args.params, control=args.control,
+                      context={"n_layers": n_layers_of(args.model_dir), "auto": auto})
     kinds = list(dict.fromkeys(args.kind))
     selected = _selected(cfg, kinds, args.point)
     domains = _domains(cfg, kinds, args.domain)
@@ -122,29 +159,41 @@ def plan(args: argparse.Namespace) -> Plan:
     needy = {name: point for (_, name), point in points.items() if point.needs_profile}
     if needy and args.profile is None:
         raise ValueError(f"{', '.join(needy)} ({next(iter(needy.values())).method}) need --profile")
-    calibrations = args.calibration or (load_section("calibrate", CalibrateConfig, args.params).sources
-                                        if needy else [])
-    jobs = [Job(kind, name, point, cal) for (kind, name), point in points.items()
+    calibrations = args.calibration or (every if needy else [])
+    jobs = [Job(kind, name, point, cal, cfg.curves.get(name)) for (kind, name), point in points.items()
             for cal in (_calibrations(cfg, name, calibrations, args.calibration) if point.needs_profile else [None])]
     sources = Sources(args.model_dir, args.corpora, args.profile, args.readouts, args.readout_source,
                       args.estimators)
     for job in jobs:
         sources.readouts_of(job.calibration)  # a missing --readout-source fails here, before any model loads
     thresholds = Thresholds(**load_section("aggregate", AggregateConfig, args.params).thresholds())
-    return Plan(cfg, tuple(jobs), {d: cfg.tasks_of(kinds[0], d) for d in domains}, sources, thresholds)
+    screens = {name: s.points for name, s in cfg.screens.items() if any(
+        j.position and j.position.curve == name for j in jobs)}
+    return Plan(cfg, tuple(jobs), {d: cfg.tasks_of(kinds[0], d) for d in domains}, sources, thresholds, screens)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     call = plan(args)
     run_units = EXECUTORS.get(executor_name(call.cfg.executor))
-    outcomes = run_units(call, call.domains, call.cfg.workers)
+    rows: list[ScreenRow] = []
+
+    def kept_units(screened: list[list[ScreenRow]]) -> list[tuple]:
+        """The screen's rows of every domain -> the second phase's units (the kept values chosen over all)."""
+        rows.extend(row for unit in screened for row in unit)
+        kept = keep(rows, call.screens, 1.0 - call.thresholds.min_flops_reduction)
+        return [("run", domain, frozenset(kept)) for domain in call.domains]
+
+    outcomes = run_units(call, [("screen", d) for d in call.domains], call.cfg.workers, then=kept_units)
     jobs = {job.label: job for job in call.jobs}
     check_mergeable([(f"{unit[0].domain} on {unit[0].provenance.get('worker') or 'this process'}",
                       unit[0].provenance) for unit in outcomes if unit])
     for per_domain in outcomes:  # only this process writes and logs, in unit order
         for outcome in per_domain:
             _write(args, call.cfg, jobs[outcome.label], outcome)
+    for curve in sorted({r.curve for r in rows}):
+        atomic_write_json(args.out / "screens" / f"{curve}.json",
+                          screen_record(args.model, curve, [r for r in rows if r.curve == curve]))
     return 0
 
 
@@ -155,6 +204,7 @@ def _write(args, cfg: DecodeConfig, job: Job, out: Outcome) -> None:
         point=job.name, kind=job.kind, family=job.point.family, readout=job.point.readout,
         **cfg.curve_of(job.kind, job.name).model_dump(), options=job.point.options(), calibration=job.calibration,
         domain=out.domain, model_fingerprint=out.fingerprint, n_layers=out.n_layers, free_prompts=out.free_prompts,
+        not_run=out.settings["not_run"],
         method=out.method, provenance=out.provenance, **out.facts)
     rid = record.run_id
     stage = "control_decode" if args.control else STAGES[job.kind]

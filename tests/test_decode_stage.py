@@ -247,9 +247,12 @@ def test_a_sweep_expands_to_one_point_per_value_that_knows_its_curve():
                            DecodeConfig)
     assert cfg.names_of("point") == ["emad_0", "emad_0.5", "emad_2"]
     assert cfg.point("point", "emad_0.5").margin == 0.5 and cfg.point("related", "ead_3").tau == 3.0
-    assert cfg.curve_of("point", "emad_2").model_dump() == {"curve": "emad", "knob": "margin", "value": 2.0}
-    assert cfg.curve_of("baseline", "fixed-2").model_dump() == {"curve": "fixed-2", "knob": "depth", "value": 2.0}
-    assert cfg.curve_of("baseline", "full").model_dump() == {"curve": "full", "knob": None, "value": None}
+    assert cfg.curve_of("point", "emad_2").model_dump() == {"curve": "emad", "knob": "margin", "value": 2.0,
+                                                            "screened": False}
+    assert cfg.curve_of("baseline", "fixed-2").model_dump() == {"curve": "fixed-2", "knob": "depth", "value": 2.0,
+                                                                "screened": False}
+    assert cfg.curve_of("baseline", "full").model_dump() == {"curve": "full", "knob": None, "value": None,
+                                                             "screened": False}
     assert cfg.select("point", ["emad"]) == cfg.names_of("point") and cfg.select("point", ["emad_2"]) == ["emad_2"]
     assert cfg.is_swept("emad_0") and not cfg.is_swept("full")
 
@@ -269,15 +272,21 @@ def test_a_swept_stage_writes_one_run_per_value_each_timed_against_full_depth_he
     assert [(r["point"], r["curve"], r["knob"], r["value"]) for r in records] == [
         ("conf_0.5", "conf", "threshold", 0.5), ("conf_8", "conf", "threshold", 8.0),
         ("conf_1000", "conf", "threshold", 1000.0)]
+    timings = set()
     for r in records:
         cost = r["cost"]
+        timings.add(cost["speed_timing"].split(":")[0])
+        if cost["speed_timing"].startswith("none: violates"):  # ruled out: no free-running task, no timing
+            assert cost["speedup"] is None and r["free_prompts"] == 0 and "fidelity" not in r["tasks"]
+            assert r["not_run"]["fidelity"].startswith("the teacher-forced screen rules the point out (violates")
+            continue
         assert cost["reference_tokens_per_s"] > 0 and cost["speed_tokens_per_s"] > 0
         assert cost["speedup"] > 0 and cost["load_avg"] is not None
         if cost["speed_timing"] == "pairs":  # the screen keeps it: every prompt, timed on 8 distinct prompts
             assert cost["speed_unit"] == "prompt" and len(cost["speed_pairs"]) == 8 and r["free_prompts"] is None
             assert len(r["tasks"]["fidelity"]["samples"]["exact_match"]) == 8
-        else:  # ruled out or never exits: the cheap measure on the first prompt
-            assert cost["speed_timing"].startswith("cheap: ") and cost["speed_repeats"] == 2
+        else:  # never exits: the cheap measure on the first prompt
+            assert cost["speed_timing"] == "cheap: never exits" and cost["speed_repeats"] == 2
             assert r["free_prompts"] == 1 and len(r["tasks"]["fidelity"]["samples"]["exact_match"]) == 1
         assert 0 <= r["quality"]["agreement.token_agreement"] <= 1 and r["tasks"]["perplexity"]["tokens"] > 0
     # the higher the entropy threshold, the earlier tokens exit: cost falls along the curve

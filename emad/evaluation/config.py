@@ -5,12 +5,12 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from emad.config import Section, validate_section
 from emad.evaluation.checks import MIN_SPEED_PROMPTS
 from emad.evaluation.operating_point import PointConfig
-from emad.evaluation.sweeps import SweepPosition, expand_table, knob_of
+from emad.evaluation.sweeps import Screen, SweepPosition, expand_table, knob_of
 from emad.tasks.registry import TASKS, Task
 
 NAME = r"^[A-Za-z0-9_-]+$"  # DVC addresses params by dotted keys: names may not contain dots
@@ -57,14 +57,17 @@ class DecodeConfig(Section):
             new tokens each: C2's 95% interval over prompts rests on them (at least
             :data:`~emad.evaluation.checks.MIN_SPEED_PROMPTS`).
         curves: filled from the points' value lists (not set by hand): expanded point → its :class:`SweepPosition`.
+        screens: filled from the points' ranges (not set by hand): screened sweep → its :class:`Screen` (its grid
+            resolved only when validated for one model: :meth:`for_model`).
         executor: who runs the work units (one per domain): ``serial`` (this process) or ``ray`` (actors on the
             cluster ``RAY_ADDRESS`` names, or on Ray started inside the stage); ``$EMAD_DECODE_EXECUTOR`` overrides
             it; the stage checks the name before any work. Outputs are the same either way
             (:mod:`emad.evaluation.executors`).
         workers: Ray actors (null: one per GPU of the cluster, else 2).
 
-    A point of ``baselines``, ``points`` or ``related`` may give a list for its method's knob (``margin``,
-    ``threshold``, ``depth``, ``tau``, ``exit_layer``): it stands for one point per value
+    A point of ``baselines``, ``points`` or ``related`` may give a list, a range or ``all`` for its method's knob
+    (``margin``, ``threshold``, ``depth``, ``tau``, ``exit_layer``): a list stands for one point per value, a range
+    for the points its screen keeps; layer fields may be relative to the model's depth (``0.7L``)
     (:mod:`emad.evaluation.sweeps`).
         device, dtype: where and how the model runs.
     """
@@ -89,6 +92,7 @@ class DecodeConfig(Section):
     speed_prompts: int = MIN_SPEED_PROMPTS
     speed_tokens: int = Field(32, ge=1)
     curves: dict[str, SweepPosition] = Field(default_factory=dict)
+    screens: dict[str, Screen] = Field(default_factory=dict)
     executor: str = "serial"
     workers: int | None = Field(None, ge=1)
     device: str = "auto"
@@ -96,23 +100,29 @@ class DecodeConfig(Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _expand_sweeps(cls, data: Any) -> Any:
-        """Replace each swept point by its points and record their curves (errors name the point and field)."""
+    def _expand_sweeps(cls, data: Any, info: ValidationInfo) -> Any:
+        """Replace each swept point by its points and record their curves and screens (errors name the point and
+        field); with a validation context ``{"n_layers": L, "auto": {sweep: largest tau}}`` layers and ranges
+        resolve for that model (:meth:`for_model`)."""
         if not isinstance(data, dict):
             return data
-        if "curves" in data:
-            raise ValueError("decode.curves is filled from the points' value lists; remove it from params")
-        data, curves, owner = dict(data), {}, {}
+        for filled in ("curves", "screens"):
+            if filled in data:
+                raise ValueError(f"decode.{filled} is filled from the points' sweeps; remove it from params")
+        context = info.context or {}
+        data, curves, screens, owner = dict(data), {}, {}, {}
         for table in ("baselines", "points", "related"):
             if isinstance(data.get(table), dict):
-                data[table], found = expand_table(table, data[table])
+                data[table], found, screened = expand_table(table, data[table], context.get("n_layers"),
+                                                            context.get("auto"))
                 for name in data[table]:
                     if name in owner and (name in found or name in curves):
                         raise ValueError(f"decode.{table}: point {name!r} (from a sweep) is also in "
                                          f"decode.{owner[name]}; rename one of them")
                     owner[name] = table
                 curves.update(found)
-        return {**data, "curves": curves}
+                screens.update(screened)
+        return {**data, "curves": curves, "screens": screens}
 
     @field_validator("speed_prompts")
     @classmethod

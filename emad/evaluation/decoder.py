@@ -1,18 +1,20 @@
 """The compute half of the decode stages: one model with every job's method bound, run one unit (domain) at a time.
 
 A :class:`Decoder` is what a work unit needs: the model loaded once, every job's method built and bound, every
-domain's tasks prepared. :meth:`Decoder.run` scores one domain — the teacher-forced tasks of every job in one
-sweep pass (:func:`emad.evaluation.evaluate.score_all`), then each job's free-running tasks, its speed-up against
-full depth in this process and its heat-map inputs — and returns plain values (:class:`Outcome`), so the same
-unit gives the same outcome whether the stage's own process or a Ray actor ran it
+domain's tasks prepared. A unit runs in two phases. :meth:`Decoder.screen` scores the teacher-forced tasks of every
+job in one sweep pass (:func:`emad.evaluation.evaluate.score_all`) and returns the screened sweeps' rows
+(:class:`~emad.evaluation.screen.ScreenRow`); the driver chooses the values to keep
+(:func:`emad.evaluation.screen.keep`, jointly over the domains); :meth:`Decoder.run` then gives each kept job its
+free-running tasks, its speed-up against full depth in this process and its heat-map inputs, as plain values
+(:class:`Outcome`) — the same whether the stage's own process or a Ray actor ran it
 (:mod:`emad.evaluation.executors`); the stage writes them (run files, artifacts, MLflow).
 """
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +35,10 @@ from emad.evaluation.operating_point import (
     readout_path,
 )
 from emad.evaluation.provenance import provenance
-from emad.evaluation.record import profile_facts
-from emad.evaluation.speed import point_speedup, prompt_speedup
+from emad.evaluation.record import profile_facts, quality_of
+from emad.evaluation.screen import ScreenRow
+from emad.evaluation.speed import measure_speedup, point_speedup, prompt_speedup
+from emad.evaluation.sweeps import SweepPosition
 from emad.exits.criteria import Full
 from emad.exits.estimators import ESTIMATORS
 from emad.tasks.registry import Shared
@@ -50,6 +54,7 @@ class Job:
     name: str
     point: PointConfig
     calibration: str | None
+    position: SweepPosition | None = None  # its sweep, knob and value (None: not swept)
     method: object = None
     facts: dict = field(default_factory=dict)
 
@@ -91,6 +96,7 @@ class Plan:
     tasks_of: dict[str, list[str]]  # domain -> the tasks its jobs run
     sources: Sources
     thresholds: Thresholds
+    screens: dict[str, int] = field(default_factory=dict)  # screened sweep -> the points it keeps
 
     @property
     def domains(self) -> list[str]:
@@ -129,7 +135,10 @@ class Decoder:
         self.plan = plan
         self.loaded = load_model(src.model_dir, device=cfg.device, dtype=cfg.dtype)
         self.stack = LayerStack(self.loaded.model)
-        self.jobs = [Job(j.kind, j.name, j.point, j.calibration) for j in plan.jobs]
+        self.jobs = [Job(j.kind, j.name, j.point, j.calibration, j.position) for j in plan.jobs]
+        self._scores: dict[str, dict] = {}  # domain -> job label -> its teacher-forced scores (score_all)
+        self._reference: dict[str, dict] = {}  # domain -> full depth's teacher-forced task results
+        self._shared: dict[str, Shared] = {}  # domain -> what its tasks share across points
         fingerprint = self.loaded.fingerprint.as_dict()
         for job in self.jobs:
             template = src.profile.replace("{calibration}", job.calibration) if job.calibration else None
@@ -145,46 +154,94 @@ class Decoder:
         self.prepared = {d: prepare(tasks, cfg.tasks, src.corpora / d if src.corpora else None,
                                     self.loaded.tokenizer) for d, tasks in plan.tasks_of.items()}
 
-    def run(self, domain: str, host: str = "") -> list[Outcome]:
-        """Every job on ``domain``: the teacher-forced tasks of all of them in one pass, then each job's own."""
+    def screen(self, domain: str) -> list[ScreenRow]:
+        """The teacher-forced tasks of every job on ``domain`` in one pass (kept for :meth:`run`); the rows of the
+        screened sweeps' values, from the scored metrics alone (no greedy generation)."""
+        self._score(domain, self.jobs)
+        rows = []
+        for job in self.jobs:
+            if job.position is None or not job.position.screened:
+                continue
+            result = self._forced(domain, job, 0)
+            exits = hashlib.sha1(repr([o.depths for o in result.outputs]).encode()).hexdigest()[:16]
+            rows.append(ScreenRow(job.name, job.position.curve, job.point.family, job.position.knob,
+                                  job.position.value, job.calibration, domain, result.cost()["flops_ratio"],
+                                  quality_of(result.tasks), [c.metric for c in self._ruled_out(domain, result)],
+                                  exits))
+        return rows
+
+    def run(self, domain: str, kept: frozenset[str] | None = None, host: str = "") -> list[Outcome]:
+        """Every job on ``domain`` (``kept``: only the jobs of those point names, and every job not screened):
+        its teacher-forced results (scored by :meth:`screen` when this decoder screened the domain), then its own
+        free-running tasks, timing and heat-map inputs."""
         cfg, stack, tokenizer, prepared = self.plan.cfg, self.stack, self.loaded.tokenizer, self.prepared[domain]
         where = provenance(stack.device, stack.dtype, host)
-        full = next((job for job in self.jobs if job.point.method == FULL), None)
-        reference = full.label if full else REFERENCE  # full depth's teacher-forced results: the screen's reference
-        methods = {job.label: job.method for job in self.jobs} | ({} if full else {REFERENCE: Full()})
-        shared = Shared()
-        print(f"decode: {domain}: teacher-forced tasks of {len(self.jobs)} points", file=sys.stderr)
-        scores = score_all(stack, tokenizer, methods, prepared, shared, cfg.unserved_tokens)
-        teacher = [p for p in prepared if p.task.teacher_forced]
-        screen_of = partial(screen, domain, reference=evaluate(stack, tokenizer, methods[reference], teacher, shared,
-                                                               scores[reference]).tasks,
-                            tolerance=self.plan.thresholds.tolerance)
+        jobs = [job for job in self.jobs if kept is None or job.name in kept or not (
+            job.position and job.position.screened)]
+        if domain not in self._scores:
+            self._score(domain, jobs)
+        shared = self._shared[domain]
         out = []
-        for job in tqdm(self.jobs, desc=domain, unit="point"):
-            forced = evaluate(stack, tokenizer, job.method, teacher, shared, scores.pop(job.label))
-            why = self._not_timed(job, forced, screen_of)
-            # a swept point the teacher-forced screen keeps (it exits, nothing ruled out) is judged on every prompt
-            limit = cfg.swept_prompts if cfg.is_swept(job.name) and why is not None else None
+        for job in tqdm(jobs, desc=domain, unit="point"):
+            screened = self._forced(domain, job, 0)
+            why = self._not_timed(job, domain, screened)
+            swept = cfg.is_swept(job.name) and why is not None
+            # a swept point the screen rules out decodes nothing more; one that never exits, swept_prompts; one the
+            # screen keeps (it exits, nothing ruled out) is judged on every prompt
+            limit = (0 if why.startswith("violates") else cfg.swept_prompts) if swept else None
+            forced = screened if limit == 0 else self._forced(domain, job, limit)
             free = evaluate(stack, tokenizer, job.method, [p for p in prepared if not p.task.teacher_forced], shared,
-                            None, limit)
-            result = Evaluation({p.name: (forced.tasks | free.tasks)[p.name] for p in prepared},
+                            None, limit) if limit != 0 else Evaluation({})
+            result = Evaluation({p.name: (forced.tasks | free.tasks)[p.name] for p in prepared
+                                 if p.name in forced.tasks or p.name in free.tasks},
                                 forced.outputs + free.outputs, forced.generated | free.generated)
             cost = {**result.cost(), **self._speed(job, prepared, result, limit, why)}
-            heat = heatmap_inputs(stack, tokenizer, result, prepared, shared, cfg.heatmap_texts, limit)
+            heat = (([], None, None) if limit == 0 else
+                    heatmap_inputs(stack, tokenizer, result, prepared, shared, cfg.heatmap_texts, limit))
             settings = {"tasks": {p.name: p.settings.model_dump() for p in prepared}, "free_prompts": limit,
+                        "not_run": {p.name: f"the teacher-forced screen rules the point out ({why})"
+                                    for p in prepared if p.name not in result.tasks},
                         "speed_repeats": cfg.speed_repeats, "speed_prompts": cfg.speed_prompts,
                         "speed_tokens": cfg.speed_tokens, "unserved_tokens": cfg.unserved_tokens,
                         "device": cfg.device, "dtype": cfg.dtype}
             out.append(Outcome(job.label, domain, self.loaded.fingerprint.digest, stack.n_layers,
                                job.method.describe(), job.facts, result.tasks, cost, result.depth_histogram(), heat,
                                limit, settings, host, where))
+        del self._scores[domain]
         return out
+
+    def _score(self, domain: str, jobs: list[Job]) -> None:
+        """Every job's teacher-forced scores on ``domain`` in one pass, beside full depth's (the screen's
+        reference); kept for :meth:`_forced`."""
+        stack, tokenizer, prepared = self.stack, self.loaded.tokenizer, self.prepared[domain]
+        full = next((job for job in jobs if job.point.method == FULL), None)
+        reference = full.label if full else REFERENCE  # full depth's teacher-forced results: the screen's reference
+        methods = {job.label: job.method for job in jobs} | ({} if full else {REFERENCE: Full()})
+        self._shared[domain] = shared = Shared()
+        print(f"decode: {domain}: teacher-forced tasks of {len(jobs)} points", file=sys.stderr)
+        self._scores[domain] = score_all(stack, tokenizer, methods, prepared, shared, self.plan.cfg.unserved_tokens)
+        teacher = [p for p in prepared if p.task.teacher_forced]
+        self._reference[domain] = evaluate(stack, tokenizer, methods[reference], teacher, shared,
+                                           self._scores[domain][reference], 0).tasks
+
+    def _forced(self, domain: str, job: Job, limit: int | None) -> Evaluation:
+        """``job``'s teacher-forced results on ``domain`` from its scores (``limit`` 0: no greedy generation)."""
+        teacher = [p for p in self.prepared[domain] if p.task.teacher_forced]
+        return evaluate(self.stack, self.loaded.tokenizer, job.method, teacher, self._shared[domain],
+                        self._scores[domain][job.label], limit)
+
+    def _ruled_out(self, domain: str, forced: Evaluation) -> list:
+        """The teacher-forced checks that rule ``forced`` out against full depth on ``domain``."""
+        return screen(domain, forced.tasks, reference=self._reference[domain],
+                      tolerance=self.plan.thresholds.tolerance)
 
     def _speed(self, job: Job, prepared: list, result, limit: int | None, why: str | None) -> dict:
         """The point's speed-up against full depth: one timed pair per prompt on ``speed_prompts`` prompts of
         ``speed_tokens`` new tokens (C2's interval over prompts), or, when the verdict cannot read it (``why``),
         the cheap ``speed_repeats`` measure."""
         cfg, stack, tokenizer = self.plan.cfg, self.stack, self.loaded.tokenizer
+        if limit == 0:
+            return {**measure_speedup(stack, tokenizer, job.method, [], 0, 0), "speed_timing": f"none: {why}"}
         if why is None:
             timed = prompt_speedup(stack, tokenizer, job.method, prepared, result, cfg.speed_prompts,
                                    cfg.speed_tokens)
@@ -192,12 +249,12 @@ class Decoder:
             timed = point_speedup(stack, tokenizer, job.method, prepared, result, limit, cfg.speed_repeats)
         return {**timed, "speed_timing": "pairs" if why is None else f"cheap: {why}"}
 
-    def _not_timed(self, job: Job, forced: Evaluation, screen_of) -> str | None:
+    def _not_timed(self, job: Job, domain: str, forced: Evaluation) -> str | None:
         """Why the verdict cannot read this point's speed (None: it can, and is timed over prompts): full depth
         itself, an ablation (one factor of one point, on a subset of domains: the verdict does not judge it), a
         point a teacher-forced check rules out, and a point that never exits (it runs every layer and its probes:
         it cannot be faster)."""
-        ruled_out = screen_of(forced.tasks)
+        ruled_out = self._ruled_out(domain, forced)
         depths = set(forced.depth_histogram())
         return ("full depth" if job.point.method == FULL else
                 "an ablation (not judged)" if job.kind == "ablation" else

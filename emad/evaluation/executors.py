@@ -58,23 +58,32 @@ class _Worker:
         torch.set_num_threads(threads)  # as the stage's own process: CPU results depend on the thread count
         self.decoder = Decoder(plan)
 
-    def run(self, index: int, domain: str) -> tuple[int, list[Outcome]]:
-        return index, self.decoder.run(domain, worker_name())
+    def run(self, index: int, unit: tuple) -> tuple[int, list]:
+        """``("screen", domain)``: the domain's screen rows; ``("run", domain, kept)``: its kept jobs' outcomes."""
+        phase, domain, *kept = unit
+        if phase == "screen":
+            return index, self.decoder.screen(domain)
+        return index, self.decoder.run(domain, *kept, host=worker_name())
 
 
-def serial(plan, units: Sequence[str], workers: int | None = None, actor: type = _Worker) -> list:
-    """Every unit in this process, in order (one worker: the model loaded once)."""
+Then = Callable[[list], Sequence] | None  # the first phase's outcomes -> the second phase's units (None: one phase)
+
+
+def serial(plan, units: Sequence, workers: int | None = None, actor: type = _Worker, then: Then = None) -> list:
+    """Every unit in this process, in order (one worker: the model loaded once); with ``then``, the units it
+    gives from the first phase's outcomes, on the same worker (what it kept from the first phase is reused)."""
     import torch
 
     worker = actor(plan, os.getcwd(), torch.get_num_threads())
-    return [worker.run(i, unit)[1] for i, unit in enumerate(units)]
+    out = [worker.run(i, unit)[1] for i, unit in enumerate(units)]
+    return out if then is None else [worker.run(i, unit)[1] for i, unit in enumerate(then(out))]
 
 
 EXECUTORS.add("serial", serial)
 
 
-def ray_executor(plan: Plan, units: Sequence[str], workers: int | None = None,
-                 order: Callable[[list[int]], list[int]] = lambda ix: ix, actor: type = _Worker
+def ray_executor(plan: Plan, units: Sequence, workers: int | None = None,
+                 order: Callable[[list[int]], list[int]] = lambda ix: ix, actor: type = _Worker, then: Then = None
                  ) -> list[list[Outcome]]:
     """The units on Ray actors (``order`` permutes the submission order: the outcome order never changes).
 
@@ -88,7 +97,8 @@ def ray_executor(plan: Plan, units: Sequence[str], workers: int | None = None,
         units: the eval domains, one unit each.
         workers: how many actors (default: one per GPU of the cluster, else 2; never more than the units).
         order: permutes the submission order (tests).
-        actor: the actor class, built as ``actor(plan, cwd, threads)`` with a method ``run(index, domain)``.
+        actor: the actor class, built as ``actor(plan, cwd, threads)`` with a method ``run(index, unit)``.
+        then: the first phase's outcomes → the second phase's units, run on fresh actors (None: one phase).
 
     Returns:
         Each unit's outcomes, in unit order.
@@ -118,7 +128,8 @@ def ray_executor(plan: Plan, units: Sequence[str], workers: int | None = None,
         # a unit whose actor is lost is retried until the actor is back (restarted once) or dead for good: a lost
         # node's actor is "unavailable" until Ray declares the node dead, and a fixed count of retries is spent then
         remote = ray.remote(num_cpus=cpus, num_gpus=1 if gpus else 0, max_restarts=1, max_task_retries=-1)(actor)
-        return _run_units(ray, remote, actors, plan, units, n, threads, order)
+        out = _run_units(ray, remote, actors, plan, units, n, threads, order)
+        return out if then is None else _run_units(ray, remote, actors, plan, then(out), n, threads, order)
     except SystemExit:
         if signals:  # Ray's wait turns the exception a signal handler raises into SystemExit(1)
             raise SystemExit(128 + signals[0]) from None

@@ -8,7 +8,9 @@ checking the profile and fitted estimators against the model before any decoding
 
 from __future__ import annotations
 
+import functools
 import inspect
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -243,11 +245,19 @@ def build_method(point: PointConfig, n_layers: int, fingerprint: dict, profile_p
         if fitted is None:
             raise ValueError(f"estimator {point.estimator!r} needs a fitted estimators file (estimators.json "
                              "beside the profile, from the fit_estimators stage)")
-        estimator = estimator_fit.load(fitted, point.estimator, fingerprint, criterion.probes(n_layers))
+        estimator = _fitted(str(fitted), point.estimator, json.dumps(fingerprint, sort_keys=True, default=str),
+                            tuple(criterion.probes(n_layers)))
     readout = load_readout(point.readout, readouts_path, fingerprint, criterion.probes(n_layers), n_layers)
     method = Method(criterion, point.policy, estimator, readout, point.batch_exit)
     method.validate(n_layers)
     return method
+
+
+@functools.lru_cache(maxsize=32)
+def _fitted(path: str, name: str, fingerprint: str, probes: tuple[int, ...]):
+    """A fitted estimator, loaded once per process for every point that reads it (a sweep's values share it, so
+    the sweep estimates once per probe for all of them)."""
+    return estimator_fit.load(path, name, json.loads(fingerprint), list(probes))
 
 
 def readout_path(path: str | Path | None, readout: str) -> Path | None:

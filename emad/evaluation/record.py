@@ -40,12 +40,14 @@ class RunRecord(BaseModel):
     curve: str | None = None  # the sweep it is on (or the point itself)
     knob: str | None = None  # the option the sweep varies
     value: float | None = None  # the knob's value
+    screened: bool = False  # the value was kept from a screened range (emad.evaluation.screen)
     options: dict[str, Any] = {}  # the point's given options
     calibration: str | None = None  # the profile's calibration source (None: no profile)
     domain: str
     model_fingerprint: str | None = None
     n_layers: int | None = None
-    free_prompts: int | None = None  # free-running tasks' prompts (a swept point's; None: all)
+    free_prompts: int | None = None  # free-running tasks' prompts (a swept point's; None: all; 0: none run)
+    not_run: dict[str, str] = {}  # each task of the domain not run, and why (a point the screen rules out)
     method: dict[str, Any] | None = None  # the built method's description
     profile_fingerprint: str | None = None  # sha256[:16] of the profile file
     factors: dict[str, Any] = {}  # what ablation tables vary (points with a profile)

@@ -42,8 +42,9 @@ def load(path: str | Path) -> dict[str, Any]:
 
 
 def run_files(folder: str | Path) -> list[Path]:
-    """The ``*.json`` files under ``folder`` (recursively), sorted; an error if there is none."""
-    paths = sorted(Path(folder).rglob("*.json"))
+    """The ``*.json`` files under ``folder`` (recursively, screens aside: ``screens/`` folders), sorted; an error if
+    there is none."""
+    paths = sorted(p for p in Path(folder).rglob("*.json") if p.parent.name != "screens")
     if not paths:
         raise RunFileError(f"no run files in {folder} (run the decode stage first)")
     return paths

@@ -286,8 +286,10 @@ class Cloze(Task):
         return cloze_requests(tokenizer, data, settings.adaptive_tokens)[0]
 
     def reduce(self, stack, tokenizer, method, data, settings, scored, sink, limit=None):
-        generated = cloze_generation(stack, tokenizer, data[:limit], method)
-        sink.append(generated)
+        """``limit`` 0: the scored metrics only (no greedy generation, no ``generation_acc``: a screen)."""
+        generated = cloze_generation(stack, tokenizer, data[:limit], method) if limit != 0 else None
+        if generated is not None:
+            sink.append(generated)
         return cloze_metrics(data, scored, cloze_requests(tokenizer, data, settings.adaptive_tokens)[1], generated)
 
 

@@ -1,0 +1,107 @@
+"""Which values of a screened sweep a decode stage keeps: read off the teacher-forced screen of its dense grid.
+
+A screened sweep (a range or ``all``, :mod:`emad.evaluation.sweeps`) is scored at every value of its grid in the
+domain's one-pass sweep, on the teacher-forced tasks only (:meth:`emad.evaluation.decoder.Decoder.screen`): one
+:class:`ScreenRow` per value × calibration source × domain. :func:`keep` chooses, per sweep and jointly over its
+domains and calibration sources (so that every kept point has every cell the verdict and the domain-shift matrix
+read):
+
+1. values with identical exit decisions on every cell count once (the first of them in grid order);
+2. ``points`` values spread evenly along the sweep's FLOPs range (mean FLOPs ratio over the cells);
+3. the two values beside the verdict's target FLOPs ratio (``1 − min_flops_reduction``);
+4. the two values beside the tolerance crossing nearest that target: one no teacher-forced check rules out on
+   any cell, one some check rules out.
+
+Only kept values become runs (run files, MLflow runs, free-running tasks, timing). The rows, kept or not, are the
+sweep's screen artifact (:func:`screen_record`), drawn faintly behind the kept points in the figures.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class ScreenRow:
+    """One value of a screened sweep on one cell (calibration source × domain), teacher forced.
+
+    Attributes:
+        point: the expanded point's name (``emad_0.5``); curve, knob, value: its sweep, the knob and its value.
+        family: the method family the report groups it in.
+        flops_ratio: FLOPs vs full depth over the teacher-forced tasks' tokens.
+        quality: each teacher-forced quality metric (perplexity, agreement, ...).
+        ruled_out: the metrics whose teacher-forced check rules the value out (empty: none).
+        exits: a digest of every scored token's exit depth (equal digests: equal exit decisions).
+    """
+
+    point: str
+    curve: str
+    family: str
+    knob: str
+    value: float
+    calibration: str | None
+    domain: str
+    flops_ratio: float
+    quality: dict[str, float]
+    ruled_out: list[str]
+    exits: str
+    kept: bool = False
+    why: list[str] = field(default_factory=list)  # why it was kept: spread, target, tolerance
+
+
+def keep(rows: Sequence[ScreenRow], points: dict[str, int], target: float) -> set[str]:
+    """The points each screened sweep keeps (module docstring), with ``kept`` and ``why`` set on ``rows``.
+
+    Args:
+        rows: every screened value's rows (all sweeps, cells and domains).
+        points: sweep name → how many values it spreads along its FLOPs range.
+        target: the verdict's target FLOPs ratio (``1 − min_flops_reduction``).
+    """
+    by_curve: dict[str, dict[str, list[ScreenRow]]] = defaultdict(lambda: defaultdict(list))
+    for row in rows:
+        by_curve[row.curve][row.point].append(row)
+    kept: set[str] = set()
+    for curve, values in by_curve.items():
+        reasons = _choose(values, points[curve], target)
+        for point, why in reasons.items():
+            kept.add(point)
+            for row in values[point]:
+                row.kept, row.why = True, why
+    return kept
+
+
+def _choose(values: dict[str, list[ScreenRow]], n: int, target: float) -> dict[str, list[str]]:
+    """One sweep's kept points → why each is kept."""
+    distinct: dict[tuple, str] = {}
+    for point, cells in values.items():  # grid order: the first of equal exit decisions stands for them
+        distinct.setdefault(tuple(sorted((r.calibration or "", r.domain, r.exits) for r in cells)), point)
+    flops = {p: sum(r.flops_ratio for r in values[p]) / len(values[p]) for p in distinct.values()}
+    ok = {p: not any(r.ruled_out for r in values[p]) for p in flops}
+    order = sorted(flops, key=lambda p: (flops[p], p))
+    reasons: dict[str, list[str]] = defaultdict(list)
+    lo, hi = flops[order[0]], flops[order[-1]]
+    for i in range(min(n, len(order))):
+        aim = lo + (hi - lo) * i / max(n - 1, 1)
+        free = [p for p in order if "spread" not in reasons[p]]
+        reasons[min(free, key=lambda p: (abs(flops[p] - aim), flops[p]))].append("spread")
+    below = [p for p in order if flops[p] <= target]
+    above = [p for p in order if flops[p] > target]
+    if below and above:
+        reasons[below[-1]].append("target")
+        reasons[above[0]].append("target")
+    crossings = [(a, b) for a, b in zip(order, order[1:]) if ok[a] != ok[b]]
+    if crossings:
+        a, b = min(crossings, key=lambda ab: abs((flops[ab[0]] + flops[ab[1]]) / 2 - target))
+        reasons[a].append("tolerance")
+        reasons[b].append("tolerance")
+    return {p: why for p, why in reasons.items() if why}
+
+
+def screen_record(model: str, curve: str, rows: Sequence[ScreenRow]) -> dict:
+    """A sweep's screen artifact: the model, sweep, knob and family, and every row (kept or not)."""
+    first = rows[0]
+    return {"format": "emad-screen", "version": 1, "model": model, "curve": curve, "knob": first.knob,
+            "family": first.family, "rows": [asdict(r) for r in sorted(rows, key=lambda r: (
+                r.calibration or "", r.domain, r.value))]}

@@ -1,0 +1,178 @@
+"""Screened sweeps: ranges and relative layers in params, the values a screen keeps, and the decode stage that
+screens a dense grid teacher forced and runs only the kept values (on tiny models of different depths)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from emad.config import ConfigError, validate_section
+from emad.evaluation import runfile
+from emad.evaluation.config import DecodeConfig
+from emad.evaluation.screen import ScreenRow, keep
+from tests.tiny import save_tiny_pretrained, save_tiny_profiles
+
+TEXT = "Entropy falls with depth for easy tokens. The quick brown fox jumps over the lazy dog. " * 12
+BASE = {"domains": {"toy": ["perplexity", "agreement", "fidelity"]},
+        "tasks": {"perplexity": {"tokens": 96, "window": 48, "prefix": 16},
+                  "agreement": {"prompts": 8, "prompt_tokens": 12, "new_tokens": 6},
+                  "fidelity": {"prompts": 8, "prompt_tokens": 12, "new_tokens": 6}},
+        "swept_prompts": 1, "speed_repeats": 1, "speed_tokens": 4, "heatmap_texts": 1,
+        "device": "cpu", "dtype": "float32"}
+SHAPED = {**BASE,  # the default params' shape: ranges, `all` and layers relative to L
+          "baselines": {"full": {"method": "full"}, "fixed": {"method": "fixed", "depth": "all"},
+                        "conf": {"method": "confidence", "threshold": {"from": 0.05, "to": 50, "points": 3,
+                                                                       "spacing": "log", "grid": 12},
+                                 "probe_every": 1, "min_exit_layer": "0.5L"}},
+          "points": {"emad": {"method": "emad", "margin": {"from": 0, "to": "auto", "points": 3, "grid": 10},
+                              "strata": "none"}}}
+
+
+def _row(value: float, flops: float, exits: str, ruled_out: bool, curve: str = "c") -> ScreenRow:
+    return ScreenRow(f"{curve}_{value:g}", curve, "confidence", "threshold", value, None, "toy", flops,
+                     {"perplexity": 1.0}, ["perplexity"] if ruled_out else [], exits)
+
+
+def test_keep_spreads_points_brackets_the_target_and_the_crossing_and_drops_equal_exits():
+    # 12 values, FLOPs falling from 1.0 to 0.5; values 0 and 1 exit identically (never exit); lossless from 0.9 up
+    rows = [_row(i, 1.0 - 0.05 * max(i - 1, 0), "same" if i < 2 else f"e{i}", 1.0 - 0.05 * max(i - 1, 0) < 0.9)
+            for i in range(12)]
+    kept = keep(rows, {"c": 4}, 0.85)
+    assert "c_1" not in kept and "c_0" in kept  # equal exits count once: the first in grid order stands for them
+    flops = {r.point: r.flops_ratio for r in rows}
+    spread = {r.point for r in rows if "spread" in r.why}
+    assert len(spread) == 4 and {flops[p] for p in spread} >= {1.0, 0.5}  # both ends, spread between
+    assert {r.point for r in rows if "target" in r.why} == {"c_3", "c_4"}  # 0.9 and 0.85 beside the target 0.85
+    assert {r.point for r in rows if "tolerance" in r.why} == {"c_3", "c_4"}  # 0.9 ok, 0.85 ruled out
+    assert kept == {r.point for r in rows if r.kept} and all(r.why for r in rows if r.kept)
+
+
+def test_keep_chooses_jointly_over_domains_and_calibrations():
+    rows = [ScreenRow(f"c_{v}", "c", "emad", "margin", v, cal, dom, flops, {}, [], f"{cal}{dom}{v}")
+            for v, flops in ((0, 0.5), (1, 0.8), (2, 1.0)) for cal in ("a", "b") for dom in ("x", "y")]
+    kept = keep(rows, {"c": 2}, 0.85)
+    assert all(r.kept == (r.point in kept) for r in rows)  # a kept value is kept on every cell
+    assert kept == {"c_0", "c_2", "c_1"}
+
+
+def _cfg(points: dict, n_layers: int | None = None, auto: dict | None = None, table: str = "baselines"):
+    raw = {**BASE, "baselines": {}, "points": {}, table: points}
+    return validate_section("decode", raw, DecodeConfig,
+                            None if n_layers is None else {"n_layers": n_layers, "auto": auto or {}})
+
+
+@pytest.mark.parametrize("knob, culprit", [
+    ({"threshold": {"from": 2, "to": 1}}, "decode.baselines.c.threshold: from = 2 is above to = 1"),
+    ({"threshold": {"from": 0, "to": 1, "points": 1}}, "decode.baselines.c.threshold.points: 1"),
+    ({"threshold": {"from": 0, "to": "auto"}}, "decode.baselines.c.threshold.to: auto is the profile's largest tau"),
+    ({"threshold": {"from": 0, "to": 1, "step": 3}}, "decode.baselines.c.threshold: unknown range key(s) step"),
+    ({"threshold": {"from": 0, "to": 1, "spacing": "log"}}, "decode.baselines.c.threshold.spacing"),
+    ({"threshold": "all"}, "decode.baselines.c.threshold: 'all' sweeps a layer knob"),
+    ({"threshold": 0.5, "min_exit_layer": {"from": 1, "to": 2}}, "decode.baselines.c.min_exit_layer: a list or "
+                                                                  "range sweeps the method's knob only"),
+    ({"threshold": 0.5, "min_exit_layer": "0.5X"}, "decode.baselines.c.min_exit_layer: '0.5X' is neither"),
+    ({"threshold": 0.5, "min_exit_layer": "1.5L"}, "the fraction of L must be in (0, 1]"),
+])
+def test_bad_ranges_and_relative_layers_name_the_key_before_any_work(knob, culprit):
+    with pytest.raises(ConfigError) as err:
+        _cfg({"c": {"method": "confidence", **knob}})
+    assert culprit in str(err.value)
+
+
+def test_a_range_on_a_method_without_a_knob_is_named():
+    with pytest.raises(ConfigError, match=r"decode.baselines.f.depth: a list or range sweeps the method's knob only "
+                                          r"\(method 'full': no knob\)"):
+        _cfg({"f": {"method": "full", "depth": {"from": 1, "to": 3}}})
+
+
+def test_ranges_and_relative_layers_resolve_per_model_and_lists_stay_as_given():
+    shaped = _cfg({"fixed": {"method": "fixed", "depth": "all"},
+                   "conf": {"method": "confidence", "threshold": [0.5, 1], "min_exit_layer": "0.5L"}})
+    assert shaped.screens["fixed"].values == [] and "conf_0.5" in shaped.baselines  # no model: checked only
+    for n_layers in (4, 6):
+        cfg = _cfg({"fixed": {"method": "fixed", "depth": "all"},
+                    "conf": {"method": "confidence", "threshold": [0.5, 1], "min_exit_layer": "0.5L"}}, n_layers)
+        assert cfg.names_of("baseline") == [f"fixed_{d}" for d in range(1, n_layers)] + ["conf_0.5", "conf_1"]
+        assert cfg.point("baseline", "conf_1").min_exit_layer == n_layers // 2
+        assert cfg.curve_of("baseline", "fixed_2").screened and not cfg.curve_of("baseline", "conf_1").screened
+    grid = _cfg({"e": {"method": "emad", "margin": {"from": 0, "to": "auto", "points": 3, "grid": 5}}}, 4,
+                {"e": 2.0}, table="points")
+    assert grid.screens["e"].values == [0, 0.5, 1, 1.5, 2] and grid.screens["e"].points == 3
+    logs = _cfg({"c": {"method": "confidence", "threshold": {"from": 0.01, "to": 1, "spacing": "log", "grid": 3,
+                                                                 "points": 2}}}, 4)
+    assert logs.screens["c"].values == [0.01, 0.1, 1]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, smollm2):
+    """Two tiny models of different depths (4 and 6 layers), each with a profile, and one toy corpus."""
+    root = tmp_path_factory.mktemp("screen")
+    corpus = root / "corpora" / "toy"
+    corpus.mkdir(parents=True)
+    docs = [{"id": str(i), "text": TEXT[i * 5:], "n_tokens": 0} for i in range(3)]
+    (corpus / "eval.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (corpus / "manifest.json").write_text(json.dumps({"manifest_sha256": "toy"}))
+    for n in (4, 6):
+        save_tiny_pretrained(root / f"tiny{n}", smollm2.tokenizer, n_layers=n)
+        save_tiny_profiles(root / f"tiny{n}", [TEXT] * 2, root / f"tiny{n}" / "toy" / "logit" / "profile.json")
+    return root
+
+
+def _decode(root: Path, model: str, params: dict, monkeypatch, out: str) -> Path:
+    import pipeline.decode as stage
+
+    path = root / f"{out}.yaml"
+    path.write_text(yaml.safe_dump({"decode": params, "calibrate": {"sources": ["toy"]}}))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+    runs = root / out / model
+    assert stage.main(["--kind", "baseline", "--kind", "point", "--model", model, "--model-dir", str(root / model),
+                       "--corpora", str(root / "corpora"), "--calibration", "toy",
+                       "--profile", str(root / model / "{calibration}" / "{readout}" / "profile.json"),
+                       "--out", str(runs), "--artifacts", str(root / out / "art"), "--params", str(path)]) == 0
+    return runs
+
+
+def test_models_of_two_depths_run_the_same_default_shaped_params_and_keep_screened_values(models, monkeypatch):
+    for n in (4, 6):
+        runs = _decode(models, f"tiny{n}", SHAPED, monkeypatch, "shaped")
+        records = runfile.load_all(runs)
+        screens = {p.stem: json.loads(p.read_text()) for p in (runs / "screens").glob("*.json")}
+        assert set(screens) == {"fixed", "conf", "emad"}
+        fixed = screens["fixed"]["rows"]
+        assert [r["value"] for r in fixed] == list(range(1, n))  # `all`: every depth below L, for this model
+        for curve, screen in screens.items():
+            kept = {r["point"] for r in screen["rows"] if r["kept"]}
+            ran = {r["point"] for r in records if r["curve"] == curve}
+            assert ran == kept  # only kept values became runs
+            assert curve == "fixed" or len(kept) < len(screen["rows"])  # (fixed: fewer depths than points)
+            exits = [r["exits"] for r in screen["rows"] if r["kept"]]
+            assert len(exits) == len(set(exits))  # kept values differ in their exit decisions
+            by_point = {r["point"]: r for r in records}
+            for row in screen["rows"]:
+                if row["kept"]:  # the screen's numbers are the run's teacher-forced numbers
+                    run = by_point[row["point"]]
+                    assert row["quality"]["perplexity"] == run["quality"]["perplexity"]
+                    assert row["quality"]["agreement.token_agreement"] == run["quality"]["agreement.token_agreement"]
+        conf = next(r for r in records if r["curve"] == "conf")
+        assert conf["options"]["min_exit_layer"] == n // 2  # 0.5L of this model
+        for r in records:
+            if r["cost"].get("speed_timing", "").startswith("none: violates"):
+                assert r["free_prompts"] == 0 and "fidelity" not in r["tasks"] and r["cost"]["speedup"] is None
+                assert "rules the point out" in r["not_run"]["fidelity"]
+
+
+def test_a_screened_value_scores_as_that_value_alone(models, monkeypatch):
+    runs = _decode(models, "tiny4", {**SHAPED, "baselines": {"conf": SHAPED["baselines"]["conf"]}, "points": {}},
+                   monkeypatch, "grid")
+    rows = json.loads((runs / "screens" / "conf.json").read_text())["rows"]
+    value = rows[len(rows) // 2]["value"]
+    alone = {**SHAPED["baselines"]["conf"], "threshold": [value]}  # a hand-written list: exactly its value
+    single = _decode(models, "tiny4", {**SHAPED, "baselines": {"conf": alone}, "points": {}}, monkeypatch, "alone")
+    (record,) = runfile.load_all(single)
+    row = next(r for r in rows if r["value"] == value)
+    assert record["value"] == value and not (single / "screens").exists()
+    assert row["quality"]["perplexity"] == record["quality"]["perplexity"]
+    assert row["quality"]["agreement.token_agreement"] == record["quality"]["agreement.token_agreement"]
