@@ -32,12 +32,12 @@ from pathlib import Path
 
 from emad import tracking
 from emad.calibration.config import CalibrateConfig
+from emad.calibration.profile import Profile
 from emad.evaluation import identity
 from emad.evaluation.checks import Thresholds
 from emad.evaluation.config import DecodeConfig
 from emad.evaluation.decoder import Job, Outcome, Plan, Sources
 from emad.evaluation.executors import EXECUTORS, executor_name
-from emad.calibration.profile import Profile
 from emad.evaluation.operating_point import profile_file, readout_path
 from emad.evaluation.provenance import check_mergeable
 from emad.evaluation.record import RunRecord

@@ -126,9 +126,9 @@ def test_ray_writes_what_serial_writes_and_units_come_back_in_unit_order(workspa
     assert runs["tags.worker"].str.contains(":").sum() == 5 * len(DOMAINS)  # host:pid of the Ray actor
 
     plan = stage.plan(stage.parse_args(_args(workspace, "unused")))
-    units = list(plan.domains)
+    units = [("run", d) for d in plan.domains]  # the second phase alone: each unit scores its domain itself
     reversed_ray = ray_executor(plan, units, 2, order=lambda ix: ix[::-1])
-    assert [[o.domain for o in unit] for unit in reversed_ray] == [[d] * 5 for d in units]
+    assert [[o.domain for o in unit] for unit in reversed_ray] == [[d] * 5 for d in plan.domains]
     assert _outcomes(reversed_ray) == _outcomes(serial(plan, units))
 
 
