@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     tables = {"ablations": ablation_tables(runs, default_point=args.default_point)
               if any(r["point"] == args.default_point for r in runs) else {},
               "risk": _risk_results(args.risk)}
-    series = pareto_data(runs)
+    series = pareto_data(runs, [read_json(p, "screen file", ValueError)
+                                for p in sorted(args.runs.rglob("screens/*.json"))])
     thresholds = Thresholds(**cfg.thresholds())
 
     with tempfile.TemporaryDirectory(dir=args.figures.parent if args.figures.parent.exists() else None) as tmp:

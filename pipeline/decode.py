@@ -41,7 +41,8 @@ from emad.evaluation.executors import EXECUTORS, executor_name
 from emad.evaluation.operating_point import profile_file, readout_path
 from emad.evaluation.provenance import check_mergeable
 from emad.evaluation.record import RunRecord
-from emad.evaluation.screen import ScreenRow, keep, screen_record
+from emad.evaluation.screen import ROUNDS, keep, refinements, screen_record
+from emad.evaluation.sweeps import LAYER_FIELDS, SweepPosition, swept_name
 from emad.io import atomic_write_json, atomic_write_text
 from emad.params import load_decode, load_section
 from emad.report.config import AggregateConfig
@@ -172,28 +173,50 @@ def plan(args: argparse.Namespace) -> Plan:
     return Plan(cfg, tuple(jobs), {d: cfg.tasks_of(kinds[0], d) for d in domains}, sources, thresholds, screens)
 
 
+class Phases:
+    """What the decode units do after each phase: screen the refinements a screen asks for
+    (:func:`emad.evaluation.screen.refinements`, at most ``ROUNDS`` rounds), then run the kept values
+    (:func:`emad.evaluation.screen.keep`, over every domain), then stop. ``rows``: every screen row; ``extra``: the
+    refinements' jobs."""
+
+    def __init__(self, call: Plan):
+        self.call, self.rows, self.extra, self.rounds, self.ran = call, [], [], 0, False
+
+    def __call__(self, out: list) -> list[tuple] | None:
+        call, target = self.call, 1.0 - self.call.thresholds.min_flops_reduction
+        if self.ran:
+            return None
+        self.rows.extend(row for unit in out for row in unit)
+        new = refinements(self.rows, target, LAYER_FIELDS) if self.rounds < ROUNDS else {}
+        if new:
+            self.rounds += 1
+            jobs = [Job(j.kind, swept_name(curve, v), j.point.model_copy(update={j.position.knob: v}), j.calibration,
+                        SweepPosition(curve=curve, knob=j.position.knob, value=v, screened=True))
+                    for curve, values in new.items() for v in values
+                    for j in {(j.calibration): j for j in call.jobs if j.position and j.position.curve == curve
+                              }.values()]
+            self.extra += jobs
+            return [("screen", d, tuple(jobs)) for d in call.domains]
+        kept = frozenset(keep(self.rows, call.screens, target))
+        self.ran = True
+        return [("run", d, kept, tuple(self.extra)) for d in call.domains]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     call = plan(args)
     run_units = EXECUTORS.get(executor_name(call.cfg.executor))
-    rows: list[ScreenRow] = []
-
-    def kept_units(screened: list[list[ScreenRow]]) -> list[tuple]:
-        """The screen's rows of every domain -> the second phase's units (the kept values chosen over all)."""
-        rows.extend(row for unit in screened for row in unit)
-        kept = keep(rows, call.screens, 1.0 - call.thresholds.min_flops_reduction)
-        return [("run", domain, frozenset(kept)) for domain in call.domains]
-
-    outcomes = run_units(call, [("screen", d) for d in call.domains], call.cfg.workers, then=kept_units)
-    jobs = {job.label: job for job in call.jobs}
+    phases = Phases(call)
+    outcomes = run_units(call, [("screen", d) for d in call.domains], call.cfg.workers, then=phases)
+    jobs = {job.label: job for job in [*call.jobs, *phases.extra]}
     check_mergeable([(f"{unit[0].domain} on {unit[0].provenance.get('worker') or 'this process'}",
                       unit[0].provenance) for unit in outcomes if unit])
     for per_domain in outcomes:  # only this process writes and logs, in unit order
         for outcome in per_domain:
             _write(args, call.cfg, jobs[outcome.label], outcome)
-    for curve in sorted({r.curve for r in rows}):
+    for curve in sorted({r.curve for r in phases.rows}):
         atomic_write_json(args.out / "screens" / f"{curve}.json",
-                          screen_record(args.model, curve, [r for r in rows if r.curve == curve]))
+                          screen_record(args.model, curve, [r for r in phases.rows if r.curve == curve]))
     return 0
 
 
@@ -202,7 +225,8 @@ def _write(args, cfg: DecodeConfig, job: Job, out: Outcome) -> None:
     record = RunRecord(
         run_id=identity.run_id(args.model, job.name, out.domain, job.calibration), model=args.model,
         point=job.name, kind=job.kind, family=job.point.family, readout=job.point.readout,
-        **cfg.curve_of(job.kind, job.name).model_dump(), options=job.point.options(), calibration=job.calibration,
+        **(job.position or cfg.curve_of(job.kind, job.name)).model_dump(), options=job.point.options(),
+        calibration=job.calibration,
         domain=out.domain, model_fingerprint=out.fingerprint, n_layers=out.n_layers, free_prompts=out.free_prompts,
         not_run=out.settings["not_run"],
         method=out.method, provenance=out.provenance, **out.facts)

@@ -176,3 +176,16 @@ def test_a_screened_value_scores_as_that_value_alone(models, monkeypatch):
     assert record["value"] == value and not (single / "screens").exists()
     assert row["quality"]["perplexity"] == record["quality"]["perplexity"]
     assert row["quality"]["agreement.token_agreement"] == record["quality"]["agreement.token_agreement"]
+
+
+def test_a_cliff_beside_the_target_or_the_crossing_is_screened_again_between_its_values():
+    from emad.evaluation.screen import MAX_GAP, REFINE_VALUES, refinements
+
+    # FLOPs 1.0, 0.98, then a cliff to 0.6 between values 2 and 3 (the target 0.85 lies in it); lossless above 0.9
+    rows = [_row(v, f, f"e{v}", f < 0.9) for v, f in ((1, 1.0), (2, 0.98), (3, 0.6), (4, 0.55))]
+    new = refinements(rows, 0.85)
+    assert list(new) == ["c"] and len(new["c"]) == REFINE_VALUES and all(2 < v < 3 for v in new["c"])
+    assert refinements(rows, 0.85, layer_knobs=["threshold"]) == {}  # a layer knob's grid is every layer already
+    close = [_row(v, 1.0 - 0.04 * v, f"e{v}", v > 2) for v in range(6)]  # neighbours at most 0.04 apart
+    assert all(abs(a.flops_ratio - b.flops_ratio) <= MAX_GAP for a, b in zip(close, close[1:]))
+    assert refinements(close, 0.85) == {}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -139,27 +140,59 @@ class Decoder:
         self._scores: dict[str, dict] = {}  # domain -> job label -> its teacher-forced scores (score_all)
         self._reference: dict[str, dict] = {}  # domain -> full depth's teacher-forced task results
         self._shared: dict[str, Shared] = {}  # domain -> what its tasks share across points
-        fingerprint = self.loaded.fingerprint.as_dict()
-        for job in self.jobs:
-            template = src.profile.replace("{calibration}", job.calibration) if job.calibration else None
-            profile_path = readout_path(template, job.point.readout)
-            fitted = ESTIMATORS.get(job.point.estimator).needs_fit and src.estimators
-            job.method = build_method(job.point, self.stack.n_layers, fingerprint, profile_path,
-                                      readout_path(src.estimators, job.point.readout) if fitted else None,
-                                      load=model_loader(cfg.device, cfg.dtype),
-                                      readouts_path=src.readouts_of(job.calibration))
-            job.method.bind(self.stack, self.loaded.tokenizer)  # one method for every domain and task
-            job.facts = profile_facts(profile_file(profile_path, job.point.strata) if profile_path else None,
-                                      job.method)
+        self._build_all()
         self.prepared = {d: prepare(tasks, cfg.tasks, src.corpora / d if src.corpora else None,
                                     self.loaded.tokenizer) for d, tasks in plan.tasks_of.items()}
 
-    def screen(self, domain: str) -> list[ScreenRow]:
-        """The teacher-forced tasks of every job on ``domain`` in one pass (kept for :meth:`run`); the rows of the
-        screened sweeps' values, from the scored metrics alone (no greedy generation)."""
-        self._score(domain, self.jobs)
-        rows = []
+    def _build_all(self) -> None:
+        """Build every job; a screened grid value this model cannot run (e.g. a fixed depth where the tuned readout
+        has no translator) is left out of its screen, named on stderr — unless no value of its sweep can run."""
+        failed: dict[str, list[str]] = {}
         for job in self.jobs:
+            try:
+                self._build(job)
+            except ValueError as err:
+                if not (job.position and job.position.screened):
+                    raise
+                failed.setdefault(job.position.curve, []).append(f"{job.name}: {err}")
+        self.jobs = [job for job in self.jobs if job.method is not None]
+        for curve, errors in failed.items():
+            if not any(job.position and job.position.curve == curve for job in self.jobs):
+                raise ValueError(f"no value of the screened sweep {curve!r} can run on this model: {errors[0]}")
+            print(f"decode: {curve}: {len(errors)} grid values left out of the screen ({errors[0]})",
+                  file=sys.stderr)
+
+    def _build(self, job: Job) -> None:
+        """Build ``job``'s method for this model and bind it (bad input fails here, before any decoding)."""
+        cfg, src = self.plan.cfg, self.plan.sources
+        template = src.profile.replace("{calibration}", job.calibration) if job.calibration else None
+        profile_path = readout_path(template, job.point.readout)
+        fitted = ESTIMATORS.get(job.point.estimator).needs_fit and src.estimators
+        job.method = build_method(job.point, self.stack.n_layers, self.loaded.fingerprint.as_dict(), profile_path,
+                                  readout_path(src.estimators, job.point.readout) if fitted else None,
+                                  load=model_loader(cfg.device, cfg.dtype),
+                                  readouts_path=src.readouts_of(job.calibration))
+        job.method.bind(self.stack, self.loaded.tokenizer)  # one method for every domain and task
+        job.facts = profile_facts(profile_file(profile_path, job.point.strata) if profile_path else None,
+                                  job.method)
+
+    def _add(self, extra: Sequence[Job]) -> list[Job]:
+        """The jobs of ``extra`` (a screen's refinement) this decoder does not have yet, built and added."""
+        have = {job.label for job in self.jobs}
+        new = [Job(j.kind, j.name, j.point, j.calibration, j.position) for j in extra if j.label not in have]
+        for job in new:
+            self._build(job)
+        self.jobs += new
+        return new
+
+    def screen(self, domain: str, extra: Sequence[Job] = ()) -> list[ScreenRow]:
+        """The teacher-forced tasks of every job on ``domain`` in one pass (kept for :meth:`run`) — or, given
+        ``extra`` (values a screen refines), of those jobs only; the rows of the screened values it scored, from
+        the scored metrics alone (no greedy generation)."""
+        jobs = self._add(extra) if extra else self.jobs
+        self._score(domain, jobs)
+        rows = []
+        for job in jobs:
             if job.position is None or not job.position.screened:
                 continue
             result = self._forced(domain, job, 0)
@@ -170,22 +203,26 @@ class Decoder:
                                   exits))
         return rows
 
-    def run(self, domain: str, kept: frozenset[str] | None = None, host: str = "") -> list[Outcome]:
-        """Every job on ``domain`` (``kept``: only the jobs of those point names, and every job not screened):
-        its teacher-forced results (scored by :meth:`screen` when this decoder screened the domain), then its own
-        free-running tasks, timing and heat-map inputs."""
+    def run(self, domain: str, kept: frozenset[str] | None = None, extra: Sequence[Job] = (), host: str = ""
+            ) -> list[Outcome]:
+        """Every job on ``domain`` (``kept``: only the jobs of those point names, and every job not screened;
+        ``extra``: the refinement's jobs, which ``kept`` may name): its teacher-forced results (scored by
+        :meth:`screen` when this decoder screened the domain), then its own free-running tasks, timing and heat-map
+        inputs."""
         cfg, stack, tokenizer, prepared = self.plan.cfg, self.stack, self.loaded.tokenizer, self.prepared[domain]
         where = provenance(stack.device, stack.dtype, host)
+        self._add(extra)
         jobs = [job for job in self.jobs if kept is None or job.name in kept or not (
             job.position and job.position.screened)]
-        if domain not in self._scores:
-            self._score(domain, jobs)
+        missing = [job for job in jobs if job.label not in self._scores.get(domain, {})]
+        if missing:  # a decoder that did not screen this domain (another Ray actor did)
+            self._score(domain, missing)
         shared = self._shared[domain]
         out = []
         for job in tqdm(jobs, desc=domain, unit="point"):
             screened = self._forced(domain, job, 0)
             why = self._not_timed(job, domain, screened)
-            swept = cfg.is_swept(job.name) and why is not None
+            swept = job.position is not None and why is not None
             # a swept point the screen rules out decodes nothing more; one that never exits, swept_prompts; one the
             # screen keeps (it exits, nothing ruled out) is judged on every prompt
             limit = (0 if why.startswith("violates") else cfg.swept_prompts) if swept else None
@@ -211,18 +248,22 @@ class Decoder:
         return out
 
     def _score(self, domain: str, jobs: list[Job]) -> None:
-        """Every job's teacher-forced scores on ``domain`` in one pass, beside full depth's (the screen's
-        reference); kept for :meth:`_forced`."""
+        """The jobs' teacher-forced scores on ``domain`` in one pass (beside full depth's, the screen's reference,
+        the first time); kept for :meth:`_forced`."""
         stack, tokenizer, prepared = self.stack, self.loaded.tokenizer, self.prepared[domain]
         full = next((job for job in jobs if job.point.method == FULL), None)
         reference = full.label if full else REFERENCE  # full depth's teacher-forced results: the screen's reference
-        methods = {job.label: job.method for job in jobs} | ({} if full else {REFERENCE: Full()})
-        self._shared[domain] = shared = Shared()
+        methods = {job.label: job.method for job in jobs}
+        if domain not in self._reference:
+            methods |= {} if full else {REFERENCE: Full()}
+        shared = self._shared.setdefault(domain, Shared())
         print(f"decode: {domain}: teacher-forced tasks of {len(jobs)} points", file=sys.stderr)
-        self._scores[domain] = score_all(stack, tokenizer, methods, prepared, shared, self.plan.cfg.unserved_tokens)
-        teacher = [p for p in prepared if p.task.teacher_forced]
-        self._reference[domain] = evaluate(stack, tokenizer, methods[reference], teacher, shared,
-                                           self._scores[domain][reference], 0).tasks
+        scores = self._scores.setdefault(domain, {})
+        scores.update(score_all(stack, tokenizer, methods, prepared, shared, self.plan.cfg.unserved_tokens))
+        if domain not in self._reference:
+            teacher = [p for p in prepared if p.task.teacher_forced]
+            self._reference[domain] = evaluate(stack, tokenizer, methods[reference], teacher, shared,
+                                               scores[reference], 0).tasks
 
     def _forced(self, domain: str, job: Job, limit: int | None) -> Evaluation:
         """``job``'s teacher-forced results on ``domain`` from its scores (``limit`` 0: no greedy generation)."""

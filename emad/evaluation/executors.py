@@ -59,24 +59,28 @@ class _Worker:
         self.decoder = Decoder(plan)
 
     def run(self, index: int, unit: tuple) -> tuple[int, list]:
-        """``("screen", domain)``: the domain's screen rows; ``("run", domain, kept)``: its kept jobs' outcomes."""
-        phase, domain, *kept = unit
+        """``("screen", domain[, extra jobs])``: the domain's screen rows; ``("run", domain[, kept, extra jobs])``:
+        its kept jobs' outcomes (:class:`~emad.evaluation.decoder.Decoder`)."""
+        phase, domain, *rest = unit
         if phase == "screen":
-            return index, self.decoder.screen(domain)
-        return index, self.decoder.run(domain, *kept, host=worker_name())
+            return index, self.decoder.screen(domain, *rest)
+        return index, self.decoder.run(domain, *rest, host=worker_name())
 
 
-Then = Callable[[list], Sequence] | None  # the first phase's outcomes -> the second phase's units (None: one phase)
+# a phase's outcomes (in unit order) -> the next phase's units, or None when the last phase has run
+Then = Callable[[list], Sequence | None] | None
 
 
 def serial(plan, units: Sequence, workers: int | None = None, actor: type = _Worker, then: Then = None) -> list:
-    """Every unit in this process, in order (one worker: the model loaded once); with ``then``, the units it
-    gives from the first phase's outcomes, on the same worker (what it kept from the first phase is reused)."""
+    """Every unit in this process, in order (one worker: the model loaded once); with ``then``, each next phase's
+    units on the same worker (what it kept from earlier phases is reused), until ``then`` gives None."""
     import torch
 
     worker = actor(plan, os.getcwd(), torch.get_num_threads())
     out = [worker.run(i, unit)[1] for i, unit in enumerate(units)]
-    return out if then is None else [worker.run(i, unit)[1] for i, unit in enumerate(then(out))]
+    while then is not None and (units := then(out)) is not None:
+        out = [worker.run(i, unit)[1] for i, unit in enumerate(units)]
+    return out
 
 
 EXECUTORS.add("serial", serial)
@@ -98,7 +102,8 @@ def ray_executor(plan: Plan, units: Sequence, workers: int | None = None,
         workers: how many actors (default: one per GPU of the cluster, else 2; never more than the units).
         order: permutes the submission order (tests).
         actor: the actor class, built as ``actor(plan, cwd, threads)`` with a method ``run(index, unit)``.
-        then: the first phase's outcomes → the second phase's units, run on fresh actors (None: one phase).
+        then: a phase's outcomes → the next phase's units, each phase on fresh actors, until it gives None (None:
+            one phase).
 
     Returns:
         Each unit's outcomes, in unit order.
@@ -129,7 +134,9 @@ def ray_executor(plan: Plan, units: Sequence, workers: int | None = None,
         # node's actor is "unavailable" until Ray declares the node dead, and a fixed count of retries is spent then
         remote = ray.remote(num_cpus=cpus, num_gpus=1 if gpus else 0, max_restarts=1, max_task_retries=-1)(actor)
         out = _run_units(ray, remote, actors, plan, units, n, threads, order)
-        return out if then is None else _run_units(ray, remote, actors, plan, then(out), n, threads, order)
+        while then is not None and (units := then(out)) is not None:
+            out = _run_units(ray, remote, actors, plan, units, min(n, len(units)), threads, order)
+        return out
     except SystemExit:
         if signals:  # Ray's wait turns the exception a signal handler raises into SystemExit(1)
             raise SystemExit(128 + signals[0]) from None

@@ -12,6 +12,11 @@ read):
 4. the two values beside the tolerance crossing nearest that target: one no teacher-forced check rules out on
    any cell, one some check rules out.
 
+Before choosing, a sweep of a continuous knob whose neighbouring grid values beside the target, or beside the
+tolerance crossing nearest it, lie more than :data:`MAX_GAP` apart in FLOPs ratio is screened again between them
+(:func:`refinements`: :data:`REFINE_VALUES` values, at most :data:`ROUNDS` rounds), so that the kept points read the
+curve there at most :data:`MAX_GAP` apart wherever the knob can place them.
+
 Only kept values become runs (run files, MLflow runs, free-running tasks, timing). The rows, kept or not, are the
 sweep's screen artifact (:func:`screen_record`), drawn faintly behind the kept points in the figures.
 """
@@ -21,6 +26,10 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+
+MAX_GAP = 0.05  # FLOPs ratio between the kept points beside the target (and beside the tolerance crossing)
+REFINE_VALUES = 6  # values screened between two neighbours that lie farther apart
+ROUNDS = 3  # refinement rounds at most
 
 
 @dataclass
@@ -97,6 +106,33 @@ def _choose(values: dict[str, list[ScreenRow]], n: int, target: float) -> dict[s
         reasons[a].append("tolerance")
         reasons[b].append("tolerance")
     return {p: why for p, why in reasons.items() if why}
+
+
+def refinements(rows: Sequence[ScreenRow], target: float, layer_knobs: Sequence[str] = ()) -> dict[str, list[float]]:
+    """Sweep → the values to screen next: between neighbouring values (in knob order) whose mean FLOPs ratios lie on
+    both sides of ``target``, or that are the tolerance crossing nearest it, when they are more than
+    :data:`MAX_GAP` apart; none for a layer knob (its grid is every layer) or where 4 significant digits cannot
+    split the interval."""
+    by_curve: dict[str, dict[float, list[ScreenRow]]] = defaultdict(lambda: defaultdict(list))
+    for row in rows:
+        by_curve[row.curve][row.value].append(row)
+    out = {}
+    for curve, cells in by_curve.items():
+        if next(iter(cells.values()))[0].knob in layer_knobs:
+            continue
+        values = sorted(cells)
+        flops = {v: sum(r.flops_ratio for r in cells[v]) / len(cells[v]) for v in values}
+        ok = {v: not any(r.ruled_out for r in cells[v]) for v in values}
+        pairs = list(zip(values, values[1:]))
+        wide = [(a, b) for a, b in pairs if (flops[a] <= target) != (flops[b] <= target)]
+        crossings = [(a, b) for a, b in pairs if ok[a] != ok[b]]
+        if crossings:
+            wide.append(min(crossings, key=lambda ab: abs((flops[ab[0]] + flops[ab[1]]) / 2 - target)))
+        new = {float(f"{a + (b - a) * k / (REFINE_VALUES + 1):.4g}") for a, b in wide
+               if abs(flops[a] - flops[b]) > MAX_GAP for k in range(1, REFINE_VALUES + 1)} - set(values)
+        if new:
+            out[curve] = sorted(new)
+    return out
 
 
 def screen_record(model: str, curve: str, rows: Sequence[ScreenRow]) -> dict:

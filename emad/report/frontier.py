@@ -145,6 +145,8 @@ class ParetoSeries:
             descending ``flops_ratio`` then run id — the data file of a ``dvc plots`` definition.
         full_quality: the metric of the full-depth run (None when there is none).
         oracle: ``{profile: oracle FLOPs ratio}`` for the model (see :func:`oracle_flops_ratio`).
+        screen: the screened values of the model's sweeps on this domain (``family, curve, calibration, value,
+            flops_ratio, quality, kept``; teacher forced: :mod:`emad.evaluation.screen`), drawn faintly.
     """
 
     model: str
@@ -154,6 +156,7 @@ class ParetoSeries:
     rows: list[dict[str, Any]] = field(default_factory=list)
     full_quality: float | None = None
     oracle: dict[str, float] = field(default_factory=dict)
+    screen: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -203,8 +206,17 @@ def _series(model: str, domain: str, metric: str, runs: list[dict], base: dict |
     return ParetoSeries(model, domain, metric, hb, rows, full_q, oracle)
 
 
-def pareto_data(runs: Sequence[dict[str, Any]]) -> list[ParetoSeries]:
-    """One :class:`ParetoSeries` per (model, domain, quality metric) present in ``runs``, sorted by name.
+def screen_rows(screens: Sequence[dict[str, Any]], model: str, domain: str, metric: str) -> list[dict[str, Any]]:
+    """The rows of the screen records (``emad-screen`` files) of ``model`` on ``domain`` that carry ``metric``."""
+    return [{"family": r["family"], "curve": r["curve"], "calibration": r["calibration"], "value": r["value"],
+             "flops_ratio": r["flops_ratio"], "quality": r["quality"][metric], "kept": r["kept"]}
+            for s in screens if s["model"] == model for r in s["rows"]
+            if r["domain"] == domain and metric in r["quality"]]
+
+
+def pareto_data(runs: Sequence[dict[str, Any]], screens: Sequence[dict[str, Any]] = ()) -> list[ParetoSeries]:
+    """One :class:`ParetoSeries` per (model, domain, quality metric) present in ``runs``, sorted by name, with the
+    rows of the decode stages' ``screens`` (:func:`screen_rows`).
 
     Speed-ups are the runs' own ``cost.speedup`` where measured, else need the full-depth run of the model ×
     domain; without either they are None (and such a point is not on the speed frontier), while the FLOPs
@@ -225,4 +237,6 @@ def pareto_data(runs: Sequence[dict[str, Any]]) -> list[ParetoSeries]:
         metrics = sorted({m for r in group for m in r.get("quality", {})})
         out += [_series(model, domain, m, group, base.get((model, domain)), oracles.get(model, {}))
                 for m in metrics]
+        for series in out[len(out) - len(metrics):]:
+            series.screen = screen_rows(screens, model, domain, series.metric)
     return out

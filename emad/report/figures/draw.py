@@ -66,7 +66,7 @@ def _annotate_clipped(ax, xs, ys_raw, ys, moved, colour, scale: QualityScale, li
                     bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.8}, zorder=6)
 
 
-def _edge_limits(lim: tuple[float, float], scale: QualityScale) -> tuple[float, float]:
+def edge_limits(lim: tuple[float, float], scale: QualityScale) -> tuple[float, float]:
     """Where clipped points are drawn: just inside the axes limits."""
     lo, hi = lim
     if scale.log:
@@ -78,7 +78,7 @@ def _edge_limits(lim: tuple[float, float], scale: QualityScale) -> tuple[float, 
 def draw_lines(ax, line_list: Sequence[Line], x_key: str, scale: QualityScale, full_quality: float | None,
                 lim: tuple[float, float], style_of: Callable[[Line], Style], label_values: bool = False) -> None:
     """One line per :class:`Line` through its points (markers at the measured points)."""
-    edge = _edge_limits(lim, scale)
+    edge = edge_limits(lim, scale)
     for c in line_list:
         st = style_of(c)
         xs = [r[x_key] for r in c.points]

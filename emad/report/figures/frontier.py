@@ -24,12 +24,13 @@ from emad.report.figures.draw import (
     Drawn,
     draw_lines,
     draw_reference,
+    edge_limits,
     finish_axes,
     legend_handles,
     panel_limits,
     series_scale,
 )
-from emad.report.figures.lines import Line, lines
+from emad.report.figures.lines import Line, clip, lines
 from emad.report.figures.style import Style, family_styles
 from emad.report.frontier import FULL, ORACLE, ParetoSeries
 from emad.report.plots import plt, save_figure
@@ -61,6 +62,8 @@ def draw_panel(ax, series: ParetoSeries, x_key: str, thr: Thresholds, styles: di
         def keys(profile: str) -> bool:
             return split_profile(profile)[1] == readout
     draw_reference(ax, series, x_key, scale, lim, drawn, keys)
+    if x_key == "flops_ratio":
+        _draw_screen(ax, series, scale, lim, styles, family)
     if family is None:
         draw_lines(ax, cs, x_key, scale, series.full_quality, lim, lambda c: styles[c.family])
     else:
@@ -77,6 +80,19 @@ def draw_panel(ax, series: ParetoSeries, x_key: str, thr: Thresholds, styles: di
                 if x_key == "speedup" else "no points", ha="center", va="center", transform=ax.transAxes,
                 fontsize=8, color="grey")
     return cs
+
+
+def _draw_screen(ax, series: ParetoSeries, scale, lim: tuple[float, float], styles: dict[str, Style],
+                 family: str | None) -> None:
+    """The screened values of the series' sweeps (teacher forced), faint dots in their family's colour behind the
+    kept points."""
+    rows = [r for r in series.screen if (family is None or r["family"] == family) and r["family"] in styles
+            and r["flops_ratio"] is not None]
+    if not rows:
+        return
+    ys, _ = clip([scale(r["quality"], series.full_quality) for r in rows], *edge_limits(lim, scale))
+    ax.scatter([r["flops_ratio"] for r in rows], ys, s=7, lw=0, alpha=0.3, zorder=2,
+               color=[styles[r["family"]].colour for r in rows])
 
 
 def _legend(fig, styles: dict[str, Style], drawn: Drawn, extra: Sequence[Any] = ()) -> None:
