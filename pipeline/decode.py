@@ -121,10 +121,16 @@ def _calibrations(cfg: DecodeConfig, name: str, every: list[str], given: list[st
 
 
 def n_layers_of(model_dir: str) -> int:
-    """The depth L of the prepared model in ``model_dir`` (its config; the weights are not loaded)."""
+    """The depth L of the prepared model in ``model_dir`` (its config; the weights are loaded only for a spec
+    without one, e.g. a GGUF file, so that a broken one is named as the loader names it)."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(model_dir).get_text_config().num_hidden_layers
+    try:
+        return AutoConfig.from_pretrained(model_dir).get_text_config().num_hidden_layers
+    except (OSError, ValueError):
+        from emad.engine.models import load_model
+
+        return load_model(model_dir, device="cpu", dtype="float32").fingerprint.n_layers
 
 
 def largest_tau(cfg: DecodeConfig, args: argparse.Namespace, every: list[str]) -> dict[str, float]:

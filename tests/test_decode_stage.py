@@ -227,13 +227,13 @@ def test_unknown_domain_or_point_is_named(workspace, monkeypatch):
     ({"points": {"s": {"method": "emad", "margin": [1, "high"]}}}, r"decode\.points\.s\.margin: 'high' is not a number"),
     ({"points": {"s": {"method": "emad", "margin": [1, 2, 1.0]}}}, r"decode\.points\.s\.margin: the value 1.0 is listed twice"),
     ({"baselines": {"s": {"method": "confidence", "threshold": 1, "min_exit_layer": [1, 2]}}},
-     r"decode\.baselines\.s\.min_exit_layer: a list sweeps the method's knob only \(method 'confidence': threshold\)"),
+     r"decode\.baselines\.s\.min_exit_layer: a list or range sweeps the method's knob only \(method 'confidence': threshold\)"),
     ({"baselines": {"f": {"method": "full", "depth": [1, 2]}}}, r"decode\.baselines\.f\.depth: .*'full': no knob"),
     ({"baselines": {"fixed": {"method": "fixed", "depth": [2, 3]}, "fixed_2": {"method": "fixed", "depth": 1}}},
      r"decode\.baselines\.fixed\.depth: the value 2 makes point 'fixed_2', a name already taken"),
     ({"related": {"s_1": {"method": "softmax", "threshold": 0.5}},
       "points": {"s": {"method": "emad", "margin": [1, 2]}}}, r"point 's_1' \(from a sweep\) is also in"),
-    ({"curves": {}}, "decode.curves is filled from the points' value lists"),
+    ({"curves": {}}, "decode.curves is filled from the points' sweeps"),
 ])
 def test_bad_decode_params_name_the_culprit(change, culprit):
     with pytest.raises(ConfigError, match=culprit):

@@ -28,8 +28,8 @@ def _tasks(ppl: float, score: float) -> dict:
 
 def _record(point: str, family: str, ppl: float, score: float, flops: float) -> RunRecord:
     base = RunRecord(run_id=f"m--{point}--prose", model="m", point=point, kind="baseline", family=family,
-                     readout="logit", curve=point, knob=None, value=None, options={"method": family},
-                     calibration=None, domain="prose", model_fingerprint="abc", n_layers=30, free_prompts=None,
+                     readout="logit", curve=point, knob=None, value=None, screened=False, options={"method": family},
+                     calibration=None, domain="prose", model_fingerprint="abc", n_layers=30, free_prompts=None, not_run={},
                      method={"method": family}, profile_fingerprint=None, factors={}, oracle=None,
                      provenance={"host": "h", "device": "cpu", "dtype": "float32", "ray_node": None})
     cost = {"flops_ratio": flops, "bytes_ratio": flops, "mean_depth": 30 * flops, "tokens": 1000.0,
