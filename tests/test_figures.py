@@ -215,3 +215,16 @@ def test_ratios_far_below_full_depth_and_infinite_ones_stay_inside():
     assert all(lo <= y <= hi for y in ys) and lo >= 0.01
     assert any(t.get_text() == "∞" for t in ax.texts)
     plt.close(fig)
+
+
+def test_screened_values_are_drawn_faintly_behind_the_kept_points_on_the_flops_axis_only():
+    s = synthetic_series(families=("fixed",), n=4)
+    s.screen = [{"family": "fixed", "curve": "fixed-base", "calibration": None, "value": float(v),
+                 "flops_ratio": 0.1 + 0.03 * v, "quality": FULL_PPL * (1 + 1 / (v + 1)), "kept": v % 5 == 0}
+                for v in range(30)]
+    fig = pareto_figure(s)
+    left, right = fig.axes[:2]
+    faint = [c for c in left.collections if len(c.get_offsets()) == 30]
+    assert len(faint) == 1 and faint[0].get_alpha() < 0.5 and faint[0].get_zorder() < 4  # behind the lines
+    assert not [c for c in right.collections if len(c.get_offsets()) == 30]  # the speed axis has no screen
+    plt.close(fig)
