@@ -31,7 +31,7 @@ from emad.methods import STRATEGIES
 
 LAYER_FIELDS = ("depth", "exit_layer", "small_layers", "min_exit_layer")  # options that name a layer (1..L)
 DEFAULT_POINTS = 8  # points a range keeps when it does not say
-GRID = 32  # values a range knob is screened at (a layer knob: every layer in its range)
+GRID = 16  # values a range knob is screened at (a layer knob: every layer in its range)
 NOMINAL_LAYERS = 1000  # L that relative layers resolve against while params are checked without a model
 RANGE_KEYS = {"from", "to", "points", "grid", "spacing"}
 _RELATIVE = re.compile(r"^\s*(?:(\d*\.?\d+)\s*\*?\s*)?L\s*(?:([+-])\s*(\d+))?\s*$")
