@@ -35,19 +35,22 @@ from emad.report.verdict import verdict
 from emad.stage import run_stage
 
 PLOT_KEYS = ("run_id", "point", "family", "calibration", "flops_ratio", "bytes_ratio", "speedup", "quality",
-             "on_frontier_flops", "on_frontier_speed", "curve", "knob", "value", "readout", "domain")
+             "on_frontier_flops", "on_frontier_speed", "curve", "knob", "value", "readout", "domain", "screened")
 OVERVIEW, DOMAIN_SHIFT = "overview.png", "domain-shift.png"  # beside the per-series figures
 
 
 def _write_plot_data(series, folder: Path, thresholds: Thresholds) -> None:
     """One JSON per series for ``dvc plots`` (every record with the same keys, as DVC requires), under
     ``flops/`` and ``speed/`` — one plot definition per x axis in dvc.yaml. Each row also carries the quality as
-    the figures show it (``quality_vs_full``) and the line it belongs to (``line``, ``calibration_kind``)."""
+    the figures show it (``quality_vs_full``) and the line it belongs to (``line``, ``calibration_kind``); the FLOPs
+    data also holds the screened values of the series' sweeps (``screened: true``, drawn faintly)."""
     for s in series:
-        rows = [{**{k: row.get(k) for k in PLOT_KEYS},
+        rows = [{**{k: row.get(k) for k in PLOT_KEYS}, "screened": False,
                  **plot_fields(s, row, thresholds.ppl_rel_tol, thresholds.acc_abs_tol)} for row in s.plot_rows()]
-        for axis in ("flops", "speed"):
-            atomic_write_json(folder / axis / f"{s.name}.json", rows)
+        screened = [{**{k: row.get(k) for k in PLOT_KEYS}, "domain": s.domain, "screened": True,
+                     **plot_fields(s, row, thresholds.ppl_rel_tol, thresholds.acc_abs_tol)} for row in s.screen]
+        atomic_write_json(folder / "flops" / f"{s.name}.json", rows + screened)
+        atomic_write_json(folder / "speed" / f"{s.name}.json", rows)
 
 
 def _risk_results(folder: Path | None) -> list[dict]:

@@ -170,7 +170,10 @@ def test_frontier_template_draws_lines_per_family_offline():
     text = (Path(__file__).parents[1] / ".dvc" / "plots" / "frontier.json").read_text()
     spec = json.loads(text)
     assert "<script" not in text and "<DVC_METRIC_DATA>" in text and "<DVC_METRIC_ZOOM_AND_PAN>" in text
-    curves_layer = spec["layer"][0]["layer"]
+    screen = spec["layer"][0]  # the screened values, faint, drawn first (behind the kept points)
+    assert "datum.screened === true" in screen["transform"][0]["filter"] and screen["mark"]["opacity"] < 0.5
+    assert "datum.screened !== true" in spec["layer"][1]["transform"][0]["filter"]
+    curves_layer = spec["layer"][1]["layer"]
     assert curves_layer[0]["mark"]["type"] == "line" and curves_layer[1]["mark"]["type"] == "point"
     enc = curves_layer[0]["encoding"]
     assert enc["color"]["field"] == "family" and enc["strokeDash"]["field"] == "calibration_kind"
