@@ -196,16 +196,22 @@ class Phases:
         new = refinements(self.rows, target, LAYER_FIELDS) if self.rounds < ROUNDS else {}
         if new:
             self.rounds += 1
-            jobs = [Job(j.kind, swept_name(curve, v), j.point.model_copy(update={j.position.knob: v}), j.calibration,
-                        SweepPosition(curve=curve, knob=j.position.knob, value=v, screened=True))
-                    for curve, values in new.items() for v in values
-                    for j in {(j.calibration): j for j in call.jobs if j.position and j.position.curve == curve
-                              }.values()]
+            jobs = [job for curve, values in new.items() for v in values for job in self._at(curve, v)]
             self.extra += jobs
             return [("screen", d, tuple(jobs)) for d in call.domains]
         kept = frozenset(keep(self.rows, call.screens, target))
         self.ran = True
         return [("run", d, kept, tuple(self.extra)) for d in call.domains]
+
+    def _at(self, curve: str, value: float) -> list[Job]:
+        """The jobs of sweep ``curve`` at a new ``value``: one per calibration source its jobs run with."""
+        first = {}  # calibration -> a job of the sweep there (its point, with the knob set to value)
+        for job in self.call.jobs:
+            if job.position and job.position.curve == curve:
+                first.setdefault(job.calibration, job)
+        return [Job(j.kind, swept_name(curve, value), j.point.model_copy(update={j.position.knob: value}),
+                    j.calibration, SweepPosition(curve=curve, knob=j.position.knob, value=value, screened=True))
+                for j in first.values()]
 
 
 def main(argv: list[str] | None = None) -> int:
