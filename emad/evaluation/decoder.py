@@ -189,7 +189,9 @@ class Decoder:
         """The teacher-forced tasks of every job on ``domain`` in one pass (kept for :meth:`run`) — or, given
         ``extra`` (values a screen refines), of those jobs only; the rows of the screened values it scored, from
         the scored metrics alone (no greedy generation)."""
-        jobs = self._add(extra) if extra else self.jobs
+        self._add(extra)
+        labels = {job.label for job in extra}
+        jobs = [job for job in self.jobs if job.label in labels] if extra else self.jobs
         self._score(domain, jobs)
         rows = []
         for job in jobs:
