@@ -189,3 +189,33 @@ def test_a_cliff_beside_the_target_or_the_crossing_is_screened_again_between_its
     close = [_row(v, 1.0 - 0.04 * v, f"e{v}", v > 2) for v in range(6)]  # neighbours at most 0.04 apart
     assert all(abs(a.flops_ratio - b.flops_ratio) <= MAX_GAP for a, b in zip(close, close[1:]))
     assert refinements(close, 0.85) == {}
+
+
+def test_a_refinement_is_screened_on_every_domain_by_one_decoder(models, monkeypatch):
+    """One worker screens every domain: values a refinement adds while screening the first domain are screened on
+    the second too, and run there."""
+    import shutil
+
+    import pipeline.decode as stage
+    from emad.evaluation.decoder import Decoder
+
+    corpora = models / "corpora"
+    if not (corpora / "toy2").exists():
+        shutil.copytree(corpora / "toy", corpora / "toy2")
+    params = {**BASE, "domains": {"toy": BASE["domains"]["toy"], "toy2": BASE["domains"]["toy"]},
+              "baselines": {"full": {"method": "full"},
+                            "conf": {"method": "confidence", "probe_every": 1,
+                                     "threshold": {"from": 0.05, "to": 50, "points": 2, "grid": 2}}}, "points": {}}
+    path = models / "two-domains.yaml"
+    path.write_text(yaml.safe_dump({"decode": params}))
+    call = stage.plan(stage.parse_args(["--kind", "baseline", "--model", "tiny4", "--model-dir",
+                                        str(models / "tiny4"), "--corpora", str(corpora), "--out", str(models / "o"),
+                                        "--artifacts", str(models / "a"), "--params", str(path)]))
+    decoder, phases = Decoder(call), stage.Phases(call)
+    first = [decoder.screen(d) for d in call.domains]
+    extra = phases._at("conf", 7.5)
+    again = [decoder.screen(d, extra) for d in call.domains]
+    assert [{r.value for r in rows} for rows in first] == [{0.05, 50.0}] * 2
+    assert [[(r.point, r.domain) for r in rows] for rows in again] == [[("conf_7.5", d)] for d in call.domains]
+    outcomes = [decoder.run(d, frozenset({"conf_7.5"}), extra) for d in call.domains]
+    assert [sorted(o.label for o in out) for out in outcomes] == [["conf_7.5", "full"]] * 2
