@@ -129,7 +129,7 @@ class Outcome:
 
 class Decoder:
     """The model loaded once, every job's method built and bound (bad input fails here, before any decoding), every
-    domain's tasks prepared; :meth:`run` scores one domain."""
+    domain's tasks prepared; :meth:`screen` and :meth:`run` score one domain."""
 
     def __init__(self, plan: Plan):
         cfg, src = plan.cfg, plan.sources
@@ -176,14 +176,13 @@ class Decoder:
         job.facts = profile_facts(profile_file(profile_path, job.point.strata) if profile_path else None,
                                   job.method)
 
-    def _add(self, extra: Sequence[Job]) -> list[Job]:
-        """The jobs of ``extra`` (a screen's refinement) this decoder does not have yet, built and added."""
+    def _add(self, extra: Sequence[Job]) -> None:
+        """Build and add the jobs of ``extra`` (a screen's refinement) this decoder does not have yet."""
         have = {job.label for job in self.jobs}
         new = [Job(j.kind, j.name, j.point, j.calibration, j.position) for j in extra if j.label not in have]
         for job in new:
             self._build(job)
         self.jobs += new
-        return new
 
     def screen(self, domain: str, extra: Sequence[Job] = ()) -> list[ScreenRow]:
         """The teacher-forced tasks of every job on ``domain`` in one pass (kept for :meth:`run`) — or, given
