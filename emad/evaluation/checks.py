@@ -110,7 +110,7 @@ class Check:
 
     def describe(self) -> str:
         if self.value is None:
-            return f"{self.metric} on {self.domain} is missing: {self.state}"
+            return f"{self.metric} on {self.domain}: {self.method.removeprefix('undefined: ')}: {self.state}"
         if self.relative:
             return (f"{self.metric} on {self.domain} {self.change:+.2%} ({self.interval_text()}; "
                     f"{self.full:.4g} → {self.value:.4g}; tolerance +{self.tolerance:.0%}): {self.state}")
@@ -176,8 +176,10 @@ def build_check(domain: str, metric: str, point_run: dict, full_run: dict, toler
     relative = relative_tolerance(metric)
     full = full_on_units(metric, point_run, full_run)
     value = point_run.get("quality", {}).get(metric)
-    if value is None:
-        return Check(domain, metric, full, None, math.inf, tolerance, relative, method="undefined: metric missing",
+    if value is None:  # a task the point did not run (the teacher-forced screen ruled it out), or a metric missing
+        task = METRICS.get(metric).task
+        why = "not run: " + point_run["not_run"][task] if task in point_run.get("not_run", {}) else "metric missing"
+        return Check(domain, metric, full, None, math.inf, tolerance, relative, method=f"undefined: {why}",
                      state=VIOLATED)
     value = float(value)
     if relative:
