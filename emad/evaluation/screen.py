@@ -86,8 +86,7 @@ def _choose(values: dict[str, list[ScreenRow]], n: int, target: float) -> dict[s
     distinct: dict[tuple, str] = {}
     for point, cells in values.items():  # grid order: the first of equal exit decisions stands for them
         distinct.setdefault(tuple(sorted((r.calibration or "", r.domain, r.exits) for r in cells)), point)
-    flops = {p: sum(r.flops_ratio for r in values[p]) / len(values[p]) for p in distinct.values()}
-    ok = {p: not any(r.ruled_out for r in values[p]) for p in flops}
+    flops, ok = _pooled({p: values[p] for p in distinct.values()})
     order = sorted(flops, key=lambda p: (flops[p], p))
     reasons: dict[str, list[str]] = defaultdict(list)
     lo, hi = flops[order[0]], flops[order[-1]]
@@ -121,8 +120,7 @@ def refinements(rows: Sequence[ScreenRow], target: float, layer_knobs: Sequence[
         if next(iter(cells.values()))[0].knob in layer_knobs:
             continue
         values = sorted(cells)
-        flops = {v: sum(r.flops_ratio for r in cells[v]) / len(cells[v]) for v in values}
-        ok = {v: not any(r.ruled_out for r in cells[v]) for v in values}
+        flops, ok = _pooled(cells)
         pairs = list(zip(values, values[1:]))
         wide = [(a, b) for a, b in pairs if (flops[a] <= target) != (flops[b] <= target)]
         crossings = [(a, b) for a, b in pairs if ok[a] != ok[b]]
@@ -133,6 +131,13 @@ def refinements(rows: Sequence[ScreenRow], target: float, layer_knobs: Sequence[
         if new:
             out[curve] = sorted(new)
     return out
+
+
+def _pooled(cells: dict) -> tuple[dict, dict]:
+    """Per key (a point or a value) of ``cells`` (its rows on every cell): the mean FLOPs ratio over the cells, and
+    whether no teacher-forced check rules it out on any."""
+    return ({k: sum(r.flops_ratio for r in rows) / len(rows) for k, rows in cells.items()},
+            {k: not any(r.ruled_out for r in rows) for k, rows in cells.items()})
 
 
 def screen_record(model: str, curve: str, rows: Sequence[ScreenRow]) -> dict:
