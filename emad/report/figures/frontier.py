@@ -198,9 +198,14 @@ def domain_shift_figure(series_list: Sequence[ParetoSeries], metric: str = "perp
             cs = draw_panel(ax, s, "flops_ratio", thr, styles, drawn, family=family, source_colours=colours,
                             ratio_cap=ratio_cap)
             knob = next((c.knob for c in cs if c.knob), None)
-            ax.set_title(f"{family} · {s.model} · {s.domain}" + (f"  (labels: {knob})" if knob else ""),
-                         fontsize=9)
-            if cs:
+            ax.set_title(f"{family}\n{s.model} · {s.domain}" + (f"  (labels: {knob})" if knob else ""),
+                         fontsize=8)
+            if not cs:  # this family did not run on this model and domain
+                ax.clear()
+                ax.axis("off")
+                ax.text(0.5, 0.5, f"{family}\nnot run on {s.model} · {s.domain}", ha="center", va="center",
+                        transform=ax.transAxes, fontsize=8, color="grey")
+            else:
                 ax.legend(handles=[plt.Line2D([], [], color=line.get_color(), ls=line.get_linestyle(),
                                               marker=line.get_marker(), label=f"cal {c.calibration or '—'}")
                                    for c, line in zip(cs, ax.get_lines()[-len(cs):])],
