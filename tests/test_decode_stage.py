@@ -285,6 +285,9 @@ def test_a_swept_stage_writes_one_run_per_value_each_timed_against_full_depth_he
         if cost["speed_timing"] == "pairs":  # the screen keeps it: every prompt, timed on 8 distinct prompts
             assert cost["speed_unit"] == "prompt" and len(cost["speed_pairs"]) == 8 and r["free_prompts"] is None
             assert len(r["tasks"]["fidelity"]["samples"]["exact_match"]) == 8
+        elif cost["speed_timing"].startswith("cheap: FLOPs ratio"):  # computes as much as full depth: every prompt,
+            assert cost["speed_repeats"] == 2 and r["free_prompts"] is None  # the cheap measure
+            assert len(r["tasks"]["fidelity"]["samples"]["exact_match"]) == 8
         else:  # never exits: the cheap measure on the first prompt
             assert cost["speed_timing"] == "cheap: never exits" and cost["speed_repeats"] == 2
             assert r["free_prompts"] == 1 and len(r["tasks"]["fidelity"]["samples"]["exact_match"]) == 1
@@ -295,6 +298,23 @@ def test_a_swept_stage_writes_one_run_per_value_each_timed_against_full_depth_he
     mlflow.set_tracking_uri(f"sqlite:///{workspace / 'mlflow.db'}")
     names = {r.info.run_name for r in mlflow.search_runs(experiment_names=["emad"], output_format="list")}
     assert {f"decode tiny {r['point']} toy" for r in records} <= names
+
+
+def test_a_point_computing_as_much_as_full_depth_is_judged_on_every_prompt_but_not_timed_for_c2(workspace,
+                                                                                                  monkeypatch):
+    params = workspace / "params-flops.yaml"
+    point = {**DECODE, "domains": {"toy": ["perplexity", "fidelity"]},
+             "baselines": {"conf": {"method": "confidence", "threshold": [1000], "probe_every": 1}},
+             "swept_prompts": 1, "speed_repeats": 1, "speed_tokens": 4}
+    for below, timing in ((None, "pairs"), (0.5, "cheap: FLOPs ratio")):  # its teacher-forced FLOPs ratio is ~0.98
+        params.write_text(yaml.safe_dump({"decode": {**point, "speed_flops_below": below}}))
+        runs = f"flops-runs-{below}"
+        assert _decode(workspace, "baseline", "conf", monkeypatch, runs=runs, params=params) == 0
+        (record,) = [runfile.load(p) for p in (workspace / runs / "baseline-conf").glob("*.json")]
+        cost = record["cost"]
+        assert 0.5 < cost["flops_ratio"] < 1 and cost["speed_timing"].startswith(timing)
+        assert record["free_prompts"] is None and len(record["tasks"]["fidelity"]["samples"]["exact_match"]) == 8
+        assert (cost["speed_unit"] == "prompt") == (below is None)
 
 
 def test_ablation_and_related_tasks_narrow_their_kind_only():

@@ -57,6 +57,9 @@ class DecodeConfig(Section):
             every other point is timed, one pair (point and full depth back to back) per prompt, ``speed_tokens``
             new tokens each: C2's 95% interval over prompts rests on them (at least
             :data:`~emad.evaluation.checks.MIN_SPEED_PROMPTS`).
+        speed_flops_below: only points whose teacher-forced FLOPs ratio (per domain) is below this are timed over
+            prompts; the others, which compute at least this share of full depth's FLOPs, get the cheap measure
+            (null: every point that exits early and that no teacher-forced check rules out).
         curves: filled from the points' value lists (not set by hand): expanded point → its :class:`SweepPosition`.
         screens: filled from the points' ranges (not set by hand): screened sweep → its :class:`Screen` (its grid
             resolved only when validated for one model: :meth:`for_model`).
@@ -92,6 +95,7 @@ class DecodeConfig(Section):
     speed_repeats: int = Field(3, ge=0)
     speed_prompts: int = MIN_SPEED_PROMPTS
     speed_tokens: int = Field(32, ge=1)
+    speed_flops_below: float | None = Field(1.0, gt=0)
     curves: dict[str, SweepPosition] = Field(default_factory=dict)
     screens: dict[str, Screen] = Field(default_factory=dict)
     executor: str = "serial"

@@ -45,6 +45,7 @@ from emad.exits.estimators import ESTIMATORS
 from emad.tasks.registry import Shared
 
 REFERENCE = "full depth (reference)"  # scored beside the points when no full point runs with them
+NEVER_EXITS = "never exits"
 
 
 @dataclass
@@ -223,10 +224,10 @@ class Decoder:
         for job in tqdm(jobs, desc=domain, unit="point"):
             screened = self._forced(domain, job, 0)
             why = self._not_timed(job, domain, screened)
-            swept = job.position is not None and why is not None
-            # a swept point the screen rules out decodes nothing more; one that never exits, swept_prompts; one the
-            # screen keeps (it exits, nothing ruled out) is judged on every prompt
-            limit = (0 if why.startswith("violates") else cfg.swept_prompts) if swept else None
+            # a swept point the screen rules out decodes nothing more; one that never exits, swept_prompts; every
+            # other point is judged on every prompt
+            limit = (None if job.position is None or why is None else 0 if why.startswith("violates") else
+                     cfg.swept_prompts if why == NEVER_EXITS else None)
             forced = screened if limit == 0 else self._forced(domain, job, limit)
             free = evaluate(stack, tokenizer, job.method, [p for p in prepared if not p.task.teacher_forced], shared,
                             None, limit) if limit != 0 else Evaluation({})
@@ -294,11 +295,15 @@ class Decoder:
     def _not_timed(self, job: Job, domain: str, forced: Evaluation) -> str | None:
         """Why the verdict cannot read this point's speed (None: it can, and is timed over prompts): full depth
         itself, an ablation (one factor of one point, on a subset of domains: the verdict does not judge it), a
-        point a teacher-forced check rules out, and a point that never exits (it runs every layer and its probes:
-        it cannot be faster)."""
+        point a teacher-forced check rules out, a point that never exits (it runs every layer and its probes: it
+        cannot be faster), and a point whose teacher-forced FLOPs ratio is at least ``decode.speed_flops_below``
+        (it computes at least as much as full depth)."""
         ruled_out = self._ruled_out(domain, forced)
         depths = set(forced.depth_histogram())
+        ratio, below = forced.cost()["flops_ratio"], self.plan.cfg.speed_flops_below
         return ("full depth" if job.point.method == FULL else
                 "an ablation (not judged)" if job.kind == "ablation" else
                 f"violates {', '.join(c.metric for c in ruled_out)} (teacher forced)" if ruled_out else
-                "never exits" if depths and depths <= {self.stack.n_layers} else None)
+                NEVER_EXITS if depths and depths <= {self.stack.n_layers} else
+                f"FLOPs ratio {ratio:.3f} >= {below:g} (teacher forced)"
+                if below is not None and ratio is not None and ratio >= below else None)

@@ -55,9 +55,11 @@ UNCERTAINTY_RULE = (
     "interval over distinct prompts (≥ 8 per domain, one pair per prompt — point and full depth back to back in one "
     "process, each first on half of them, after an untimed warm-up — Student t on the log ratios): it passes when a "
     "point with every check met has its whole interval at or above the gain, is falsified when every "
-    "met-or-unresolved point that exits early has its interval wholly below it, and is unresolved otherwise. Points "
-    "a teacher-forced check rules out, and points that never exit (they run every layer and their probes), keep a "
-    "cheap timed pair for the figures. The literal reading counts the points with a violated check.")
+    "met-or-unresolved point that exits early and spends fewer FLOPs than full depth has its interval wholly below "
+    "it, and is unresolved otherwise. Points a teacher-forced check rules out, points that never exit (they run "
+    "every layer and their probes) and points whose teacher-forced FLOPs ratio is at least "
+    "decode.speed_flops_below (1: they compute at least as much as full depth) keep a cheap timed pair for the "
+    "figures. The literal reading counts the points with a violated check.")
 
 
 def _aside(checks) -> list[tuple[str, int]]:

@@ -20,9 +20,9 @@
   such point is met or unresolved (every one has a violated check, or none reaches the reduction); otherwise C1
   is unresolved at this sample size: no point is shown within the tolerances, none of the candidates is shown
   beyond them.
-- C2: each point that can decide it (no violated check, and it exits: a point that never exits runs every layer
-  and its probes) was timed on ≥ :data:`~emad.evaluation.checks.MIN_SPEED_PROMPTS` distinct prompts per domain,
-  one pair per prompt (point and full depth back to back in the decode process, each first on half of them,
+- C2: each point that can decide it (no violated check, it exits — a point that never exits runs every layer
+  and its probes — and it spends fewer FLOPs than full depth, ``decode.speed_flops_below``) was timed on
+  ≥ :data:`~emad.evaluation.checks.MIN_SPEED_PROMPTS` distinct prompts per domain, one pair per prompt (point and full depth back to back in the decode process, each first on half of them,
   ``cost.speed_pairs``); the per-prompt ratios of all its domains give a 95% interval over prompts (Student t on
   the log ratios, :func:`emad.evaluation.intervals.ratio_interval`). Its speed state is met when the interval lies at or
   above ``1 + min_speed_gain``, violated when wholly below, unresolved otherwise. C2 passes when a met point has
@@ -356,8 +356,9 @@ def _c2(points: list[PointAssessment], thr: Thresholds) -> C2Result:
     if not timed:
         return C2Result(FAIL, None, labels, "C2 fails (falsified): no point within (or possibly within) the "
                         f"tolerances ({', '.join(labels + open_labels)}) was timed on {MIN_SPEED_PROMPTS} distinct prompts per domain: the "
-                        "decode stage times only the points that exit early (one that runs every layer and its "
-                        "probes cannot be faster than full depth).", open_labels)
+                        "decode stage times only the points that exit early and spend fewer FLOPs than full depth "
+                        "(decode.speed_flops_below; one that runs every layer and its probes cannot be faster).",
+                        open_labels)
     p = max(timed, key=lambda p: (p.speed.value, p.label))
     return C2Result(FAIL, p, labels, f"C2 fails (falsified): every point within (or possibly within) the tolerances "
                     f"that exits early is slower than the gain of {gain} requires; the best, {p.named} "
