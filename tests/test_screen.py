@@ -58,6 +58,28 @@ def test_keep_chooses_jointly_over_domains_and_calibrations():
     assert kept == {"c_0", "c_2", "c_1"}
 
 
+def _cells(table: dict) -> list[ScreenRow]:
+    """Rows of sweep ``c`` from ``{value: (FLOPs on domain x, FLOPs on domain y)}`` (nothing ruled out)."""
+    return [ScreenRow(f"c_{v:g}", "c", "emad", "margin", v, "a", dom, f, {}, [], f"{dom}{v}")
+            for v, both in table.items() for dom, f in zip(("x", "y"), both)]
+
+
+def test_keep_brackets_the_target_on_every_cell_not_only_on_the_mean():
+    # the mean crosses 0.85 between values 2 and 3; domain y alone crosses it between values 1 and 2
+    rows = _cells({0: (0.5, 0.5), 1: (0.6, 0.8), 2: (0.7, 0.9), 3: (1.0, 1.0), 4: (1.0, 1.01)})
+    keep(rows, {"c": 2}, 0.85)
+    assert {r.point for r in rows if "target" in r.why} == {"c_1", "c_2", "c_3"}  # y: 0.8 | 0.9; mean: 0.8 | 1.0
+
+
+def test_a_wide_target_bracket_on_one_cell_is_refined_even_where_the_mean_is_close():
+    from emad.evaluation.screen import refinements
+
+    # the mean steps 0.04 at most, but domain y jumps 0.1 across the target between values 1 and 2
+    rows = _cells({0: (0.78, 0.78), 1: (0.84, 0.80), 2: (0.82, 0.90), 3: (0.86, 0.92)})
+    assert refinements(rows, 0.85) == {"c": [1.143, 1.286, 1.429, 1.571, 1.714, 1.857]}
+    assert refinements(_cells({0: (0.8, 0.8), 1: (0.84, 0.84), 2: (0.88, 0.88)}), 0.85) == {}
+
+
 def _cfg(points: dict, n_layers: int | None = None, auto: dict | None = None, table: str = "baselines"):
     raw = {**BASE, "baselines": {}, "points": {}, table: points}
     return validate_section("decode", raw, DecodeConfig,

@@ -8,14 +8,16 @@ read):
 
 1. values with identical exit decisions on every cell count once (the first of them in grid order);
 2. ``points`` values spread evenly along the sweep's FLOPs range (mean FLOPs ratio over the cells);
-3. the two values beside the verdict's target FLOPs ratio (``1 − min_flops_reduction``);
+3. the two values beside the verdict's target FLOPs ratio (``1 − min_flops_reduction``): by the mean over the
+   cells, and by each cell's own FLOPs ratio (a family × calibration × domain curve is read at the target there);
 4. the two values beside the tolerance crossing nearest that target: one no teacher-forced check rules out on
    any cell, one some check rules out.
 
-Before choosing, a sweep of a continuous knob whose neighbouring grid values beside the target, or beside the
-tolerance crossing nearest it, lie more than :data:`MAX_GAP` apart in FLOPs ratio is screened again between them
-(:func:`refinements`: :data:`REFINE_VALUES` values, at most :data:`ROUNDS` rounds), so that the kept points read the
-curve there at most :data:`MAX_GAP` apart wherever the knob can place them.
+Before choosing, a sweep of a continuous knob whose neighbouring grid values beside the target (by the mean or on
+any one cell), or beside the tolerance crossing nearest it, lie more than :data:`MAX_GAP` apart in FLOPs ratio is
+screened again between them (:func:`refinements`: :data:`REFINE_VALUES` values, at most :data:`ROUNDS` rounds), so
+that the kept points read each curve there at most :data:`MAX_GAP` apart wherever the knob can place them (a jump
+of the exit decisions between two neighbouring values, a cliff, stays wider).
 
 Only kept values become runs (run files, MLflow runs, free-running tasks, timing). The rows, kept or not, are the
 sweep's screen artifact (:func:`screen_record`), drawn faintly behind the kept points in the figures.
@@ -94,11 +96,10 @@ def _choose(values: dict[str, list[ScreenRow]], n: int, target: float) -> dict[s
         aim = lo + (hi - lo) * i / max(n - 1, 1)
         free = [p for p in order if "spread" not in reasons[p]]
         reasons[min(free, key=lambda p: (abs(flops[p] - aim), flops[p]))].append("spread")
-    below = [p for p in order if flops[p] <= target]
-    above = [p for p in order if flops[p] > target]
-    if below and above:
-        reasons[below[-1]].append("target")
-        reasons[above[0]].append("target")
+    for cell_flops in [flops, *_per_cell({p: values[p] for p in order}).values()]:
+        for point in _beside(cell_flops, target):
+            if "target" not in reasons[point]:
+                reasons[point].append("target")
     crossings = [(a, b) for a, b in zip(order, order[1:]) if ok[a] != ok[b]]
     if crossings:
         a, b = min(crossings, key=lambda ab: abs((flops[ab[0]] + flops[ab[1]]) / 2 - target))
@@ -122,14 +123,37 @@ def refinements(rows: Sequence[ScreenRow], target: float, layer_knobs: Sequence[
         values = sorted(cells)
         flops, ok = _pooled(cells)
         pairs = list(zip(values, values[1:]))
-        wide = [(a, b) for a, b in pairs if (flops[a] <= target) != (flops[b] <= target)]
+        wide = [(a, b) for cell_flops in [flops, *_per_cell(cells).values()] for a, b in pairs
+                if a in cell_flops and b in cell_flops and (cell_flops[a] <= target) != (cell_flops[b] <= target)
+                and abs(cell_flops[a] - cell_flops[b]) > MAX_GAP]
         crossings = [(a, b) for a, b in pairs if ok[a] != ok[b]]
         if crossings:
-            wide.append(min(crossings, key=lambda ab: abs((flops[ab[0]] + flops[ab[1]]) / 2 - target)))
+            a, b = min(crossings, key=lambda ab: abs((flops[ab[0]] + flops[ab[1]]) / 2 - target))
+            if abs(flops[a] - flops[b]) > MAX_GAP:
+                wide.append((a, b))
         new = {float(f"{a + (b - a) * k / (REFINE_VALUES + 1):.4g}") for a, b in wide
-               if abs(flops[a] - flops[b]) > MAX_GAP for k in range(1, REFINE_VALUES + 1)} - set(values)
+               for k in range(1, REFINE_VALUES + 1)} - set(values)
         if new:
             out[curve] = sorted(new)
+    return out
+
+
+def _beside(flops: dict, target: float) -> list:
+    """The two keys of ``flops`` (key → FLOPs ratio) beside ``target``: the costliest at or below it and the
+    cheapest above it (none when every value lies on one side)."""
+    below = [k for k in flops if flops[k] <= target]
+    above = [k for k in flops if flops[k] > target]
+    if not below or not above:
+        return []
+    return [max(below, key=lambda k: (flops[k], str(k))), min(above, key=lambda k: (flops[k], str(k)))]
+
+
+def _per_cell(cells: dict) -> dict[tuple, dict]:
+    """Cell (calibration source, domain) → key of ``cells`` (its rows on every cell) → its FLOPs ratio there."""
+    out: dict[tuple, dict] = defaultdict(dict)
+    for key, rows in cells.items():
+        for row in rows:
+            out[row.calibration or "", row.domain][key] = row.flops_ratio
     return out
 
 
