@@ -361,7 +361,8 @@ def _c2(points: list[PointAssessment], thr: Thresholds) -> C2Result:
                         open_labels)
     p = max(timed, key=lambda p: (p.speed.value, p.label))
     return C2Result(FAIL, p, labels, f"C2 fails (falsified): every point within (or possibly within) the tolerances "
-                    f"that exits early is slower than the gain of {gain} requires; the best, {p.named} "
+                    f"that exits early with fewer FLOPs than full depth is slower than the gain of {gain} requires; the "
+                    f"best, {p.named} "
                     f"({p.state}), runs {p.speed_text()} the full-depth tokens/s.", open_labels)
 
 
