@@ -14,6 +14,7 @@ every figure (:func:`emad.report.figures.style.family_styles`).
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,8 @@ from emad.report.figures.lines import Line, clip, lines
 from emad.report.figures.style import Style, family_styles
 from emad.report.frontier import FULL, ORACLE, ParetoSeries
 from emad.report.plots import plt, save_figure
+
+NOTE_WIDTH = 64  # characters of a panel's verdict note per line (8.5 pt fits ~70 in a panel)
 
 RATIO_CAP = 1e6  # perplexity ratios beyond this are drawn at the top edge, their value written beside
 
@@ -163,6 +166,7 @@ def overview_figure(series_list: Sequence[ParetoSeries], metric: str = "perplexi
         ax.set_visible(True)
         draw_panel(ax, s, "flops_ratio", thr, styles, drawn, ratio_cap=ratio_cap)
         note = (notes or {}).get(s.model)
+        note = "\n".join(textwrap.wrap(note, NOTE_WIDTH)) if note else ""  # a long note would run into the legend
         ax.set_title(f"{s.model} · {s.domain}" + (f"\n{note}" if note else ""), fontsize=10 if not note else 8.5)
     _legend(fig, styles, drawn)
     fig.suptitle(f"{metric} against compute: one line per method family")
