@@ -1,0 +1,63 @@
+"""Compare the outputs of two checkouts that ran the pipeline (e.g. serial and Ray): every run file, screen and
+risk result with its timings, ``provenance`` and ``mlflow_run_id`` left out, and the corpora, profiles and readouts
+byte for byte (PNG figures aside). Exit 1 when anything differs.
+
+    python tools/compare_runs.py /path/to/serial-checkout /path/to/ray-checkout
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+TIMING = {"speedup", "speed_tokens_per_s", "reference_tokens_per_s", "speed_pairs", "load_avg", "seconds",
+          "tokens_per_s", "scoring_seconds", "speed_repeats", "speed_new_tokens", "speed_unit"}
+LEFT_OUT = TIMING | {"provenance", "mlflow_run_id"}
+RECORDS = ("reports/runs/**/*.json", "reports/risk/**/*.json")
+BYTES = ("data/corpus/**/*", "data/profiles/**/*", "data/readouts/**/*")
+
+
+def _clean(x):
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items() if k not in LEFT_OUT}
+    if isinstance(x, list):
+        return [_clean(v) for v in x]
+    return x
+
+
+def _files(root: Path, pattern: str) -> dict[Path, Path]:
+    return {p.relative_to(root): p for p in root.glob(pattern) if p.is_file() and p.suffix != ".png"}
+
+
+def compare(a: Path, b: Path) -> list[str]:
+    """What differs between checkouts ``a`` and ``b`` (empty: nothing)."""
+    out = []
+    for pattern in RECORDS + BYTES:
+        fa, fb = _files(a, pattern), _files(b, pattern)
+        out += [f"only in one checkout: {rel}" for rel in sorted(set(fa) ^ set(fb))]
+        for rel in sorted(set(fa) & set(fb)):
+            if pattern in RECORDS:
+                same = _clean(json.loads(fa[rel].read_text())) == _clean(json.loads(fb[rel].read_text()))
+            elif rel.name == "metrics.json":  # a stage's own metrics: its training time differs
+                same = _clean(json.loads(fa[rel].read_text())) == _clean(json.loads(fb[rel].read_text()))
+            else:
+                same = fa[rel].read_bytes() == fb[rel].read_bytes()
+            if not same:
+                out.append(f"differs: {rel}")
+        print(f"{pattern}: {len(set(fa) & set(fb))} files compared", file=sys.stderr)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = argv if argv is not None else sys.argv[1:]
+    if len(args) != 2 or not all(Path(p).is_dir() for p in args):
+        print(__doc__, file=sys.stderr)
+        return 2
+    diffs = compare(Path(args[0]), Path(args[1]))
+    print("\n".join(diffs) if diffs else "no differences (timings and provenance aside)")
+    return 1 if diffs else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
