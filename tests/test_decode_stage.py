@@ -388,3 +388,35 @@ def test_bad_risk_params_name_the_culprit(change, culprit):
 
     with pytest.raises(ConfigError, match=culprit):
         validate_section("risk", {**RISK, **change}, RiskConfig)
+
+
+@pytest.mark.parametrize("domains", [["toy"], ["toy", "other"]])
+def test_c2_candidates_are_timed_in_rising_flops_and_a_family_that_passed_on_the_only_domain_stops(domains,
+                                                                                                 monkeypatch):
+    from types import SimpleNamespace
+
+    from emad.evaluation.checks import Thresholds
+    from emad.evaluation.decoder import Decoder
+
+    def done(label, family, flops, why=None):
+        job = SimpleNamespace(label=label, point=SimpleNamespace(method="full" if label == "full" else "conf",
+                                                                 family=family))
+        return job, why, None, SimpleNamespace(cost=lambda: {"flops_ratio": flops})
+
+    decoder = object.__new__(Decoder)
+    decoder.plan = SimpleNamespace(domains=domains, thresholds=Thresholds())
+    timed = []
+    monkeypatch.setattr(decoder, "_speed", lambda job, prepared, result, limit, why: timed.append(
+        (job.label, why)) or {"speed_timing": "pairs" if why is None else f"cheap: {why}"})
+    monkeypatch.setattr(decoder, "_passes_c2", lambda domain, result, full, speed, floor: result.cost()[
+        "flops_ratio"] < 0.8)  # every point below 0.8 passes C2 on this domain
+    speeds = decoder._speeds("toy", [], [done("full", "full", 1.0, "full depth"), done("f_a", "f", 0.9),
+                                         done("f_b", "f", 0.7), done("f_c", "f", 0.75), done("g_a", "g", 0.85)])
+    stopped = "C2 decided for f by f_b"
+    assert [label for label, _ in timed] == ["f_b", "f_c", "f_a", "g_a", "full"]  # candidates first, cheapest first
+    expected = {"f_b": "pairs", "g_a": "pairs", "full": "cheap: full depth"}
+    if len(domains) == 1:  # f_b decided C2 for family f: its dearer points get the cheap measure
+        expected |= {"f_c": f"cheap: {stopped}", "f_a": f"cheap: {stopped}"}
+    else:  # a point's C2 interval pools every domain's prompts: nothing is decided on one of them
+        expected |= {"f_c": "pairs", "f_a": "pairs"}
+    assert {label: speed["speed_timing"] for label, speed in speeds.items()} == expected

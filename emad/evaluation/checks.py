@@ -201,15 +201,20 @@ def build_check(domain: str, metric: str, point_run: dict, full_run: dict, toler
     return check
 
 
-def screen(domain: str, tasks: dict[str, dict], reference: dict[str, dict],
-           tolerance: Callable[[str], float]) -> list[Check]:
-    """The counted checks a point's teacher-forced results (``tasks``, a run record's ``tasks``) violate against
-    full depth's on the same units (``reference``) on ``domain``, as the verdict will judge them; ``tolerance`` of
-    a metric name. Empty: the point may still decide the verdict (the decode stage then times it precisely)."""
+def checks_against(domain: str, tasks: dict[str, dict], reference: dict[str, dict],
+                   tolerance: Callable[[str], float]) -> list[Check]:
+    """Every check of a point's results (``tasks``, a run record's ``tasks``) against full depth's on the same units
+    (``reference``) on ``domain``, as the verdict will judge them; ``tolerance`` of a metric name."""
     point, full = {"run_id": "point", "tasks": tasks, "quality": quality_of(tasks)}, \
         {"run_id": "full depth", "tasks": reference, "quality": quality_of(reference)}
-    checks = [build_check(domain, m, point, full, tolerance(m)) for m in sorted(full["quality"])]
-    return [c for c in checks if c.counted and c.state == VIOLATED]
+    return [build_check(domain, m, point, full, tolerance(m)) for m in sorted(full["quality"])]
+
+
+def screen(domain: str, tasks: dict[str, dict], reference: dict[str, dict],
+           tolerance: Callable[[str], float]) -> list[Check]:
+    """The counted checks of :func:`checks_against` that a point's teacher-forced results violate. Empty: the
+    point may still decide the verdict (the decode stage then times it precisely)."""
+    return [c for c in checks_against(domain, tasks, reference, tolerance) if c.counted and c.state == VIOLATED]
 
 
 def combined_state(checks: list[Check]) -> str:

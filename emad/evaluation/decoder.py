@@ -24,10 +24,11 @@ from tqdm import tqdm
 from emad.engine.models import load_model
 from emad.engine.stack import LayerStack
 from emad.evaluation import identity
-from emad.evaluation.checks import Thresholds, screen
+from emad.evaluation.checks import MIN_SPEED_PROMPTS, Thresholds, checks_against, combined_state, screen
 from emad.evaluation.config import DecodeConfig
 from emad.evaluation.evaluate import Evaluation, evaluate, heatmap_inputs, prepare, score_all
 from emad.evaluation.identity import FULL
+from emad.evaluation.intervals import MET, floor_state, ratio_interval
 from emad.evaluation.operating_point import (
     PointConfig,
     build_method,
@@ -220,7 +221,7 @@ class Decoder:
         if missing:  # a decoder that did not screen this domain (another Ray actor did)
             self._score(domain, missing)
         shared = self._shared[domain]
-        out = []
+        done = []  # (job, why it is not timed for C2 or None, free prompts, results)
         for job in tqdm(jobs, desc=domain, unit="point"):
             screened = self._forced(domain, job, 0)
             why = self._not_timed(job, domain, screened)
@@ -234,7 +235,10 @@ class Decoder:
             result = Evaluation({p.name: (forced.tasks | free.tasks)[p.name] for p in prepared
                                  if p.name in forced.tasks or p.name in free.tasks},
                                 forced.outputs + free.outputs, forced.generated | free.generated)
-            cost = {**result.cost(), **self._speed(job, prepared, result, limit, why)}
+            done.append((job, why, limit, result))
+        speeds = self._speeds(domain, prepared, done)
+        out = []
+        for job, why, limit, result in done:
             heat = (([], None, None) if limit == 0 else
                     heatmap_inputs(stack, tokenizer, result, prepared, shared, cfg.heatmap_texts, limit))
             settings = {"tasks": {p.name: p.settings.model_dump() for p in prepared}, "free_prompts": limit,
@@ -244,10 +248,37 @@ class Decoder:
                         "speed_tokens": cfg.speed_tokens, "unserved_tokens": cfg.unserved_tokens,
                         "device": cfg.device, "dtype": cfg.dtype}
             out.append(Outcome(job.label, domain, self.loaded.fingerprint.digest, stack.n_layers,
-                               job.method.describe(), job.facts, result.tasks, cost, result.depth_histogram(), heat,
-                               limit, settings, host, where))
+                               job.method.describe(), job.facts, result.tasks, {**result.cost(), **speeds[job.label]},
+                               result.depth_histogram(), heat, limit, settings, host, where))
         del self._scores[domain]
         return out
+
+    def _speeds(self, domain: str, prepared: list, done: list[tuple]) -> dict[str, dict]:
+        """Each job's speed-up (:meth:`_speed`), C2's candidates timed family by family in rising FLOPs order. When
+        this call runs one domain (a point's C2 interval then rests on this domain's prompts alone), a family
+        whose timed point passes C2 here (every check met against full depth, the interval over prompts at or
+        above ``1 + min_speed_gain``) has decided C2: its later candidates get the cheap measure and say so."""
+        full = next((result for job, _, _, result in done if job.point.method == FULL), None)
+        decides = len(self.plan.domains) == 1 and full is not None
+        floor = 1.0 + self.plan.thresholds.min_speed_gain
+        decided: dict[str, str] = {}  # family -> the label of the point that passed C2 here
+        speeds = {}
+        for job, why, limit, result in sorted(done, key=lambda d: (d[1] is not None, d[0].point.family,
+                                                                   d[3].cost()["flops_ratio"] or 0.0)):
+            if why is None and job.point.family in decided:
+                why = f"C2 decided for {job.point.family} by {decided[job.point.family]}"
+            speeds[job.label] = speed = self._speed(job, prepared, result, limit, why)
+            if why is None and decides and self._passes_c2(domain, result, full, speed, floor):
+                decided[job.point.family] = job.label
+        return speeds
+
+    def _passes_c2(self, domain: str, result: Evaluation, full: Evaluation, speed: dict, floor: float) -> bool:
+        """Every check of ``result`` against full depth on ``domain`` is met and its speed-up's interval over
+        ≥ :data:`MIN_SPEED_PROMPTS` prompts lies at or above ``floor`` (the verdict's C2 on one domain)."""
+        pairs = speed.get("speed_pairs") or []
+        checks = checks_against(domain, result.tasks, full.tasks, self.plan.thresholds.tolerance)
+        return (len(pairs) >= MIN_SPEED_PROMPTS and combined_state(checks) == MET
+                and floor_state(ratio_interval([a / b for a, b in pairs]), floor) == MET)
 
     def _score(self, domain: str, jobs: list[Job]) -> None:
         """The jobs' teacher-forced scores on ``domain`` in one pass (beside full depth's, the screen's reference,

@@ -59,7 +59,8 @@ UNCERTAINTY_RULE = (
     "it, and is unresolved otherwise. Points a teacher-forced check rules out, points that never exit (they run "
     "every layer and their probes) and points whose teacher-forced FLOPs ratio is at least "
     "decode.speed_flops_below (1: they compute at least as much as full depth) keep a cheap timed pair for the "
-    "figures. The literal reading counts the points with a violated check.")
+    "figures. Where a decode stage runs one domain, a family's candidates are timed cheapest first and, once one "
+    "passes C2 there, the rest keep the cheap pair (\"C2 decided for … by …\"). The literal reading counts the points with a violated check.")
 
 
 def _aside(checks) -> list[tuple[str, int]]:

@@ -26,7 +26,8 @@
   ``cost.speed_pairs``); the per-prompt ratios of all its domains give a 95% interval over prompts (Student t on
   the log ratios, :func:`emad.evaluation.intervals.ratio_interval`). Its speed state is met when the interval lies at or
   above ``1 + min_speed_gain``, violated when wholly below, unresolved otherwise. C2 passes when a met point has
-  a met speed state; it is falsified when no met or unresolved point has a met or unresolved speed state;
+  a met speed state (a decode stage that runs one domain times a family's candidates cheapest first and stops
+  once one passes there: the family has decided C2, its dearer points get the cheap measure); it is falsified when no met or unresolved point has a met or unresolved speed state;
   otherwise unresolved.
 - Literal reading: "some operating point with ≥ 15% reduction degrades more than the tolerance" — true when some
   such point is violated, with those points (it can be true while C1 passes); unresolved ones are named apart.
