@@ -166,3 +166,29 @@ def test_a_sweep_reuses_its_grouping_across_prompts(stack):
         cont = random_prompts(1, [5], seed=seed + 10)
         for got, method in zip(sweep.score(prompt, cont), sweep.methods):
             _assert_same(got[0], score_continuations(stack, prompt, cont, method)[0], f"seed {seed}")
+
+
+def _exactly(got, want, name: str) -> None:
+    """Equal to the last bit: a later sweep reusing kept states computes what a fresh pass computes."""
+    _assert_same(got, want, name)
+    assert got.logprobs == want.logprobs, name
+
+
+@pytest.mark.parametrize("readout", ["logit", "tuned"])
+def test_a_later_sweep_on_kept_states_equals_a_fresh_pass_exactly(stack, profiles, readout):
+    lens = None if readout == "logit" else random_lens()
+    methods = list(_family_methods(profiles, readout, lens).values())
+    first, later = methods[::2], methods[1::2]  # a refinement: other values, estimators and criteria
+    prompt, continuations = _cases()
+    kept = {}
+    Sweep(stack, first).score(prompt, continuations, kept)
+    (entry,) = kept.values()
+    assert all(not any(s.dim() > 1 for s in shared._readouts.values()) for shared in entry.shared.values())
+    fresh = Sweep(stack, later).score(prompt, continuations)
+    again = Sweep(stack, later).score(prompt, continuations, kept)
+    for i, (f, a) in enumerate(zip(fresh, again)):
+        for g, w in zip(a, f):
+            _exactly(g, w, f"method {i}")
+    grown = Sweep(stack, methods[:3]).score(prompt, continuations + [[5, 6, 7]], kept)  # a continuation it lacks:
+    for g, w in zip(grown[0], score_continuations(stack, prompt, continuations + [[5, 6, 7]], methods[0])):
+        _assert_same(g, w, "a new continuation")  # the pass runs again

@@ -105,7 +105,7 @@ def monotone_exits(method, source: StateSource, targets: torch.Tensor, n_layers:
         if running == 0:
             break
         source.run_to(probe, running)
-        first, passer = running, None  # first: the first position that passes here; passer: its exit logits
+        first, passer = running, None  # first: the first position that passes here; passer: its exit scores
         if probe in estimated:
             est = source.estimate(k, probe, running)
             n = len(est.entropy)  # rows evaluated (>= running; only the first running count)
@@ -121,14 +121,16 @@ def monotone_exits(method, source: StateSource, targets: torch.Tensor, n_layers:
             charged[:upto] += (est.cost[0][:upto] if est.cost is not None else probe_flops) + cost.translation(probe)[0]
             if first < running:
                 logits = criterion.exit_logits(view)
-                passer = logits[first] if logits is not None else None
+                if logits is not None:
+                    passer = target_scores(logits[first].to(dtype)[None], targets[first:first + 1])
+                elif est.read_out:  # the probe's readout, kept apart by the source: the exit scores are its
+                    passer = source.exit_scores(probe, first, first + 1)
         elif k == len(probes) - 1:
             first = 0
         if first < running:
             capped = first
             if passer is not None:  # the passer reads its token from the probe; later positions are capped
-                row_logprob, row_greedy = target_scores(passer.to(dtype)[None], targets[first:first + 1])
-                logprob[first], greedy[first] = row_logprob[0].cpu(), row_greedy[0].cpu()
+                logprob[first], greedy[first] = passer[0][0].cpu(), passer[1][0].cpu()
                 capped = first + 1
             if capped < running:
                 row_logprob, row_greedy = source.exit_scores(probe, capped, running)

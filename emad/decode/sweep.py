@@ -100,8 +100,15 @@ class Sweep:
         self.layers = sorted({p for m in self.methods for p in m.criterion.probes(n)})  # states kept here
 
     @torch.inference_mode()
-    def score(self, prompt: Sequence[int], continuations: Sequence[Sequence[int]]) -> list[list[Scored]]:
+    def score(self, prompt: Sequence[int], continuations: Sequence[Sequence[int]], kept: dict | None = None
+              ) -> list[list[Scored]]:
         """Score each continuation after ``prompt`` under every method.
+
+        Args:
+            kept: what earlier sweeps of the same model kept of this prompt's pass (:class:`Kept`, keyed by the
+                prompt), reused when it holds every layer and continuation this sweep needs, and filled
+                otherwise; None keeps nothing. A later sweep (e.g. a screen's refinement) then runs no layer and
+                reads out again only what needs the logits themselves.
 
         Returns:
             ``[method][continuation]`` :class:`Scored`, each equal to
@@ -113,26 +120,28 @@ class Sweep:
             raise ValueError("a sweep needs a non-empty prompt and continuations")
         for continuation in continuations:
             check_context_length(self.stack, len(prompt) + len(continuation) - 1)
-        stack = self.stack
-        ids, real = left_pad([prompt], 0, stack.device)
-        cache = stack.new_cache(1, len(prompt) + max(len(c) for c in continuations))
-        last = self._run(cache, ids, positions_of(real), cache.allocate(real))
-        last = {layer: h[0, -1] for layer, h in last.items()}  # [d] the prompt's last position
+        stack, n_prompt = self.stack, len(prompt)
+        found = None if kept is None else kept.get(tuple(prompt))
+        if found is None or not found.serves(self.layers, continuations):
+            cache = stack.new_cache(1, n_prompt + max(len(c) for c in continuations))
+            ids, real = left_pad([prompt], 0, stack.device)
+            last = self._run(cache, ids, positions_of(real), cache.allocate(real))
+            found = Kept({layer: h[0, -1] for layer, h in last.items()}, {}, cache)  # [d] the prompt's last position
+            if kept is not None:
+                kept[tuple(prompt)] = found
         first = {}  # (readout, depth0) -> [V] the readout that predicts each continuation's first token
         for key, depth0 in zip(self.keys, self.depth0):
             if (key, depth0) not in first:
-                first[key, depth0] = self._views[key][0].readout(last[depth0], depth0)
+                first[key, depth0] = self._views[key][0].readout(found.last[depth0], depth0)
         out: list[list[Scored]] = [[] for _ in self.methods]
-        n_prompt = len(prompt)
         for continuation in continuations:
-            cache.crop(n_prompt)
             shared = None
             if len(continuation) > 1:
-                x = torch.tensor([list(continuation[:-1])], dtype=torch.long, device=stack.device)  # [1, m]
-                positions = torch.arange(n_prompt, n_prompt + x.shape[1], device=stack.device)  # [m]
-                states = self._run(cache, x, positions[None], cache.allocate(torch.ones_like(x, dtype=torch.bool)))
-                targets = torch.tensor(list(continuation[1:]), dtype=torch.long, device=stack.device)  # [m]
-                shared = _Shared({layer: h[0] for layer, h in states.items()}, positions, targets, self._views)
+                shared = found.shared.get(tuple(continuation))
+                if shared is None:
+                    shared = self._pass(found.cache, n_prompt, continuation)
+                    found.shared[tuple(continuation)] = shared
+                shared.views = self._views
             for j, (method, key, depth0) in enumerate(zip(self.methods, self.keys, self.depth0)):
                 view, cost = self._views[key]
                 exits = None
@@ -140,11 +149,24 @@ class Sweep:
                     exits = monotone_exits(method, shared.bind(method, key), shared.targets, stack.n_layers, cost,
                                            stack.dtype)
                 out[j].append(scored_from_exits(continuation, first[key, depth0], depth0, exits, cost, n_prompt))
+            if shared is not None:
+                shared.compact()
+        found.cache = None  # the K/V of a pass is not kept: every continuation's states are
         seconds = elapsed(stack.device, started) / (len(self.methods) * len(continuations))
         for row in out:
             for scored in row:
                 scored.seconds = seconds
         return out
+
+    def _pass(self, cache, n_prompt: int, continuation: Sequence[int]) -> _Shared:
+        """The full-depth states of ``continuation`` after the prompt in ``cache`` (cropped back to the prompt)."""
+        cache.crop(n_prompt)
+        stack = self.stack
+        x = torch.tensor([list(continuation[:-1])], dtype=torch.long, device=stack.device)  # [1, m]
+        positions = torch.arange(n_prompt, n_prompt + x.shape[1], device=stack.device)  # [m]
+        states = self._run(cache, x, positions[None], cache.allocate(torch.ones_like(x, dtype=torch.bool)))
+        targets = torch.tensor(list(continuation[1:]), dtype=torch.long, device=stack.device)  # [m]
+        return _Shared({layer: h[0] for layer, h in states.items()}, positions, targets, self._views)
 
     def _run(self, cache, x: torch.Tensor, positions: torch.Tensor, slots) -> dict[int, torch.Tensor]:
         """Run ``x`` ``[1, q]`` through the layers up to the deepest kept one; the states ``[1, q, d]`` after each
@@ -155,6 +177,26 @@ class Sweep:
             h = self.stack.run(h, done, layer, cache, positions, slots)
             kept[layer], done = h, layer
         return kept
+
+
+class Kept:
+    """What a sweep keeps of one prompt's full-depth pass for later sweeps of the same model: the prompt's last
+    state at each kept layer ``[d]``, each continuation's :class:`_Shared` (states ``[m, d]`` per kept layer and
+    what was derived from them, without the ``[m, V]`` readouts) and, while the pass runs, its K/V cache."""
+
+    def __init__(self, last: dict[int, torch.Tensor], shared: dict[tuple, _Shared], cache):
+        self.last, self.shared, self.cache = last, shared, cache
+
+    def serves(self, layers: Sequence[int], continuations: Sequence[Sequence[int]]) -> bool:
+        """Every layer a sweep keeps states at, and every continuation it scores, are here."""
+        return set(layers) <= set(self.last) and all(tuple(c) in self.shared for c in continuations if len(c) > 1)
+
+
+def _large(value) -> bool:
+    """A tensor (or a tuple holding one) with a row per vocabulary entry: ``[m, V]``."""
+    if isinstance(value, (tuple, list)):
+        return any(_large(v) for v in value)
+    return isinstance(value, torch.Tensor) and value.dim() > 1
 
 
 class _Shared:
@@ -169,8 +211,10 @@ class _Shared:
         self._readouts: dict[tuple, torch.Tensor] = {}
         self._scores: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._memos: dict[tuple, dict] = {}
+        self._estimators: dict[int, object] = {}  # the fitted estimators keyed by id: alive while these are
 
     def bind(self, method: Method, key: tuple) -> _MethodSource:
+        self._estimators.setdefault(id(method.estimator), method.estimator)
         memo = self._memos.setdefault((key, _estimator_key(method.estimator)), {})
         return _MethodSource(self, method, key, memo)
 
@@ -183,10 +227,13 @@ class _Shared:
         base = (key, _estimator_key(estimator))
         if not estimator.stateful:
             memo = (self.canonical(key, probe), *base[1:], probe)
-            if memo not in self._estimates and isinstance(estimator, Exact):  # its logits are the exit readout's
-                logits = self.readout(key, probe)
-                entropy, _, max_prob = readout_summary(logits)
-                self._estimates[memo] = Estimate(entropy, max_prob, logits)
+            if isinstance(estimator, Exact):  # its logits are the exit readout's: handed only to criteria that
+                if memo not in self._estimates:  # read them (the others' exits read the exit scores)
+                    entropy, _, max_prob = readout_summary(self.readout(key, probe))
+                    self._estimates[memo] = Estimate(entropy, max_prob, read_out=True)
+                est = self._estimates[memo]
+                return (Estimate(est.entropy, est.max_prob, self.readout(key, probe), read_out=True)
+                        if method.criterion.needs_logits else est)
             if memo not in self._estimates:
                 self._estimates[memo] = estimator.estimate(self.views[key][0], self.states_at[probe], probe,
                                                            torch.arange(n, device=self.positions.device))
@@ -198,6 +245,15 @@ class _Shared:
                 self._estimates[base + (sequence, layer)] = estimator.estimate(
                     self.views[key][0], self.states_at[layer], layer, torch.arange(n, device=self.positions.device))
         return self._estimates[memo]
+
+    def compact(self) -> None:
+        """Drop what holds a row per vocabulary entry (readouts, estimates and memo entries ``[m, V]``): a later
+        sweep that needs them reads them out again from the states; the per-position values stay."""
+        self._readouts.clear()
+        self._estimates = {k: e for k, e in self._estimates.items() if e.logits is None}
+        for memo in self._memos.values():
+            for k in [k for k, v in memo.items() if _large(v)]:
+                del memo[k]
 
     def canonical(self, key: tuple, probe: int) -> tuple:
         """The readout key at ``probe``: readouts without a translator there read out as the logit lens."""

@@ -142,6 +142,7 @@ class Decoder:
         self._scores: dict[str, dict] = {}  # domain -> job label -> its teacher-forced scores (score_all)
         self._reference: dict[str, dict] = {}  # domain -> full depth's teacher-forced task results
         self._shared: dict[str, Shared] = {}  # domain -> what its tasks share across points
+        self._kept: dict[str, dict] = {}  # domain -> its sweep passes, for the screen's refinements (Sweep.score)
         self._build_all()
         self.prepared = {d: prepare(tasks, cfg.tasks, src.corpora / d if src.corpora else None,
                                     self.loaded.tokenizer) for d, tasks in plan.tasks_of.items()}
@@ -251,6 +252,7 @@ class Decoder:
                                job.method.describe(), job.facts, result.tasks, {**result.cost(), **speeds[job.label]},
                                result.depth_histogram(), heat, limit, settings, host, where))
         del self._scores[domain]
+        self._kept.pop(domain, None)
         return out
 
     def _speeds(self, domain: str, prepared: list, done: list[tuple]) -> dict[str, dict]:
@@ -292,7 +294,8 @@ class Decoder:
         shared = self._shared.setdefault(domain, Shared())
         print(f"decode: {domain}: teacher-forced tasks of {len(jobs)} points", file=sys.stderr)
         scores = self._scores.setdefault(domain, {})
-        scores.update(score_all(stack, tokenizer, methods, prepared, shared, self.plan.cfg.unserved_tokens))
+        scores.update(score_all(stack, tokenizer, methods, prepared, shared, self.plan.cfg.unserved_tokens,
+                                self._kept.setdefault(domain, {})))
         if domain not in self._reference:
             teacher = [p for p in prepared if p.task.teacher_forced]
             self._reference[domain] = evaluate(stack, tokenizer, methods[reference], teacher, shared,

@@ -146,10 +146,11 @@ Scores = dict[str, list[list[Scored]]]  # teacher-forced task -> per request, it
 
 
 def score_all(stack: LayerStack, tokenizer, methods: dict[str, Method | Strategy], prepared: list[Prepared],
-              shared: Shared, unserved_tokens: int | None = None) -> dict[str, Scores]:
+              shared: Shared, unserved_tokens: int | None = None, kept: dict | None = None) -> dict[str, Scores]:
     """Every teacher-forced task's requests scored under every method: one sweep pass per request for the methods
     a :class:`~emad.decode.Sweep` serves exactly, each other method alone (on the requests of its first
-    ``unserved_tokens`` tokens where the task has a token count, e.g. perplexity).
+    ``unserved_tokens`` tokens where the task has a token count, e.g. perplexity). ``kept``: what the sweep passes
+    keep for later calls on the same requests (:meth:`~emad.decode.Sweep.score`), None: nothing.
 
     Returns:
         ``{method name: {task: [[Scored per continuation] per request]}}``, each as the method alone would score.
@@ -164,7 +165,7 @@ def score_all(stack: LayerStack, tokenizer, methods: dict[str, Method | Strategy
         for name in methods:
             out[name][p.name] = []
         for prompt, continuations in requests if sweep else []:
-            for name, rows in zip(served, sweep.score(prompt, continuations)):
+            for name, rows in zip(served, sweep.score(prompt, continuations, kept)):
                 out[name][p.name].append(rows)
         alone = p.task.fewer(requests, unserved_tokens) if unserved_tokens else requests
         for name, method in methods.items():

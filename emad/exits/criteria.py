@@ -377,6 +377,7 @@ class Contrastive(Criterion):
 
     def observe(self, view: ProbeView) -> None:
         if view.memo is not None:  # the memo holds every probe's log-probabilities of the same rows
+            view.shared(("logp", view.layer), lambda: torch.log_softmax(view.logits.float(), dim=-1))  # [a, V]
             self._seen.append(view.layer)
             key = ("contrast", view.layer, self.alpha, self.alpha_rate, self.distance_discount, self.weight,
                    tuple(self._seen))
@@ -400,7 +401,7 @@ class Contrastive(Criterion):
                 p = view.memo[("logp", layer)].exp()  # [a, V]
                 return p, entropy_of(p)
             return view.shared(("probs", layer), compute)
-        logp = view.shared(("logp", view.layer), lambda: torch.log_softmax(view.logits.float(), dim=-1))  # [a, V]
+        logp = view.memo[("logp", view.layer)]  # [a, V] (observe put it there)
         earlier = self._seen[:-1]
         if not earlier:
             return None

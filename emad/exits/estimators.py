@@ -27,12 +27,15 @@ class Estimate:
             else None.
         cost: per-row ``(FLOPs [a], bytes [a])`` of this probe when it varies by row and layer; None means
             :meth:`Estimator.probe_cost` for every row.
+        read_out: the probe's full readout was computed (an exit there costs no further readout) though
+            ``logits`` does not hold it (a sweep keeps it apart, :mod:`emad.decode.sweep`).
     """
 
     entropy: torch.Tensor
     max_prob: torch.Tensor
     logits: torch.Tensor | None = None
     cost: tuple[torch.Tensor, torch.Tensor] | None = None
+    read_out: bool = False
 
 
 class Estimator:
