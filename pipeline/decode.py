@@ -41,7 +41,7 @@ from emad.evaluation.executors import EXECUTORS, executor_name
 from emad.evaluation.operating_point import profile_file, readout_path
 from emad.evaluation.provenance import check_mergeable
 from emad.evaluation.record import RunRecord
-from emad.evaluation.screen import ROUNDS, keep, refinements, screen_record
+from emad.evaluation.screen import ROUNDS, costly, keep, refinements, screen_record
 from emad.evaluation.sweeps import LAYER_FIELDS, SweepPosition, swept_name
 from emad.io import atomic_write_json, atomic_write_text
 from emad.params import load_decode, load_section
@@ -200,8 +200,11 @@ class Phases:
             self.extra += jobs
             return [("screen", d, tuple(jobs)) for d in call.domains]
         kept = frozenset(keep(self.rows, call.screens, target))
+        below = call.cfg.speed_flops_below
+        spare = frozenset() if below is None else frozenset(
+            identity.point_folder(point, cal) for point, cal in costly(self.rows, max(below, target)))
         self.ran = True
-        return [("run", d, kept, tuple(self.extra)) for d in call.domains]
+        return [("run", d, kept, tuple(self.extra), spare) for d in call.domains]
 
     def _at(self, curve: str, value: float) -> list[Job]:
         """The jobs of sweep ``curve`` at a new ``value``: one per calibration source its jobs run with."""

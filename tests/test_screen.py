@@ -58,6 +58,14 @@ def test_keep_chooses_jointly_over_domains_and_calibrations():
     assert kept == {"c_0", "c_2", "c_1"}
 
 
+def test_costly_points_are_those_at_or_above_the_bound_on_every_domain():
+    from emad.evaluation.screen import costly
+
+    rows = _cells({0: (0.5, 1.2), 1: (1.0, 1.1), 2: (1.3, 0.99)})
+    assert costly(rows, 1.0) == {("c_1", "a")}  # c_0 and c_2 spend less than full depth on one domain
+    assert costly(rows, 0.9) == {("c_1", "a"), ("c_2", "a")}
+
+
 def _cells(table: dict) -> list[ScreenRow]:
     """Rows of sweep ``c`` from ``{value: (FLOPs on domain x, FLOPs on domain y)}`` (nothing ruled out)."""
     return [ScreenRow(f"c_{v:g}", "c", "emad", "margin", v, "a", dom, f, {}, [], f"{dom}{v}")
@@ -184,6 +192,10 @@ def test_models_of_two_depths_run_the_same_default_shaped_params_and_keep_screen
             if r["cost"].get("speed_timing", "").startswith("none: violates"):
                 assert r["free_prompts"] == 0 and "fidelity" not in r["tasks"] and r["cost"]["speedup"] is None
                 assert "rules the point out" in r["not_run"]["fidelity"]
+            elif r["cost"]["speed_timing"].endswith("it can decide neither C1 nor C2"):  # >= 1 on every domain
+                assert r["free_prompts"] == 1 and r["cost"]["flops_ratio"] >= 1
+            elif r["cost"]["speed_timing"].startswith("cheap: FLOPs ratio"):
+                assert r["free_prompts"] is None
 
 
 def test_a_screened_value_scores_as_that_value_alone(models, monkeypatch):

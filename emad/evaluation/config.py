@@ -46,8 +46,10 @@ class DecodeConfig(Section):
         related_tasks: the tasks the related methods run, each among every related domain's tasks (null = all).
         heatmap_texts: generated texts shown in a run's token-depth heat map.
         swept_prompts: prompts (problems) each free-running task (fidelity, gsm8k, humaneval) of a swept point that
-            never exits decodes: the first of its task's own (null = all); one the teacher-forced screen rules out
-            decodes none; the teacher-forced tasks score them all.
+            never exits decodes: the first of its task's own (null = all); so does a screened point whose
+            teacher-forced FLOPs ratio is at least ``speed_flops_below`` and the verdict's target on every domain (it
+            can decide neither C1 nor C2); one the teacher-forced screen rules out decodes none; the teacher-forced
+            tasks score them all.
         unserved_tokens: scored perplexity tokens for points the sweep scorer cannot serve (policies other than
             monotone, strategies): they score token by token (null = ``decode.tasks.perplexity.tokens``).
         speed_repeats: timed generations per point, each beside a full-depth one of the same prompts (speed-up =

@@ -47,6 +47,8 @@ from emad.tasks.registry import Shared
 
 REFERENCE = "full depth (reference)"  # scored beside the points when no full point runs with them
 NEVER_EXITS = "never exits"
+COSTLY = "FLOPs ratio"  # how the reason of a point at or above decode.speed_flops_below begins
+NEITHER = "on every domain: it can decide neither C1 nor C2"
 
 
 @dataclass
@@ -207,12 +209,13 @@ class Decoder:
                                   exits))
         return rows
 
-    def run(self, domain: str, kept: frozenset[str] | None = None, extra: Sequence[Job] = (), host: str = ""
-            ) -> list[Outcome]:
+    def run(self, domain: str, kept: frozenset[str] | None = None, extra: Sequence[Job] = (),
+            spare: frozenset[str] = frozenset(), host: str = "") -> list[Outcome]:
         """Every job on ``domain`` (``kept``: only the jobs of those point names, and every job not screened;
-        ``extra``: the refinement's jobs, which ``kept`` may name): its teacher-forced results (scored by
-        :meth:`screen` when this decoder screened the domain), then its own free-running tasks, timing and heat-map
-        inputs."""
+        ``extra``: the refinement's jobs, which ``kept`` may name; ``spare``: the labels of screened jobs that can
+        decide neither criterion on any domain, :func:`emad.evaluation.screen.costly`): its teacher-forced results
+        (scored by :meth:`screen` when this decoder screened the domain), then its own free-running tasks, timing
+        and heat-map inputs."""
         cfg, stack, tokenizer, prepared = self.plan.cfg, self.stack, self.loaded.tokenizer, self.prepared[domain]
         where = provenance(stack.device, stack.dtype, host)
         self._add(extra)
@@ -226,10 +229,12 @@ class Decoder:
         for job in tqdm(jobs, desc=domain, unit="point"):
             screened = self._forced(domain, job, 0)
             why = self._not_timed(job, domain, screened)
-            # a swept point the screen rules out decodes nothing more; one that never exits, swept_prompts; every
-            # other point is judged on every prompt
+            if job.label in spare and why is not None and why.startswith(COSTLY):
+                why = f"{why}; {NEITHER}"
+            # a swept point the screen rules out decodes nothing more; one that never exits or decides neither
+            # criterion, swept_prompts; every other point is judged on every prompt
             limit = (None if job.position is None or why is None else 0 if why.startswith("violates") else
-                     cfg.swept_prompts if why == NEVER_EXITS else None)
+                     cfg.swept_prompts if why == NEVER_EXITS or why.endswith(NEITHER) else None)
             forced = screened if limit == 0 else self._forced(domain, job, limit)
             free = evaluate(stack, tokenizer, job.method, [p for p in prepared if not p.task.teacher_forced], shared,
                             None, limit) if limit != 0 else Evaluation({})
@@ -339,5 +344,5 @@ class Decoder:
                 "an ablation (not judged)" if job.kind == "ablation" else
                 f"violates {', '.join(c.metric for c in ruled_out)} (teacher forced)" if ruled_out else
                 NEVER_EXITS if depths and depths <= {self.stack.n_layers} else
-                f"FLOPs ratio {ratio:.3f} >= {below:g} (teacher forced)"
+                f"{COSTLY} {ratio:.3f} >= {below:g} (teacher forced)"
                 if below is not None and ratio is not None and ratio >= below else None)

@@ -108,6 +108,17 @@ def _choose(values: dict[str, list[ScreenRow]], n: int, target: float) -> dict[s
     return {p: why for p, why in reasons.items() if why}
 
 
+def costly(rows: Sequence[ScreenRow], bound: float) -> set[tuple[str, str | None]]:
+    """``(point, calibration)`` of the screened values whose teacher-forced FLOPs ratio is at least ``bound`` on
+    every domain they ran: with ``bound`` at or above both the verdict's target and ``decode.speed_flops_below``,
+    such a point can decide neither C1 (it cannot reach the reduction) nor C2 (it is not timed)."""
+    lowest: dict[tuple[str, str | None], float] = {}
+    for row in rows:
+        key = (row.point, row.calibration)
+        lowest[key] = min(lowest.get(key, row.flops_ratio), row.flops_ratio)
+    return {key for key, flops in lowest.items() if flops >= bound}
+
+
 def refinements(rows: Sequence[ScreenRow], target: float, layer_knobs: Sequence[str] = ()) -> dict[str, list[float]]:
     """Sweep → the values to screen next: between neighbouring values (in knob order) whose mean FLOPs ratios lie on
     both sides of ``target``, or that are the tolerance crossing nearest it, when they are more than
