@@ -9,7 +9,7 @@ import torch
 
 from emad.calibration.calibrate import calibrate, windows
 from emad.calibration.profile import ProfileError, smooth
-from emad.decode import Method, generate, score_adaptive
+from emad.decode import Method, generate, score_adaptive, score_continuations, score_requests
 from emad.engine.stack import LayerStack
 from emad.exits.criteria import Confidence, Emad, Fixed, Full, ProbeView
 from emad.exits.estimators import Estimate
@@ -138,6 +138,27 @@ def test_scoring_equals_generation_logprobs_and_depths(llama, profile, policy):
     assert scored.cost_ratio == pytest.approx(gen.cost_ratio(), rel=1e-6)
 
 
+
+
+@pytest.mark.parametrize("policy", ["copy", "backfill", "copy-translated"])
+def test_requests_scored_as_one_batch_equal_each_request_alone(llama, policy):
+    """Token-by-token scoring of many requests (prompts of several lengths, continuations of several lengths,
+    one of a single token) as one batch gives each continuation what scoring its request alone gives."""
+    method = Method(Confidence(_median_threshold(llama), probe_every=1), policy)
+    prompts = random_prompts(3, [9, 4, 13], seed=26)
+    requests = [(prompts[0], random_prompts(2, [12, 5], seed=27)), (prompts[1], random_prompts(1, [1], seed=28)),
+                (prompts[2], random_prompts(3, [16, 8, 2], seed=29))]
+    together = score_requests(llama, requests, method)
+    assert [len(r) for r in together] == [2, 1, 3]
+    rose = False
+    for (prompt, continuations), got in zip(requests, together):
+        for g, want in zip(got, score_continuations(llama, prompt, continuations, method)):
+            assert g.depths == want.depths and g.greedy == want.greedy
+            assert g.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+            assert g.flops == pytest.approx(want.flops, rel=1e-9)
+            assert g.full_flops == pytest.approx(want.full_flops, rel=1e-9)
+            rose |= any(b > a for a, b in zip(g.depths, g.depths[1:]))
+    assert rose  # the policy's own work (depth rising) was exercised
 
 
 @pytest.mark.parametrize("table, threshold, min_exit, expected", [

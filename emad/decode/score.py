@@ -123,6 +123,79 @@ def score_continuations(stack: LayerStack, prompt: Sequence[int], continuations:
     return out
 
 
+@torch.inference_mode()
+def score_requests(stack: LayerStack, requests: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]],
+                   method: Method | Criterion | Strategy) -> list[list[Scored]]:
+    """:func:`score_continuations` of every ``(prompt, continuations)`` request: ``[[Scored per continuation] per
+    request]``. A method scored token by token (a policy other than ``monotone``, or a criterion that reads every
+    exit) decodes every (prompt, continuation) pair as one row of a batch, as :func:`~emad.decode.generate` decodes
+    prompts together (rows never affect each other), the continuation's tokens fed in place of the generated ones;
+    the batch's time is counted in the first result's ``seconds``. Other methods score request by request."""
+    if isinstance(method, Strategy) or not requests:
+        return [score_continuations(stack, prompt, continuations, method) for prompt, continuations in requests]
+    method = as_method(method)
+    if method.policy == "monotone" and not method.criterion.reads_every_exit:
+        return [score_continuations(stack, prompt, continuations, method) for prompt, continuations in requests]
+    started = time.perf_counter()
+    stack = reading(stack, method)
+    method.validate(stack.n_layers)
+    pairs = [(list(p), list(c)) for p, cs in requests for c in cs]
+    for prompt, continuation in pairs:
+        if not prompt or not continuation:
+            raise ValueError("score_adaptive needs a non-empty prompt and continuation")
+        check_context_length(stack, len(prompt) + len(continuation) - 1)
+    flat = _score_batch(stack, pairs, method)
+    flat[0].seconds = elapsed(stack.device, started)
+    out, at = [], 0
+    for _, continuations in requests:
+        out.append(flat[at:at + len(continuations)])
+        at += len(continuations)
+    return out
+
+
+def _score_batch(stack: LayerStack, pairs: list[tuple[list[int], list[int]]], method: Method) -> list[Scored]:
+    """Token-by-token scoring of ``pairs`` (prompt, continuation) as the rows of one batch: each row's accounting
+    is :func:`_score_adaptive`'s for that pair alone."""
+    cost = CostModel.from_stack(stack)
+    ids, real = left_pad([p for p, _ in pairs], 0, stack.device)
+    batch, depth0 = len(pairs), method.criterion.prefill_depth(stack.n_layers)
+    cache = stack.new_cache(batch, ids.shape[1] + max(len(c) for _, c in pairs))
+    policy = method.new_policy(batch, stack.n_layers, cost)
+    logits = prefill(stack, cache, ids, real, depth0).float()  # [B, V]
+    n_prompt = [len(p) for p, _ in pairs]
+    first = float(cost.readout_at(depth0)[0])
+    logprobs, greedy = [[] for _ in pairs], [[] for _ in pairs]
+    depths = [[depth0] for _ in pairs]
+    flops, full = [first] * batch, [float(cost.readout_flops)] * batch
+    alive = torch.arange(batch, device=stack.device)
+    for t in range(max(len(c) for _, c in pairs)):
+        rows = alive.tolist()
+        tokens = torch.tensor([pairs[r][1][t] for r in rows], device=stack.device)  # [b]
+        logp = torch.log_softmax(logits, -1)  # [b, V]
+        best = logits.argmax(-1).tolist()
+        for i, r in enumerate(rows):
+            logprobs[r].append(float(logp[i, tokens[i]]))
+            greedy[r].append(best[i] == int(tokens[i]))
+        going = [i for i, r in enumerate(rows) if t < len(pairs[r][1]) - 1]  # rows with a token still to predict
+        if not going:
+            break
+        keep = torch.tensor(going, device=stack.device)
+        alive, tokens = alive[keep], tokens[keep]
+        rows = alive.tolist()
+        positions = torch.tensor([n_prompt[r] + t for r in rows], device=stack.device)  # [b]
+        before = policy.extra.flops.clone()
+        out = step(stack, cache, method, policy, cost, tokens, positions, alive)
+        logits = out.logits.float()
+        for i, r in enumerate(rows):
+            depth = int(out.depths[i])
+            depths[r].append(depth)
+            held = cache.valid[:depth, r, : cache.n_slots].sum(-1).cpu()  # [depth] keys per layer run
+            flops[r] += float(sum(cost.layer_flops(j, int(n)) for j, n in enumerate(held)))
+            flops[r] += float(out.probe_flops[i]) + float(policy.extra.flops[r] - before[r])
+            full[r] += float(cost.full_depth(torch.tensor([n_prompt[r] + t + 1]))[0][0])
+    return [Scored(logprobs[r], depths[r], flops[r], full[r], greedy=greedy[r]) for r in range(batch)]
+
+
 def _score_adaptive(stack: LayerStack, shared: _Prompt, continuation: Sequence[int], method: Method,
                     parallel: bool | None) -> Scored:
     if parallel is None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from emad.decode import Generation, Method, Scored, Sweep, score_continuations
+from emad.decode import Generation, Method, Scored, Sweep, score_requests
 from emad.decode.strategy import Strategy
 from emad.decode.sweep import sweep_refusal
 from emad.engine.stack import LayerStack
@@ -170,8 +170,7 @@ def score_all(stack: LayerStack, tokenizer, methods: dict[str, Method | Strategy
         alone = p.task.fewer(requests, unserved_tokens) if unserved_tokens else requests
         for name, method in methods.items():
             if name not in served:
-                out[name][p.name] = [score_continuations(stack, prompt, continuations, method)
-                                     for prompt, continuations in alone]
+                out[name][p.name] = score_requests(stack, alone, method)
     return out
 
 
