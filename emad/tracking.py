@@ -11,6 +11,7 @@ may open the experiment at once: it is created once (:func:`_experiment`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -98,7 +99,9 @@ def require_store(timeout: float = 10.0) -> None:
                               f"store") from err
 
 
+@functools.cache
 def git_rev() -> str:
+    """The code's revision (``git rev-parse HEAD``), asked once per process (a stage logs many runs)."""
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
                               cwd=repo_root()).stdout.strip()
@@ -297,7 +300,10 @@ def stage_run(stage: str, params: dict, tags: dict[str, Any] | None = None,
             mlflow = _open(stage)
             _fail_orphans(mlflow, stage)
             sigterm.hold()  # the run exists from inside start_run on: a SIGTERM now waits until it can end FAILED
-            run_id = mlflow.start_run(run_name=run_name or stage).info.run_id
+            own = {"git_rev": git_rev(), "dvc_stage": stage, "params_hash": params_hash(params),
+                   "host": socket.gethostname(), "pid": os.getpid(), **(tags or {})}
+            run_id = mlflow.start_run(run_name=run_name or stage,
+                                      tags={metric_name(k): str(v) for k, v in own.items()}).info.run_id
         except Exception as err:  # noqa: BLE001 - any store failure must not stop the stage
             sigterm.release()
             print(f"WARNING: MLflow skipped for stage {stage!r}: cannot open tracking store {tracking_uri()} "
@@ -306,8 +312,6 @@ def stage_run(stage: str, params: dict, tags: dict[str, Any] | None = None,
             return
         try:
             handle = Run(mlflow, run_id)
-            handle.set_tags({"git_rev": git_rev(), "dvc_stage": stage, "params_hash": params_hash(params),
-                             "host": socket.gethostname(), "pid": os.getpid(), **(tags or {})})
             flat = {k: v for k, v in flatten(params).items() if v is not None}  # what is set, never a "None"
             for i in range(0, len(flat), 100):
                 mlflow.log_params(dict(list(flat.items())[i:i + 100]))

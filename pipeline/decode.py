@@ -252,7 +252,8 @@ def _write(args, cfg: DecodeConfig, job: Job, out: Outcome) -> None:
         run.log_dict(out.settings, "decode_settings.json")
         record = record.with_results(out.tasks, out.cost, out.histogram, run.run_id)
         artifacts = args.artifacts / job.label / out.domain
-        hist_png = save_figure(depth_histogram_figure(out.histogram, out.n_layers, rid), artifacts / "depth.png")
+        hist_png = save_figure(depth_histogram_figure(out.histogram, out.n_layers, rid), artifacts / "depth.png",
+                               tight=False)
         texts, prompts, full = out.heatmap
         heat = atomic_write_text(artifacts / "heatmap.html", heatmap_html(texts, out.n_layers, rid, prompts=prompts,
                                                                           full_depth=full))

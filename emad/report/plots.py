@@ -9,14 +9,16 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 
 from emad.io import atomic_write_bytes  # noqa: E402
 
 
-def save_figure(fig, path: str | Path) -> Path:
-    """Render ``fig`` to PNG atomically and close it."""
+def save_figure(fig, path: str | Path, tight: bool = True) -> Path:
+    """Render ``fig`` to PNG atomically and close it (``tight``: cropped to what is drawn; a figure laid out
+    by hand renders faster without)."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight" if tight else None)
     plt.close(fig)
     return atomic_write_bytes(path, buf.getvalue())
 
@@ -74,8 +76,10 @@ def profile_figure(profile, title: str = ""):
 
 
 def depth_histogram_figure(histogram: dict[int, int], n_layers: int, title: str = ""):
-    """Tokens per exit depth (1..L)."""
-    fig, ax = plt.subplots(figsize=(6, 3.2))
+    """Tokens per exit depth (1..L), laid out by hand (one per run: save it with ``tight=False``)."""
+    fig = Figure(figsize=(6, 3.2))
+    fig.subplots_adjust(left=0.12, right=0.97, bottom=0.15, top=0.9)
+    ax = fig.add_subplot()
     depths = sorted(histogram)
     ax.bar(depths, [histogram[d] for d in depths], color="C0")
     ax.set_xlim(0.5, n_layers + 0.5)
