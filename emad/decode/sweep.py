@@ -233,7 +233,7 @@ class _Shared:
                     self._estimates[memo] = Estimate(entropy, max_prob, read_out=True)
                 est = self._estimates[memo]
                 return (Estimate(est.entropy, est.max_prob, self.readout(key, probe), read_out=True)
-                        if method.criterion.needs_logits else est)
+                        if method.criterion.needs_logits and not self._derived(method, key, probe) else est)
             if memo not in self._estimates:
                 self._estimates[memo] = estimator.estimate(self.views[key][0], self.states_at[probe], probe,
                                                            torch.arange(n, device=self.positions.device))
@@ -245,6 +245,13 @@ class _Shared:
                 self._estimates[base + (sequence, layer)] = estimator.estimate(
                     self.views[key][0], self.states_at[layer], layer, torch.arange(n, device=self.positions.device))
         return self._estimates[memo]
+
+    def _derived(self, method: Method, key: tuple, probe: int) -> bool:
+        """Whether the memo already holds all that ``method``'s criterion derives from the readout at ``probe``
+        (an earlier method, or an earlier sweep of these states, computed it): then it is handed no logits."""
+        wanted = method.criterion.derived_from_logits(probe)
+        memo = self._memos.get((key, _estimator_key(method.estimator)), {})
+        return wanted is not None and all(k in memo for k in wanted)
 
     def compact(self) -> None:
         """Drop what holds a row per vocabulary entry (readouts, estimates and memo entries ``[m, V]``): a later

@@ -129,6 +129,12 @@ class Criterion:
         """Logits ``[a, V]`` the exit token is read from at this probe (default: the probe's readout)."""
         return view.logits
 
+    def derived_from_logits(self, layer: int) -> tuple[tuple, ...] | None:
+        """The memo keys of everything this criterion derives from the readout at ``layer`` (a criterion that reads
+        the logits): when a sweep's memo holds them all, its decisions there need no readout, and its exit token
+        is the probe's own. None: it reads the logits themselves."""
+        return None
+
     def describe(self) -> dict:
         """Parameters identifying this operating point (for traces, JSON and MLflow)."""
         return {"method": self.name}
@@ -306,6 +312,9 @@ class SoftmaxResponse(Criterion):
     def exits(self, view: ProbeView) -> torch.Tensor:
         gap = view.shared(("top2_gap", view.layer), lambda: top2_gap(view.logits))  # [a]
         return gap >= self.layer_thresholds.get(view.layer, self.threshold)
+
+    def derived_from_logits(self, layer: int) -> tuple[tuple, ...]:
+        return (("top2_gap", layer),)
 
     def describe(self) -> dict:
         out = {"method": self.name, "threshold": self.threshold, "probe_every": self.probe_every,
