@@ -64,3 +64,37 @@ def test_fewer_speed_prompts_than_asked_is_an_error_naming_both(monkeypatch):
     prepared = [SimpleNamespace(name="fidelity", task=task, data=None, settings=None)]
     with pytest.raises(ValueError, match=r"speed_prompts = 8, but task 'fidelity' has only 4 prompts"):
         speed.prompt_speedup(None, None, object(), prepared, SimpleNamespace(generated={}), 8, NEW)
+
+
+def test_the_cheap_measure_sets_the_task_generation_against_a_reference_made_once(monkeypatch):
+    """The figures' measure: the point's first sample is the generation its task made, set against full depth's
+    reference tokens/s on the same prompts (the median of a few generations, made once per prompt set); further
+    repeats alternate fresh generations of both."""
+    calls = []
+
+    def generate(stack, tokenizer, prompts, method, new_tokens):
+        is_full = isinstance(method, Full)
+        calls.append("full" if is_full else "method")
+        return SimpleNamespace(token_ids=[[0] * new_tokens] * len(prompts),
+                               seconds=(1.0 if is_full else 0.5) * (1 + 0.1 * (len(calls) % 3)))
+
+    monkeypatch.setattr(speed, "generate", generate)
+    assert speed.reference_speed(None, None, PROMPTS, NEW) == pytest.approx(80 / 1.1)  # median of 3: 1.2, 1.0, 1.1 s
+    assert calls == ["full"] * speed.REFERENCE_RUNS
+    made = SimpleNamespace(token_ids=[[0] * NEW] * 8, seconds=0.4)
+    task = SimpleNamespace(speed_prompts=lambda data, settings: (PROMPTS, NEW))
+    prepared = [SimpleNamespace(name="fidelity", task=task, data=None, settings=None)]
+    asked = []
+
+    def reference(prompts, tokens):
+        asked.append((len(prompts), tokens))
+        return 40.0
+
+    calls.clear()
+    out = speed.point_speedup(None, None, object(), prepared, SimpleNamespace(generated={"fidelity": [made]}), None,
+                              1, reference=reference)
+    assert calls == [] and asked == [(8, NEW)]  # nothing generated: the task's generation and the reference
+    assert out["speed_pairs"] == [[200.0, 40.0]] and out["speedup"] == pytest.approx(5.0)
+    out = speed.point_speedup(None, None, object(), prepared, SimpleNamespace(generated={"fidelity": [made]}), None,
+                              2, reference=reference)
+    assert calls == ["full", "method"] and len(out["speed_pairs"]) == 2  # the second repeat: full depth first

@@ -39,7 +39,7 @@ from emad.evaluation.operating_point import (
 from emad.evaluation.provenance import provenance
 from emad.evaluation.record import profile_facts, quality_of
 from emad.evaluation.screen import ScreenRow
-from emad.evaluation.speed import measure_speedup, point_speedup, prompt_speedup
+from emad.evaluation.speed import measure_speedup, point_speedup, prompt_speedup, reference_speed
 from emad.evaluation.sweeps import SweepPosition
 from emad.exits.criteria import Full
 from emad.exits.estimators import ESTIMATORS
@@ -145,6 +145,7 @@ class Decoder:
         self._reference: dict[str, dict] = {}  # domain -> full depth's teacher-forced task results
         self._shared: dict[str, Shared] = {}  # domain -> what its tasks share across points
         self._kept: dict[str, dict] = {}  # domain -> its sweep passes, for the screen's refinements (Sweep.score)
+        self._references: dict[tuple, float] = {}  # (prompts, new tokens) -> full depth's tokens/s (cheap measure)
         self._build_all()
         self.prepared = {d: prepare(tasks, cfg.tasks, src.corpora / d if src.corpora else None,
                                     self.loaded.tokenizer) for d, tasks in plan.tasks_of.items()}
@@ -328,8 +329,17 @@ class Decoder:
             timed = prompt_speedup(stack, tokenizer, job.method, prepared, result, cfg.speed_prompts,
                                    cfg.speed_tokens)
         else:
-            timed = point_speedup(stack, tokenizer, job.method, prepared, result, limit, cfg.speed_repeats)
+            timed = point_speedup(stack, tokenizer, job.method, prepared, result, limit, cfg.speed_repeats,
+                                  reference=self._reference_speed)
         return {**timed, "speed_timing": "pairs" if why is None else f"cheap: {why}"}
+
+    def _reference_speed(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> float:
+        """Full depth's tokens/s on ``prompts`` (:func:`~emad.evaluation.speed.reference_speed`), made once per prompt
+        set and token count in this process: the cheap measure's reference."""
+        key = (tuple(tuple(p) for p in prompts), new_tokens)
+        if key not in self._references:
+            self._references[key] = reference_speed(self.stack, self.loaded.tokenizer, prompts, new_tokens)
+        return self._references[key]
 
     def _not_timed(self, job: Job, domain: str, forced: Evaluation) -> str | None:
         """Why the verdict cannot read this point's speed (None: it can, and is timed over prompts): full depth

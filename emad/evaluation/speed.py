@@ -6,8 +6,10 @@ Two measures:
   what varies between inputs. Each of ``n`` prompts is one pair (the point and full depth back to back; the point
   goes first on half of the prompts), after one untimed warm-up generation of each; the pairs (``speed_pairs``)
   give the verdict's 95% interval over prompts. The verdict reads at least ``MIN_SPEED_PROMPTS`` per domain
-- :func:`measure_speedup` (the figures' cheap measure): the median tokens/s ratio of a few alternating
-  generations of the same prompts, for points the verdict does not time.
+- :func:`measure_speedup` (the figures' cheap measure, for points the verdict does not time): the point's
+  tokens/s over full depth's on the same prompts — its first sample the generation its task just made, against a
+  full-depth reference made once per prompt set in the same process (:func:`reference_speed`: the median of
+  :data:`REFERENCE_RUNS` generations), further repeats alternating fresh generations of both.
 
 Timing each point against a full-depth run made in another process (at another time, under another load) turns a
 busy machine into a fake slow-down; pairing them in time cancels most of it. The load average around the
@@ -19,7 +21,7 @@ from __future__ import annotations
 import math
 import os
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from emad.decode import Generation, generate
@@ -85,28 +87,43 @@ def time_prompts(stack, tokenizer, method, prompts: Sequence[Sequence[int]], new
             "speed_unit": "prompt", "speed_new_tokens": new_tokens, "load_avg": max(before, os.getloadavg()[0])}
 
 
+REFERENCE_RUNS = 3  # full-depth generations whose median tokens/s is a prompt set's cheap-measure reference
+
+
+def reference_speed(stack, tokenizer, prompts: Sequence[Sequence[int]], new_tokens: int) -> float:
+    """Full depth's tokens/s on ``prompts``: the median of :data:`REFERENCE_RUNS` generations of ``new_tokens``."""
+    full = Full()
+    return statistics.median(_tokens_per_s(generate(stack, tokenizer, [list(p) for p in prompts], full, new_tokens))
+                             for _ in range(REFERENCE_RUNS))
+
+
 def point_speedup(stack, tokenizer, method, prepared: Sequence, result, limit: int | None,
-                  repeats: int, new_tokens: int | None = None) -> dict[str, Any]:
+                  repeats: int, new_tokens: int | None = None,
+                  reference: Callable[[Sequence[Sequence[int]], int], float] | None = None) -> dict[str, Any]:
     """:func:`measure_speedup` of a point on the speed prompts of its first task that has them (first ``limit``),
     preferring a task whose generation of them ``result`` (an :class:`~emad.evaluation.evaluate.Evaluation`) just
-    made (fidelity): that generation is then the first sample. ``new_tokens``: generate that many instead of the
-    task's own count (the generation already made is then not reused). No prompts: nothing measured."""
+    made (fidelity): that generation is then the first sample, set against ``reference(prompts, new tokens)`` (full
+    depth's tokens/s on them, e.g. a cached :func:`reference_speed`) when given. ``new_tokens``: generate that many
+    instead of the task's own count (the generation already made is then not reused). No prompts: nothing
+    measured."""
     found = _speed_prompts(prepared, result)
     if found is None:
         return measure_speedup(stack, tokenizer, method, [], 0, 0)
     p, (prompts, own_tokens) = found
-    prompts = prompts[:limit]
+    prompts, tokens = prompts[:limit], new_tokens or own_tokens
     made = None if new_tokens else next((g for g in result.generated.get(p.name, [])
                                          if len(g.token_ids) == len(prompts)), None)
-    return measure_speedup(stack, tokenizer, method, prompts, new_tokens or own_tokens, repeats, made)
+    ref = reference(prompts, tokens) if reference is not None and made is not None else None
+    return measure_speedup(stack, tokenizer, method, prompts, tokens, repeats, made, ref)
 
 
 def measure_speedup(stack, tokenizer, method, prompts: Sequence[Sequence[int]], new_tokens: int,
-                    repeats: int, made: Generation | None = None) -> dict[str, Any]:
+                    repeats: int, made: Generation | None = None, reference: float | None = None) -> dict[str, Any]:
     """Generate ``prompts`` ``repeats`` times under ``method`` and at full depth, alternating which goes first.
 
     ``made``: the method's generation of these prompts that was just timed (e.g. by the fidelity task): it is the
-    first repeat's own sample, followed by a full-depth generation, so that it is not made again.
+    first repeat's own sample, followed by a full-depth generation, so that it is not made again — or, given
+    ``reference`` (full depth's tokens/s on these prompts, :func:`reference_speed`), set against that.
 
     Returns:
         ``speedup`` (median of the per-repeat ratios method tokens/s ÷ full-depth tokens/s), the medians
@@ -123,6 +140,9 @@ def measure_speedup(stack, tokenizer, method, prompts: Sequence[Sequence[int]], 
     first = made is not None  # the method went first in repeat 0
     for r in range(repeats):
         for m in ((method, full) if (r % 2 == 0) == first else (full, method)):
+            if m is full and r == 0 and reference is not None:
+                ref.append(reference)
+                continue
             out = made if (m is method and r == 0 and first) else generate(stack, tokenizer, prompts, m, new_tokens)
             (ref if m is full else own).append(_tokens_per_s(out))
     return {"speedup": statistics.median(a / b for a, b in zip(own, ref)),

@@ -2,7 +2,7 @@
 
 Every function reads run records in the ``emad-run`` format (see :mod:`emad.evaluation.runfile`). The baseline of a run is
 the ``full`` run of the same model and domain. The speed-up of a run is its own ``cost.speedup`` when the decode stage
-measured one (against a full-depth reference generated in the same process, alternating, medians), else
+measured one (against full-depth generations of the same prompts in the same process: :mod:`emad.evaluation.speed`), else
 ``tokens_per_s / tokens_per_s(full)`` against the full run's file. Rows of a sweep carry its ``curve`` (the base point
 name; equal to ``point`` when unswept), ``knob`` and ``value`` (None when unswept), beside ``readout`` and ``domain``.
 """
