@@ -12,7 +12,6 @@ from __future__ import annotations
 import re
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from emad.engine.adapters import adapter_for
 
@@ -56,6 +55,8 @@ def append_idle_layers(model: torch.nn.Module, n: int) -> torch.nn.Module:
         config.layer_types = list(config.layer_types) + [config.layer_types[-1]] * n
     config._attn_implementation = model.config._attn_implementation
     param = next(model.parameters())
+    from transformers import AutoModelForCausalLM  # imported on use: params checks need only the spec parser
+
     grown = AutoModelForCausalLM.from_config(config, dtype=param.dtype)
     missing, unexpected = grown.load_state_dict(model.state_dict(), strict=False)
     layers = getattr(grown.get_submodule(adapter.base), adapter.layers)

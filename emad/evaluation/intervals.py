@@ -41,7 +41,6 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 
 import numpy as np
-from scipy import stats
 
 LEVEL = 0.95
 RESAMPLES = 4999
@@ -144,6 +143,8 @@ def _bootstrap(fn: Callable[..., np.ndarray], sizes: Sequence[int], value: float
     def statistic(*idx: np.ndarray, axis: int = -1) -> np.ndarray:
         return fn(*(np.asarray(i).astype(np.intp) for i in idx))
 
+    from scipy import stats  # imported on use: a stage that only checks params does not pay for it
+
     with warnings.catch_warnings():  # degenerate or tiny samples: BCa warns and returns NaN; handled below
         warnings.simplefilter("ignore")
         res = stats.bootstrap(data, statistic, n_resamples=RESAMPLES, vectorized=True, paired=False,
@@ -162,6 +163,8 @@ def _bootstrap(fn: Callable[..., np.ndarray], sizes: Sequence[int], value: float
 
 
 def _clopper_pearson(k: int, n: int, level: float) -> tuple[float, float]:
+    from scipy import stats
+
     ci = stats.binomtest(k, n).proportion_ci(confidence_level=level, method="exact")
     return float(ci.low), float(ci.high)
 
@@ -286,6 +289,8 @@ def ratio_interval(ratios: Sequence[float]) -> Interval:
     value = float(np.exp(logs.mean()))
     if n < 2:
         return _undefined(value, n, "fewer than 2 pairs")
+    from scipy import stats
+
     half = float(stats.t.ppf(1 - (1 - LEVEL) / 2, n - 1) * logs.std(ddof=1) / math.sqrt(n))
     return Interval(value, float(np.exp(logs.mean() - half)), float(np.exp(logs.mean() + half)), n,
                     "student-t on log ratios")

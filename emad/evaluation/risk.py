@@ -15,8 +15,6 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
-from scipy import stats
-
 LOSSES = ("agreement", "exact")
 
 
@@ -36,6 +34,8 @@ def hb_p_value(risk: float, n: int, delta: float) -> float:
     a = min(risk, delta)
     h = (a * math.log(a / delta) if a > 0 else 0.0) + (1 - a) * math.log((1 - a) / (1 - delta))
     hoeffding = math.exp(-n * h)
+    from scipy import stats  # imported on use: a stage that only checks params does not pay for it
+
     bentkus = math.e * stats.binom.cdf(math.ceil(n * risk - 1e-9), n, delta)
     return float(min(1.0, hoeffding, bentkus))
 
