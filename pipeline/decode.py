@@ -251,15 +251,14 @@ def _write(args, cfg: DecodeConfig, job: Job, out: Outcome) -> None:
                             run_name=record.mlflow_run_name()) as run:
         run.log_dict(out.settings, "decode_settings.json")
         record = record.with_results(out.tasks, out.cost, out.histogram, run.run_id)
-        artifacts = args.artifacts / job.label / out.domain
-        hist_png = save_figure(depth_histogram_figure(out.histogram, out.n_layers, rid), artifacts / "depth.png",
-                               tight=False)
-        texts, prompts, full = out.heatmap
-        heat = atomic_write_text(artifacts / "heatmap.html", heatmap_html(texts, out.n_layers, rid, prompts=prompts,
-                                                                          full_depth=full))
         run.log_metrics(record.mlflow_metrics())
-        run.log_artifact(hist_png)
-        run.log_artifact(heat)
+        if out.free_prompts != 0:  # a point the screen rules out decoded nothing free running: its histogram is
+            artifacts = args.artifacts / job.label / out.domain  # the run file's, and it has no heat map
+            texts, prompts, full = out.heatmap
+            run.log_artifact(save_figure(depth_histogram_figure(out.histogram, out.n_layers, rid),
+                                         artifacts / "depth.png", tight=False))
+            run.log_artifact(atomic_write_text(artifacts / "heatmap.html", heatmap_html(
+                texts, out.n_layers, rid, prompts=prompts, full_depth=full)))
         path = args.out / f"{rid}.json"
         record.save(path)
         run.log_artifact(path)

@@ -47,6 +47,12 @@ def sweep_refusal(method) -> str | None:
 LOGIT = ("logit", "")
 
 
+def canonical(views: dict, key: tuple, probe: int) -> tuple:
+    """The readout key at ``probe``: readouts without a translator there read out as the logit lens."""
+    lens = views[key][0].lens
+    return LOGIT if lens is None or probe not in lens.layers else key
+
+
 def _readout_key(method: Method) -> tuple[str, str]:
     readout = method.readout
     return LOGIT if readout is None or not readout.layers else (readout.name, readout.digest)
@@ -131,8 +137,10 @@ class Sweep:
                 kept[tuple(prompt)] = found
         first = {}  # (readout, depth0) -> [V] the readout that predicts each continuation's first token
         for key, depth0 in zip(self.keys, self.depth0):
-            if (key, depth0) not in first:
-                first[key, depth0] = self._views[key][0].readout(found.last[depth0], depth0)
+            at = canonical(self._views, key, depth0), depth0  # readouts without a translator there: the logit lens
+            if at not in found.first:
+                found.first[at] = self._views[key][0].readout(found.last[depth0], depth0)
+            first[key, depth0] = found.first[at]
         out: list[list[Scored]] = [[] for _ in self.methods]
         for continuation in continuations:
             shared = None
@@ -181,11 +189,13 @@ class Sweep:
 
 class Kept:
     """What a sweep keeps of one prompt's full-depth pass for later sweeps of the same model: the prompt's last
-    state at each kept layer ``[d]``, each continuation's :class:`_Shared` (states ``[m, d]`` per kept layer and
-    what was derived from them, without the ``[m, V]`` readouts) and, while the pass runs, its K/V cache."""
+    state at each kept layer ``[d]`` and its readouts ``[V]`` (``first``: per canonical readout and layer), each
+    continuation's :class:`_Shared` (states ``[m, d]`` per kept layer and what was derived from them, without the
+    ``[m, V]`` readouts) and, while the pass runs, its K/V cache."""
 
     def __init__(self, last: dict[int, torch.Tensor], shared: dict[tuple, _Shared], cache):
         self.last, self.shared, self.cache = last, shared, cache
+        self.first: dict[tuple, torch.Tensor] = {}
 
     def serves(self, layers: Sequence[int], continuations: Sequence[Sequence[int]]) -> bool:
         """Every layer a sweep keeps states at, and every continuation it scores, are here."""
@@ -263,9 +273,7 @@ class _Shared:
                 del memo[k]
 
     def canonical(self, key: tuple, probe: int) -> tuple:
-        """The readout key at ``probe``: readouts without a translator there read out as the logit lens."""
-        lens = self.views[key][0].lens
-        return LOGIT if lens is None or probe not in lens.layers else key
+        return canonical(self.views, key, probe)
 
     def readout(self, key: tuple, probe: int) -> torch.Tensor:
         memo = self.canonical(key, probe), probe
