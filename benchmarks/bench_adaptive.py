@@ -62,7 +62,9 @@ def probe_times(stack, estimators: dict, reps: int = 50) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="data/models/smollm2-135m")
-    parser.add_argument("--profile", default="data/profiles/smollm2-135m/stdlib-prose/profile.json")
+    parser.add_argument("--profile", default="data/profiles/smollm2-135m/stdlib-prose/logit/profile.json")
+    parser.add_argument("--estimators", default="data/estimators/smollm2-135m/logit.json",
+                        help="fitted estimators of the profile's readout (stage fit_estimators)")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--margins", type=float, nargs="+", default=[0.0, 0.25, 0.5, 1.0])
@@ -71,7 +73,7 @@ def main() -> None:
     stack, tok = LayerStack(loaded.model), loaded.tokenizer
     profile = Profile.load(args.profile)
     profile.check_model(loaded.fingerprint.as_dict())
-    fitted = Path(args.profile).with_name("estimators.json")
+    fitted = Path(args.estimators)
     estimators = {"exact": estimator_fit.load(fitted, "exact")}
     for name in ("topk", "lowrank"):
         estimators[name] = estimator_fit.load(fitted, name, loaded.fingerprint.as_dict(), profile.probe_layers)

@@ -38,7 +38,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="when a batch step's rows leave: per-row (default) or sync (all at the first probe where "
                         "every row may exit)")
     p.add_argument("--estimators", type=Path,
-                   help="fitted estimators file (default: estimators.json beside --profile)")
+                   help="fitted estimators file (default: estimators.json beside --profile; the pipeline's: "
+                        "data/estimators/<model>/<readout>.json)")
     _add_readout_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt / text")
     calm = p.add_argument_group("--method softmax / contrastive, --estimator prune")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import signal
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import NoReturn
 
 USER_ERRORS = (ValueError, KeyError, OSError)
@@ -45,3 +46,26 @@ def run_stage(name: str, main: Callable[[], int | None]) -> NoReturn:
         print(f"{name}: error: {message}", file=sys.stderr)
         sys.exit(EXIT_ERROR)
     sys.exit(0 if code is None else code)
+
+
+READOUT = "{readout}"  # the placeholder of a per-readout path template
+
+
+def per_readout(template: str | Path, readouts: list[str], flag: str) -> dict[str, Path]:
+    """One path per readout from ``template`` (``data/stats/m/s/{readout}.json``): a stage that handles every
+    readout of a list in one process (model loaded and store opened once) writes each where its placeholder says.
+
+    Raises:
+        ValueError: several readouts and no ``{readout}`` in ``template`` (naming ``flag``).
+    """
+    text = str(template)
+    if READOUT not in text and len(readouts) > 1:
+        raise ValueError(f"{flag} {text}: {len(readouts)} readouts ({', '.join(readouts)}) need a {READOUT} "
+                         f"placeholder in the path, e.g. {flag} out/{READOUT}.json")
+    return {readout: Path(text.replace(READOUT, readout)) for readout in readouts}
+
+
+def checkpoint_beside(out: Path) -> Path:
+    """Where a stage keeps resumable progress for ``out``: beside its folder, which DVC removes (with the
+    outputs in it) before it reruns the stage."""
+    return out.parent.parent / f"{out.parent.name}.{out.name}.ckpt"

@@ -1,4 +1,5 @@
-"""Stage ``calibrate``: teacher-forcing entropy statistics of one model on one corpus's calibration split.
+"""Stage ``calibrate``: teacher-forcing entropy statistics of one model on one corpus's calibration split, read
+through each readout (one file and one MLflow run each; the model loaded once).
 
 Runs as a plain process or data-parallel under ``torchrun --nproc_per_node N pipeline/calibrate.py ...``.
 """
@@ -19,7 +20,7 @@ from emad.engine import distributed
 from emad.engine.models import load_model
 from emad.exits.readouts import load_readout
 from emad.params import load_section
-from emad.stage import run_stage
+from emad.stage import READOUT, checkpoint_beside, per_readout, run_stage
 
 
 def _log(run, stats, elapsed: float) -> None:
@@ -37,41 +38,50 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", required=True, help="model spec (prepared folder, alias or hub id)")
     parser.add_argument("--corpus", type=Path, required=True, help="sampled corpus folder (calib.jsonl)")
-    parser.add_argument("--out", type=Path, required=True, help="stats JSON to write")
-    parser.add_argument("--readout", default="logit", help="the readout entropies are read through (logit, tuned)")
-    parser.add_argument("--readouts", type=Path, help="readouts.safetensors (stage fit_readouts) for --readout tuned")
+    parser.add_argument("--out", required=True, help=f"stats JSON to write; with several readouts a path with "
+                        f"{READOUT} (data/stats/<model>/<source>/{READOUT}.json)")
+    parser.add_argument("--readout", action="append", help="a readout entropies are read through (logit, tuned); "
+                        "repeat for several (default: every one of calibrate.readouts)")
+    parser.add_argument("--readouts", type=Path, help="readouts.safetensors (stage fit_readouts) for readout tuned")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
     cfg = load_section("calibrate", CalibrateConfig, args.params)
+    outs = per_readout(args.out, args.readout or cfg.readouts, "--out")
     texts, corpus_hash = read_split(args.corpus, "calib")
 
     device, rank, world = distributed.join(cfg.device)
+    loaded = load_model(args.model_dir, device=device, dtype=cfg.dtype)
+    layers = resolve_probe_layers(cfg.probe_layers, loaded.fingerprint.n_layers)
+    readouts = {name: load_readout(name, args.readouts, loaded.fingerprint.as_dict(), layers,
+                                   loaded.fingerprint.n_layers) for name in outs}  # all checked before any work
+    for name, out in outs.items():
+        _calibrate(args, cfg, loaded, texts, corpus_hash, name, readouts[name], out, rank, world)
+    distributed.leave()
+    return 0
+
+
+def _calibrate(args, cfg: CalibrateConfig, loaded, texts, corpus_hash: str, name: str, readout, out: Path,
+               rank: int, world: int) -> None:
+    """One readout's statistics, written to ``out``, and its MLflow run."""
     params = {"calibrate": cfg.model_dump(), "model": args.model_dir, "corpus": str(args.corpus), "world_size": world,
-              "readout": args.readout}
-    name = tracking.run_name("calibrate", tracking.label(args.model_dir), tracking.label(args.corpus), args.readout)
-    with tracking.stage_run("calibrate", params, {"corpus_manifest": corpus_hash}, run_name=name,
+              "readout": name}
+    run_name = tracking.run_name("calibrate", tracking.label(args.model_dir), tracking.label(args.corpus), name)
+    with tracking.stage_run("calibrate", params, {"corpus_manifest": corpus_hash}, run_name=run_name,
                             enabled=rank == 0) as run:
-        loaded = load_model(args.model_dir, device=device, dtype=cfg.dtype)
-        run.set_tags({"model_fingerprint": loaded.fingerprint.digest, "readout": args.readout})
-        layers = resolve_probe_layers(cfg.probe_layers, loaded.fingerprint.n_layers)
-        readout = load_readout(args.readout, args.readouts, loaded.fingerprint.as_dict(), layers,
-                               loaded.fingerprint.n_layers)
-        bar = tqdm(unit="tok", desc=f"calibrate {args.corpus.name}", disable=rank != 0)
+        run.set_tags({"model_fingerprint": loaded.fingerprint.digest, "readout": name})
+        bar = tqdm(unit="tok", desc=f"calibrate {args.corpus.name} {name}", disable=rank != 0)
         start = time.perf_counter()
-        stats = calibrate_texts(loaded, texts, cfg, corpus_hash,
-                                checkpoint=args.out.with_name(args.out.name + ".ckpt"),
+        stats = calibrate_texts(loaded, texts, cfg, corpus_hash, checkpoint=checkpoint_beside(out),
                                 on_batch=lambda n: bar.update(n * world), on_start=lambda n: bar.reset(total=n),
                                 readout=readout)
         bar.close()
         probes = stats.probe_layers
         elapsed = time.perf_counter() - start
         if rank == 0:
-            stats.save(args.out)
+            stats.save(out)
             _log(run, stats, elapsed)
             print(f"calibrate: {stats.tokens} tokens at {len(probes)} probes in {elapsed:.1f} s "
-                  f"({stats.tokens / elapsed:.0f} tok/s) -> {args.out}")
-    distributed.leave()
-    return 0
+                  f"({stats.tokens / elapsed:.0f} tok/s) -> {out}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""Stage ``fit_estimators``: fit the cheap entropy estimators on calibration tokens, beside the profile.
+"""Stage ``fit_estimators``: fit the cheap entropy estimators on calibration tokens, for each readout's profile.
 
-Writes ``estimators.json`` (shortlists, per-layer corrections, held-out MAE vs exact entropy in nats).
+Writes one estimators JSON per readout (shortlists, per-layer corrections, held-out MAE vs exact entropy in nats).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from emad.engine.models import load_model
 from emad.engine.stack import LayerStack
 from emad.exits.readouts import load_readout
 from emad.params import load_section
-from emad.stage import run_stage
+from emad.stage import READOUT, per_readout, run_stage
 
 
 def _check_sizes(cfg: EstimatorsConfig, stack: LayerStack, model_dir: str) -> None:
@@ -36,10 +36,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--corpus", type=Path, required=True, help="sampled corpus folder (calib.jsonl)")
-    parser.add_argument("--profile", type=Path, required=True, help="profile.json (its probe layers are fitted)")
+    parser.add_argument("--profile", required=True, help=f"profile.json (its probe layers are fitted); with several "
+                        f"readouts a path with {READOUT}, as --out")
     parser.add_argument("--readouts", type=Path, help="readouts.safetensors, for a profile calibrated through "
                         "the tuned readout (estimators are fitted through the profile's readout)")
-    parser.add_argument("--out", type=Path, required=True, help="estimators.json to write")
+    parser.add_argument("--out", required=True, help="estimators JSON to write")
+    parser.add_argument("--readout", action="append", help="a readout whose profile to fit for; repeat for "
+                        "several (default: every one of estimators.readouts)")
     parser.add_argument("--only", action="append", help="fit only this estimator of the estimators section "
                         "(repeat for several; default: every one)")
     parser.add_argument("--params", default="params.yaml")
@@ -51,33 +54,46 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--only {', '.join(stray)}: not fitted by the estimators section; valid: "
                          f"{', '.join(chosen) or 'none'}")
     chosen = {k: v for k, v in chosen.items() if not args.only or k in args.only}
-    profile = Profile.load(args.profile)
+    readouts = args.readout or cfg.readouts
+    paths = per_readout(args.profile, readouts, "--profile")
+    profiles = {name: Profile.load(path) for name, path in paths.items()}
+    outs = per_readout(args.out, readouts, "--out")
     texts, corpus_hash = read_split(args.corpus, "calib")
     loaded = load_model(args.model_dir)
-    profile.check_model(loaded.fingerprint.as_dict())
-    stack = LayerStack(loaded.model)
-    _check_sizes(cfg, stack, args.model_dir)
-    stack = stack.with_readout(load_readout(profile.readout, args.readouts, loaded.fingerprint.as_dict(),
-                                            profile.probe_layers, stack.n_layers))
+    base = LayerStack(loaded.model)
+    _check_sizes(cfg, base, args.model_dir)
+    stacks = {}
+    for name, profile in profiles.items():  # every profile and readout checked before any fitting
+        profile.check_model(loaded.fingerprint.as_dict())
+        stacks[name] = base.with_readout(load_readout(profile.readout, args.readouts, loaded.fingerprint.as_dict(),
+                                                      profile.probe_layers, base.n_layers))
     docs = [loaded.tokenizer(t)["input_ids"] for t in texts]
-    sample = collect(stack, cap_tokens(windows(docs, cfg.window), cfg.tokens), profile.probe_layers)
+    for name, profile in profiles.items():
+        _fit(cfg, chosen, stacks[name], cap_tokens(windows(docs, cfg.window), cfg.tokens), profile,
+             paths[name], outs[name], loaded, corpus_hash)
+    return 0
+
+
+def _fit(cfg: EstimatorsConfig, chosen: dict, stack: LayerStack, token_windows: list, profile: Profile,
+         profile_path: Path, out: Path, loaded, corpus_hash: str) -> None:
+    """The estimators of one profile's readout, fitted on ``token_windows``, written to ``out``, and its MLflow run."""
+    sample = collect(stack, token_windows, profile.probe_layers)
     fitted = {}
     for name, options in chosen.items():
         estimator = build(name, options, stack, sample)
         report = fit(stack, estimator, sample, cfg.holdout)
         fitted[name] = {"options": estimator.options(), **report}
-    params = {"estimators": cfg.model_dump(), "profile": str(args.profile)}
-    name = tracking.run_name("fit_estimators", *tracking.profile_qualifiers(args.profile, profile.readout))
+    params = {"estimators": cfg.model_dump(), "profile": str(profile_path)}
+    name = tracking.run_name("fit_estimators", *tracking.profile_qualifiers(profile_path, profile.readout))
     with tracking.stage_run("fit_estimators", params, {"model_fingerprint": loaded.fingerprint.digest,
                                                       "corpus_manifest": corpus_hash}, run_name=name) as run:
-        save(args.out, fitted, loaded.fingerprint.as_dict(), profile.probe_layers)
+        save(out, fitted, loaded.fingerprint.as_dict(), profile.probe_layers)
         for name, entry in fitted.items():
             run.log_metrics({f"{name}.mae_raw": entry["mae_raw"]["all"], f"{name}.mae": entry["mae"]["all"]})
             run.log_series(f"{name}.mae_by_layer", {int(k): v for k, v in entry["mae"].items() if k != "all"})
     for name, entry in fitted.items():
         print(f"fit_estimators: {name} held-out MAE {entry['mae']['all']:.3f} nats "
-              f"(uncorrected {entry['mae_raw']['all']:.3f}) -> {args.out}")
-    return 0
+              f"(uncorrected {entry['mae_raw']['all']:.3f}) -> {out}")
 
 
 if __name__ == "__main__":

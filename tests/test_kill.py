@@ -25,6 +25,7 @@ from emad.calibration.profile import smooth
 from emad.calibration.stats import CalibrationStats
 from emad.engine.models import load_model
 from emad.evaluation import runfile
+from emad.stage import checkpoint_beside
 from tests.paused import paused_command
 from tests.tiny import save_tiny_pretrained
 
@@ -116,7 +117,7 @@ def test_killed_calibration_resumes_from_its_checkpoint_and_equals_an_uninterrup
     clean = workspace / "clean" / "stats.json"
     _run(_calibrate_cmd(workspace, clean), workspace)
     killed = workspace / "killed" / "stats.json"
-    ckpt = killed.with_name(killed.name + ".ckpt")
+    ckpt = checkpoint_beside(killed)  # outside the output's folder, which DVC removes before a rerun
 
     # killed right after its third checkpoint (one per batch)
     _start_and_kill(_calibrate_cmd(workspace, killed), workspace, "emad.calibration.calibrate:atomic_write_json", 3)

@@ -57,7 +57,7 @@ def test_repro_writes_every_output(repo):
         (run,) = (repo / "reports" / "runs" / f"tiny--{folder}").glob(f"tiny--{point}--stdlib-prose.json")
         assert (repo / "reports" / "artifacts" / f"tiny--{folder}" / point / "stdlib-prose" / "heatmap.html").is_file()
     for path in ("data/profiles/tiny/stdlib-prose/logit/profile.json", "data/profiles/tiny/stdlib-prose/tuned/profile.json",
-                 "data/profiles/tiny/stdlib-prose/tuned/estimators.json", "reports/profiles/tiny-stdlib-prose-tuned.png",
+                 "data/estimators/tiny/tuned.json", "reports/profiles/tiny/stdlib-prose/tuned.png",
                  "data/readouts/tiny/stdlib-prose/readouts.safetensors", "data/readouts/tiny/stdlib-prose/metrics.json",
                  "reports/readouts/tiny-stdlib-prose.png", "reports/report.md", "reports/metrics.json",
                  "reports/risk/tiny--cal-stdlib-prose/tiny--margin--cal-stdlib-prose.json"):

@@ -222,6 +222,7 @@ class _Shared:
         self._scores: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._memos: dict[tuple, dict] = {}
         self._estimators: dict[int, object] = {}  # the fitted estimators keyed by id: alive while these are
+        self._read: set[tuple] | None = set()  # readout keys read out at every layer at once (None: compacted)
 
     def bind(self, method: Method, key: tuple) -> _MethodSource:
         self._estimators.setdefault(id(method.estimator), method.estimator)
@@ -267,6 +268,7 @@ class _Shared:
         """Drop what holds a row per vocabulary entry (readouts, estimates and memo entries ``[m, V]``): a later
         sweep that needs them reads them out again from the states; the per-position values stay."""
         self._readouts.clear()
+        self._read = None
         self._estimates = {k: e for k, e in self._estimates.items() if e.logits is None}
         for memo in self._memos.values():
             for k in [k for k, v in memo.items() if _large(v)]:
@@ -276,10 +278,20 @@ class _Shared:
         return canonical(self.views, key, probe)
 
     def readout(self, key: tuple, probe: int) -> torch.Tensor:
-        memo = self.canonical(key, probe), probe
-        if memo not in self._readouts:
-            self._readouts[memo] = self.views[key][0].readout(self.states_at[probe], probe)  # [m, V]
-        return self._readouts[memo]
+        """The states at ``probe`` read out through ``key``'s readout ``[m, V]``. The first time a readout is asked
+        for, every kept layer it reads is read out at once (one head product: the sweep reads nearly all of them);
+        after :meth:`compact`, only what is asked for."""
+        canon = self.canonical(key, probe)
+        if (canon, probe) not in self._readouts:
+            view = self.views[key][0]
+            if self._read is not None and canon not in self._read:
+                self._read.add(canon)
+                layers = [layer for layer in self.states_at if self.canonical(key, layer) == canon]
+                read = view.readouts({layer: self.states_at[layer] for layer in layers})
+                self._readouts.update({(canon, layer): logits for layer, logits in read.items()})
+            else:
+                self._readouts[canon, probe] = view.readout(self.states_at[probe], probe)  # [m, V]
+        return self._readouts[canon, probe]
 
     def exit_scores(self, key: tuple, probe: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every position's target log-probability and greedy hit when read out at ``probe`` (``[m]`` each)."""

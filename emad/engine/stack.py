@@ -168,7 +168,17 @@ class LayerStack:
     def readout(self, h: torch.Tensor, layer: int | None = None) -> torch.Tensor:
         """Logits ``[..., V]`` = head(final_norm(T_ℓ(h))) for ``h`` after layer ``layer`` (default L: T is the
         identity); the final norm is never skipped."""
-        logits = self.head(self.readout_input(h, layer))
+        return self._logits(self.head(self.readout_input(h, layer)))
+
+    def readouts(self, states: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """:meth:`readout` of each layer's states ``[m, d]`` through one head product ``[Σm, d] @ [d, V]``: rows of
+        a short sequence at several layers read the head's weights once instead of once per layer."""
+        inputs = [self.readout_input(h, layer) for layer, h in states.items()]
+        logits = self._logits(self.head(torch.cat(inputs)))  # [Σm, V]
+        return dict(zip(states, logits.split([len(x) for x in inputs])))
+
+    def _logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Softcap the head's output, refusing NaN or inf."""
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         # NaN or inf anywhere makes the sum non-finite (a sum of finite logits overflows only past ~1e34 each); one

@@ -243,8 +243,8 @@ def build_method(point: PointConfig, n_layers: int, fingerprint: dict, profile_p
     else:
         fitted = estimators_path or (Path(profile_path).parent / "estimators.json" if profile_path else None)
         if fitted is None:
-            raise ValueError(f"estimator {point.estimator!r} needs a fitted estimators file (estimators.json "
-                             "beside the profile, from the fit_estimators stage)")
+            raise ValueError(f"estimator {point.estimator!r} needs a fitted estimators file (stage fit_estimators: "
+                             "data/estimators/<model>/<readout>.json; or estimators.json beside the profile)")
         estimator = _fitted(str(fitted), point.estimator, json.dumps(fingerprint, sort_keys=True, default=str),
                             tuple(criterion.probes(n_layers)))
     readout = load_readout(point.readout, readouts_path, fingerprint, criterion.probes(n_layers), n_layers)
