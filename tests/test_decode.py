@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from emad.decode import ContextLengthError, Sampling, generate, score
+from emad.decode import ContextLengthError, Method, Prefills, Sampling, generate, score
 from emad.engine.stack import LayerStack
 from emad.exits.criteria import CRITERIA, Fixed, Full
 from tests.tiny import ARCHITECTURES, TinyTokenizer, random_prompts, tiny_model
@@ -52,6 +52,25 @@ def test_fixed_full_depth_is_full():
     a = generate(LayerStack(model), TinyTokenizer(), prompts, Fixed(4), 16, eos_token_ids=[])
     b = generate(LayerStack(model), TinyTokenizer(), prompts, Full(), 16, eos_token_ids=[])
     assert a.token_ids == b.token_ids
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_reused_prompt_pass_gives_the_generation_made_afresh_untimed(arch):
+    """Prefills: the prompts' pass made once, every later generation of them to the same depth copies it — tokens,
+    depths, log-probabilities and FLOPs bit for bit as a generation that runs its own prefill; only it is untimed."""
+    stack = LayerStack(tiny_model(arch))
+    prompts = random_prompts(3, [6, 9, 4], seed=7)
+    store = Prefills()
+    for criterion in (Full(), CRITERIA.get("confidence")(threshold=100.0), Fixed(3), Full()):
+        method = Method(criterion)
+        fresh = generate(stack, TinyTokenizer(), prompts, method, 12, eos_token_ids=[])
+        kept = generate(stack, TinyTokenizer(), prompts, method, 12, eos_token_ids=[], prefills=store)
+        assert kept.token_ids == fresh.token_ids and kept.depths == fresh.depths and kept.flops == fresh.flops
+        assert [[t.logprob for t in row] for row in kept.traces] == [[t.logprob for t in row] for row in fresh.traces]
+        assert fresh.timed and not kept.timed
+    assert len(store._passes) == 2  # to depth L (full, confidence) and to depth 3 (fixed): each made once
+    assert min(d for row in generate(stack, TinyTokenizer(), prompts, Method(CRITERIA.get("confidence")(
+        threshold=100.0)), 12, eos_token_ids=[]).depths for d in row) < stack.n_layers  # it exits early
 
 
 def test_batch_equals_rows_alone():

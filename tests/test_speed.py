@@ -81,7 +81,7 @@ def test_the_cheap_measure_sets_the_task_generation_against_a_reference_made_onc
     monkeypatch.setattr(speed, "generate", generate)
     assert speed.reference_speed(None, None, PROMPTS, NEW) == pytest.approx(80 / 1.1)  # median of 3: 1.2, 1.0, 1.1 s
     assert calls == ["full"] * speed.REFERENCE_RUNS
-    made = SimpleNamespace(token_ids=[[0] * NEW] * 8, seconds=0.4)
+    made = SimpleNamespace(token_ids=[[0] * NEW] * 8, seconds=0.4, timed=True)
     task = SimpleNamespace(speed_prompts=lambda data, settings: (PROMPTS, NEW))
     prepared = [SimpleNamespace(name="fidelity", task=task, data=None, settings=None)]
     asked = []
@@ -98,3 +98,10 @@ def test_the_cheap_measure_sets_the_task_generation_against_a_reference_made_onc
     out = speed.point_speedup(None, None, object(), prepared, SimpleNamespace(generated={"fidelity": [made]}), None,
                               2, reference=reference)
     assert calls == ["full", "method"] and len(out["speed_pairs"]) == 2  # the second repeat: full depth first
+    # a task generation that reused its batch's prompt pass is no timing: the first prompt is generated afresh
+    calls.clear(), asked.clear()
+    reused = SimpleNamespace(token_ids=[[0] * NEW] * 8, seconds=0.01, timed=False)
+    out = speed.point_speedup(None, None, object(), prepared, SimpleNamespace(generated={"fidelity": [reused]}),
+                              None, 1, reference=reference)
+    assert calls == ["method"] and asked == [(1, NEW)]
+    assert out["speed_pairs"] == [[NEW / 0.55, 40.0]] and out["speedup"] == pytest.approx(NEW / 0.55 / 40)

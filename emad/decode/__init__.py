@@ -5,7 +5,7 @@ row, whether it exits there (Ĥ from the estimator); the policy bounds its depth
 consistent; the readout of the exit layer gives the token.
 """
 
-from emad.decode.generate import cut_at_stop, default_eos_ids, generate
+from emad.decode.generate import Prefills, cut_at_stop, default_eos_ids, generate
 from emad.decode.results import Generation, Scored, TokenTrace
 from emad.decode.score import check_context_length, score, score_adaptive, score_continuations, score_requests
 from emad.decode.step import (
@@ -22,7 +22,7 @@ from emad.decode.step import (
 from emad.decode.sweep import Sweep, score_sweep
 
 __all__ = [
-    "ContextLengthError", "Generation", "Method", "Sampling", "Scored", "StepOutput", "Sweep", "TokenTrace",
+    "ContextLengthError", "Generation", "Method", "Prefills", "Sampling", "Scored", "StepOutput", "Sweep", "TokenTrace",
     "check_context_length", "choose", "cut_at_stop", "default_eos_ids", "generate", "left_pad", "positions_of",
     "prefill", "score", "score_adaptive", "score_continuations", "score_requests", "score_sweep", "step",
 ]

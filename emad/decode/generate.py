@@ -19,10 +19,12 @@ from emad.decode.step import (
     elapsed,
     left_pad,
     prefill,
+    prefill_states,
     reading,
     step,
 )
 from emad.decode.strategy import Strategy
+from emad.engine.cache import KVCache
 from emad.engine.cost import CostModel
 from emad.engine.stack import LayerStack
 from emad.exits.criteria import Criterion
@@ -44,6 +46,30 @@ class _Row:
     finish: str | None = None
 
 
+class Prefills:
+    """Prompt passes made once and reused by every later generation of the same prompts to the same depth: the
+    K/V cache after the prompts ``[B, T]`` and their last states ``[B, d]``, keyed by (prompts, depth). A
+    generation's layers do not depend on its method before the first token (it reads the last state out through
+    its own readout), so a reused pass is the one it would compute. A generation given the store is not timed
+    (:attr:`Generation.timed`): its pass may be reused or made and kept."""
+
+    def __init__(self):
+        self._passes: dict[tuple, tuple[KVCache, torch.Tensor]] = {}
+
+    @torch.inference_mode()
+    def run(self, stack: LayerStack, prompts: Sequence[Sequence[int]], depth: int, cache: KVCache, ids: torch.Tensor,
+            real: torch.Tensor) -> tuple[KVCache, torch.Tensor]:
+        """The prompts' pass to ``depth``: its cache and the last states ``[B, d]``; a pass made now fills
+        ``cache`` and is kept."""
+        key = (tuple(map(tuple, prompts)), depth, cache.capacity)
+        if key in self._passes:
+            kept, last = self._passes[key]
+            return kept.copy(), last
+        last = prefill_states(stack, cache, ids, real, depth)
+        self._passes[key] = cache.copy(), last
+        return cache, last
+
+
 def generate(
     stack: LayerStack,
     tokenizer,
@@ -54,6 +80,7 @@ def generate(
     stop_strings: Sequence[str] = (),
     eos_token_ids: Sequence[int] | None = None,
     on_token: Callable[[int, int], None] | None = None,
+    prefills: Prefills | None = None,
 ) -> Generation:
     """Generate up to ``max_new_tokens`` per prompt with the method's exits.
 
@@ -68,6 +95,7 @@ def generate(
         stop_strings: a row stops once its continuation contains one; its text is cut before it.
         eos_token_ids: a row stops after producing one of these (default: the model's EOS ids).
         on_token: called as ``on_token(row, token_id)`` for each new token (streaming).
+        prefills: prompt passes to reuse (and keep): the generation is then exact but not timed.
     """
     sampling = sampling or Sampling()
     stack = reading(stack, method)
@@ -93,7 +121,12 @@ def generate(
     batch, depth0 = ids.shape[0], method.criterion.prefill_depth(stack.n_layers)
     cache = stack.new_cache(batch, ids.shape[1] + max_new_tokens)
     policy = method.new_policy(batch, stack.n_layers, cost)
-    logits = prefill(stack, cache, ids, real, depth0)  # [B, V]
+    if prefills is None:
+        logits = prefill(stack, cache, ids, real, depth0)  # [B, V]
+    else:
+        cache, last = prefills.run(stack, prompts, depth0, cache, ids, real)
+        with torch.inference_mode():
+            logits = stack.readout(last, depth0)  # [B, V]
     tokens = choose(logits, sampling, generator)  # [B]
     logps = _logprob(logits, tokens)
     positions = real.long().sum(-1)  # next position id per row, [B]
@@ -125,7 +158,7 @@ def generate(
     for s in rows_state:
         s.finish = s.finish or "length"
     out = _assemble(rows_state, tokenizer, stop_strings, cost, method, policy)
-    out.seconds = elapsed(stack.device, started)
+    out.seconds, out.timed = elapsed(stack.device, started), prefills is None
     return out
 
 

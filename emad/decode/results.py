@@ -42,6 +42,8 @@ class Generation:
         finish_reasons: "eos", "stop_string" or "length", per row.
         traces: per row, a :class:`TokenTrace` per token.
         seconds: wall-clock time of the call (device synchronised), prefill included.
+        timed: False when the prompts' pass came from (or went to) a store of passes
+            (:class:`~emad.decode.generate.Prefills`): ``seconds`` is then no speed measure.
         stats: counts a strategy reports, summed over rows (e.g. drafts proposed and accepted, large-model tokens).
         steps: per row, the decode step that produced each token (tokens of one step were decoded together); empty
             where rows were decoded one after another (every token its own step).
@@ -63,6 +65,7 @@ class Generation:
     seconds: float = 0.0
     stats: dict[str, float] = field(default_factory=dict)
     steps: list[list[int]] = field(default_factory=list)
+    timed: bool = True
 
     def cost_ratio(self, row: int | None = None, kind: str = "flops") -> float:
         """Cost of this generation over full depth for the same tokens (all rows, or one)."""

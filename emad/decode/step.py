@@ -156,13 +156,19 @@ def positions_of(real: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def prefill(stack: LayerStack, cache: KVCache, ids: torch.Tensor, real: torch.Tensor, depth: int) -> torch.Tensor:
-    """Run the prompt ``[B, T]`` through layers 1..depth, filling the cache; return its last readout ``[B, V]``."""
+def prefill_states(stack: LayerStack, cache: KVCache, ids: torch.Tensor, real: torch.Tensor,
+                   depth: int) -> torch.Tensor:
+    """Run the prompt ``[B, T]`` through layers 1..depth, filling the cache; return its last states ``[B, d]``."""
     slots = cache.allocate(real)
     positions = positions_of(real)
     h = stack.embed(ids, positions)  # [B, T, d]
-    h = stack.run(h, 0, depth, cache, positions, slots)
-    return stack.readout(h[:, -1], depth)  # [B, V]
+    return stack.run(h, 0, depth, cache, positions, slots)[:, -1]
+
+
+@torch.inference_mode()
+def prefill(stack: LayerStack, cache: KVCache, ids: torch.Tensor, real: torch.Tensor, depth: int) -> torch.Tensor:
+    """:func:`prefill_states`, read out: the prompt's last readout ``[B, V]``."""
+    return stack.readout(prefill_states(stack, cache, ids, real, depth), depth)  # [B, V]
 
 
 @torch.inference_mode()

@@ -87,6 +87,15 @@ class KVCache:
         self.n_slots = n_slots
         self.filled = [min(f, n_slots) for f in self.filled]
 
+    def copy(self) -> KVCache:
+        """An independent copy (buffers cloned): a prompt's pass filled once, decoded on by several methods."""
+        out = KVCache.__new__(KVCache)
+        out.__dict__.update(self.__dict__)
+        out.keys = [None if k is None else k.clone() for k in self.keys]
+        out.values = [None if v is None else v.clone() for v in self.values]
+        out.valid, out.real, out.filled = self.valid.clone(), self.real.clone(), list(self.filled)
+        return out
+
     def _ensure_capacity(self, needed: int) -> None:
         if needed <= self.capacity:
             return

@@ -66,7 +66,8 @@ class Evaluation:
         hist = self.depth_histogram()
         n_tokens = sum(hist.values())
         generated = sum(len(row) for g in gens for row in g.token_ids)
-        seconds = sum(g.seconds for g in gens)
+        timed = [g for g in gens if g.timed]  # a generation that reused its prompts' pass is no speed measure
+        seconds = sum(g.seconds for g in timed)
         return {
             "flops_ratio": flops / full if full else None,
             "step_ratio": step_spent / step_full if step_full else None,
@@ -77,7 +78,7 @@ class Evaluation:
             "tokens": float(n_tokens),
             "generated_tokens": float(generated),
             "seconds": seconds,
-            "tokens_per_s": generated / seconds if seconds > 0 else None,
+            "tokens_per_s": sum(len(row) for g in timed for row in g.token_ids) / seconds if seconds > 0 else None,
             "scoring_seconds": sum(s.seconds for s in self.outputs if isinstance(s, Scored)),
             **strategy_stats(gens),
         }

@@ -7,8 +7,9 @@ Two measures:
   goes first on half of the prompts), after one untimed warm-up generation of each; the pairs (``speed_pairs``)
   give the verdict's 95% interval over prompts. The verdict reads at least ``MIN_SPEED_PROMPTS`` per domain
 - :func:`measure_speedup` (the figures' cheap measure, for points the verdict does not time): the point's
-  tokens/s over full depth's on the same prompts — its first sample the generation its task just made, against a
-  full-depth reference made once per prompt set in the same process (:func:`reference_speed`: the median of
+  tokens/s over full depth's on the same prompts — its first sample the generation its task just made (or, when
+  that generation shared its batch's prompt pass, a fresh generation of the first prompt), against a full-depth
+  reference made once per prompt set in the same process (:func:`reference_speed`: the median of
   :data:`REFERENCE_RUNS` generations), further repeats alternating fresh generations of both.
 
 Timing each point against a full-depth run made in another process (at another time, under another load) turns a
@@ -104,8 +105,9 @@ def point_speedup(stack, tokenizer, method, prepared: Sequence, result, limit: i
     preferring a task whose generation of them ``result`` (an :class:`~emad.evaluation.evaluate.Evaluation`) just
     made (fidelity): that generation is then the first sample, set against ``reference(prompts, new tokens)`` (full
     depth's tokens/s on them, e.g. a cached :func:`reference_speed`) when given. ``new_tokens``: generate that many
-    instead of the task's own count (the generation already made is then not reused). No prompts: nothing
-    measured."""
+    instead of the task's own count (the generation already made is then not reused). A task generation that
+    shared its prompts' pass (:class:`~emad.decode.Prefills`, batches of prompts) is not timed: the first prompt is
+    then generated afresh and set against the reference on it. No prompts: nothing measured."""
     found = _speed_prompts(prepared, result)
     if found is None:
         return measure_speedup(stack, tokenizer, method, [], 0, 0)
@@ -113,8 +115,11 @@ def point_speedup(stack, tokenizer, method, prepared: Sequence, result, limit: i
     prompts, tokens = prompts[:limit], new_tokens or own_tokens
     made = None if new_tokens else next((g for g in result.generated.get(p.name, [])
                                          if len(g.token_ids) == len(prompts)), None)
+    if made is not None and not made.timed:  # its batch shared a prompt pass: the first prompt is generated afresh
+        prompts = prompts[:1]
     ref = reference(prompts, tokens) if reference is not None and made is not None else None
-    return measure_speedup(stack, tokenizer, method, prompts, tokens, repeats, made, ref)
+    return measure_speedup(stack, tokenizer, method, prompts, tokens, repeats, made if made and made.timed else None,
+                           ref)
 
 
 def measure_speedup(stack, tokenizer, method, prompts: Sequence[Sequence[int]], new_tokens: int,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from emad.decode import Method, generate
+from emad.decode import Method, Prefills, generate
 from emad.engine.stack import LayerStack
 from emad.exits.criteria import Full
 
@@ -18,7 +18,8 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def fidelity(stack: LayerStack, tokenizer, prompts: Sequence[Sequence[int]], method: Method,
-             max_new_tokens: int = 32, reference=None, sink: list | None = None) -> dict:
+             max_new_tokens: int = 32, reference=None, sink: list | None = None, prefills: Prefills | None = None
+             ) -> dict:
     """Exact-match rate, mean tokens until first divergence, token agreement and ROUGE-L F1 vs full depth.
 
     ``samples`` holds them per prompt: exact match 0/1, tokens to divergence, ``[agreeing, compared]`` tokens
@@ -29,9 +30,11 @@ def fidelity(stack: LayerStack, tokenizer, prompts: Sequence[Sequence[int]], met
         reference: a full-depth :class:`~emad.decode.Generation` of the same prompts (computed when None).
         sink: when given, every :class:`~emad.decode.Generation` / :class:`~emad.decode.Scored` of the method is
             appended to it (traces, timing).
+        prefills: prompt passes to reuse (:class:`~emad.decode.Prefills`; the method's generation is then not
+            timed).
     """
-    reference = reference or generate(stack, tokenizer, prompts, Full(), max_new_tokens)
-    ours = generate(stack, tokenizer, prompts, method, max_new_tokens)
+    reference = reference or generate(stack, tokenizer, prompts, Full(), max_new_tokens, prefills=prefills)
+    ours = generate(stack, tokenizer, prompts, method, max_new_tokens, prefills=prefills)
     if sink is not None:
         sink.append(ours)
     # imported here: rouge_score pulls in nltk and scikit-learn (~1.3 s), paid only where ROUGE is computed

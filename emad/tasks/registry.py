@@ -21,7 +21,7 @@ from pydantic import Field
 
 from emad.config import Section, validate_section
 from emad.corpus import CorpusError, read_items, read_split
-from emad.decode import Generation, Scored, generate, score_continuations
+from emad.decode import Generation, Prefills, Scored, generate, score_continuations
 from emad.decode.results import Request
 from emad.exits.criteria import Full
 from emad.registry import Registry
@@ -37,15 +37,23 @@ from emad.tasks.perplexity import first_tokens, perplexity_metrics, perplexity_r
 @dataclass
 class Shared:
     """What the tasks of one domain share across the points that run them: full-depth greedy generations of their
-    prompts, made once (fidelity's reference, the agreement task's continuations)."""
+    prompts, made once (fidelity's reference, the agreement task's continuations), and the passes of prompt sets
+    of more than one prompt (:class:`~emad.decode.Prefills`: a batch's prompt pass costs most of its generation,
+    which then is not timed; a single prompt's generation stays timed, for the cheap speed measure)."""
 
     references: dict[tuple, Generation] = field(default_factory=dict)
+    prefills: Prefills = field(default_factory=Prefills)
 
     def reference(self, stack, tokenizer, prompts: Sequence[Sequence[int]], new_tokens: int) -> Generation:
         key = (tuple(map(tuple, prompts)), new_tokens)
         if key not in self.references:
-            self.references[key] = generate(stack, tokenizer, prompts, Full(), new_tokens)
+            self.references[key] = generate(stack, tokenizer, prompts, Full(), new_tokens,
+                                            prefills=self.passes(prompts))
         return self.references[key]
+
+    def passes(self, prompts: Sequence[Sequence[int]]) -> Prefills | None:
+        """The prompt passes generations of ``prompts`` reuse: none for a single prompt."""
+        return self.prefills if len(prompts) > 1 else None
 
 
 class Task:
@@ -174,8 +182,10 @@ class Fidelity(Task):
         return prompts, shared.reference(stack, tokenizer, prompts, settings.new_tokens)
 
     def run(self, stack, tokenizer, method, data, settings, sink, shared=None, limit=None):
-        prompts, reference = self.full_depth_reference(stack, tokenizer, data, settings, shared or Shared(), limit)
-        return fidelity(stack, tokenizer, prompts, method, settings.new_tokens, reference=reference, sink=sink)
+        shared = shared or Shared()
+        prompts, reference = self.full_depth_reference(stack, tokenizer, data, settings, shared, limit)
+        return fidelity(stack, tokenizer, prompts, method, settings.new_tokens, reference=reference, sink=sink,
+                        prefills=shared.passes(prompts))
 
 
 @TASKS.register("agreement")
