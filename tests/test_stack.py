@@ -84,3 +84,17 @@ def test_unknown_architecture_lists_supported_ones():
     with pytest.raises(UnsupportedArchitectureError, match="llama") as err:
         adapter_for("mamba")
     assert "mamba" in str(err.value) and "gpt2" in str(err.value)
+
+
+@pytest.mark.parametrize("rows", [3, 8, 16])
+def test_readouts_of_several_layers_in_one_product_equal_each_readout(rows):
+    """``LayerStack.readouts``: every layer's states read out through one head product give each layer's own
+    readout (to float rounding; the rows are split back to their layers in order)."""
+    stack = LayerStack(tiny_model("llama"))
+    g = torch.Generator().manual_seed(rows)
+    states = {layer: torch.randn(rows, stack.config.hidden_size, generator=g) for layer in (1, 2, 4)}
+    together = stack.readouts(states)
+    assert list(together) == [1, 2, 4]
+    for layer, h in states.items():
+        assert together[layer].shape == (rows, stack.vocab_size)
+        torch.testing.assert_close(together[layer], stack.readout(h, layer), rtol=0, atol=1e-5)

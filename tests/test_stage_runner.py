@@ -169,3 +169,15 @@ def test_a_stage_interrupted_by_a_real_sigint_mid_work_says_so_and_leaves_no_out
     assert proc.returncode == EXIT_INTERRUPTED, err
     assert err.strip().splitlines()[-1] == "prepare_model: interrupted" and "Traceback" not in err
     assert not out.exists() and not list(tmp_path.glob(".model.tmp-*"))
+
+
+def test_a_stage_of_several_readouts_needs_the_placeholder_in_its_paths():
+    """``per_readout``: one path per readout from a ``{readout}`` template; several readouts without it are refused
+    naming the flag; a single readout may take a plain path."""
+    from emad.stage import per_readout
+
+    assert per_readout("s/{readout}.json", ["logit", "tuned"], "--out") == {"logit": Path("s/logit.json"),
+                                                                           "tuned": Path("s/tuned.json")}
+    assert per_readout("s/stats.json", ["logit"], "--out") == {"logit": Path("s/stats.json")}
+    with pytest.raises(ValueError, match=r"--out s/stats.json: 2 readouts \(logit, tuned\) need a \{readout\}"):
+        per_readout("s/stats.json", ["logit", "tuned"], "--out")
