@@ -173,13 +173,13 @@ def _check_calibrated(key: str, source: str, calibrated: list[str]) -> None:
 
 
 def _check_readouts(cfg: dict[str, Any]) -> None:
-    """The readouts serve what calibration and decoding ask of them: the source of points without a calibration
-    is fitted, and a tuned profile's probe layers all have translators."""
+    """The readouts serve what calibration and decoding ask of them: they are fitted on a calibration source (one
+    fit per model serves every source and point), and a tuned profile's probe layers all have translators."""
     calibrate = cfg.get("calibrate", CalibrateConfig())
     readouts = cfg.get("readouts", ReadoutsConfig())
     if readouts.source not in calibrate.sources:
         raise ConfigError(f"readouts.source: {readouts.source!r} is not a calibration source; readouts are fitted "
-                          f"on calibrate.sources ({', '.join(calibrate.sources)})")
+                          f"on one of calibrate.sources ({', '.join(calibrate.sources)})")
     probes, layers = calibrate.probe_layers, readouts.layers
     missing = set(probes) - set(layers) if isinstance(probes, list) and isinstance(layers, list) else None
     covered = probes == layers or (missing is not None and missing <= {max(probes)})  # L needs no translator

@@ -70,9 +70,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "repeat for several (each point runs with each); default: calibrate.sources")
     parser.add_argument("--profile", help="profile.json (points and ablations); {readout} and {calibration} in the "
                         "path are replaced by each point's readout and calibration source")
-    parser.add_argument("--readouts", help="readouts.safetensors (stage fit_readouts) for readout: tuned; {source} "
-                        "in the path is replaced by the point's calibration source, or --readout-source without one")
-    parser.add_argument("--readout-source", help="the source whose readouts serve points without a calibration")
+    parser.add_argument("--readouts", help="readouts.safetensors (stage fit_readouts) for readout: tuned (every "
+                        "point and calibration source)")
     parser.add_argument("--estimators", help="estimators.json (stage fit_estimators) for points whose estimator is "
                         "fitted (topk, lowrank); {readout} in the path is replaced by the point's readout. Default: "
                         "beside each point's profile")
@@ -169,10 +168,7 @@ def plan(args: argparse.Namespace) -> Plan:
     calibrations = args.calibration or (every if needy else [])
     jobs = [Job(kind, name, point, cal, cfg.curves.get(name)) for (kind, name), point in points.items()
             for cal in (_calibrations(cfg, name, calibrations, args.calibration) if point.needs_profile else [None])]
-    sources = Sources(args.model_dir, args.corpora, args.profile, args.readouts, args.readout_source,
-                      args.estimators)
-    for job in jobs:
-        sources.readouts_of(job.calibration)  # a missing --readout-source fails here, before any model loads
+    sources = Sources(args.model_dir, args.corpora, args.profile, args.readouts, args.estimators)
     thresholds = Thresholds(**load_section("aggregate", AggregateConfig, args.params).thresholds())
     screens = {name: s.points for name, s in cfg.screens.items() if any(
         j.position and j.position.curve == name for j in jobs)}

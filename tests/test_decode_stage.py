@@ -391,8 +391,10 @@ def test_bad_risk_params_name_the_culprit(change, culprit):
 
 
 @pytest.mark.parametrize("domains", [["toy"], ["toy", "other"]])
-def test_c2_candidates_are_timed_in_rising_flops_and_a_family_that_passed_on_the_only_domain_stops(domains,
-                                                                                                 monkeypatch):
+def test_c2_candidates_are_timed_in_rounds_of_one_per_family_and_a_family_that_passed_on_the_only_domain_stops(
+        domains, monkeypatch):
+    """Each round times the next candidate of every family (rising FLOPs) together; on the only domain a family
+    whose timed point passes C2 has decided it, and its dearer candidates get the cheap measure."""
     from types import SimpleNamespace
 
     from emad.evaluation.checks import Thresholds
@@ -405,18 +407,57 @@ def test_c2_candidates_are_timed_in_rising_flops_and_a_family_that_passed_on_the
 
     decoder = object.__new__(Decoder)
     decoder.plan = SimpleNamespace(domains=domains, thresholds=Thresholds())
-    timed = []
-    monkeypatch.setattr(decoder, "_speed", lambda job, prepared, result, limit, why: timed.append(
-        (job.label, why)) or {"speed_timing": "pairs" if why is None else f"cheap: {why}"})
+    cheap, blocks = [], []
+    monkeypatch.setattr(decoder, "_speed", lambda job, prepared, result, limit, why: cheap.append(
+        (job.label, why)) or {"speed_timing": f"cheap: {why}"})
+    monkeypatch.setattr(decoder, "_time_block", lambda prepared, block: blocks.append(
+        [job.label for job, _, _ in block]) or [{"speed_timing": "pairs"} for _ in block])
     monkeypatch.setattr(decoder, "_passes_c2", lambda domain, result, full, speed, floor: result.cost()[
         "flops_ratio"] < 0.8)  # every point below 0.8 passes C2 on this domain
     speeds = decoder._speeds("toy", [], [done("full", "full", 1.0, "full depth"), done("f_a", "f", 0.9),
                                          done("f_b", "f", 0.7), done("f_c", "f", 0.75), done("g_a", "g", 0.85)])
     stopped = "C2 decided for f by f_b"
-    assert [label for label, _ in timed] == ["f_b", "f_c", "f_a", "g_a", "full"]  # candidates first, cheapest first
     expected = {"f_b": "pairs", "g_a": "pairs", "full": "cheap: full depth"}
     if len(domains) == 1:  # f_b decided C2 for family f: its dearer points get the cheap measure
+        assert blocks == [["f_b", "g_a"]]
         expected |= {"f_c": f"cheap: {stopped}", "f_a": f"cheap: {stopped}"}
     else:  # a point's C2 interval pools every domain's prompts: nothing is decided on one of them
+        assert blocks == [["f_b", "g_a"], ["f_c"], ["f_a"]]
         expected |= {"f_c": "pairs", "f_a": "pairs"}
     assert {label: speed["speed_timing"] for label, speed in speeds.items()} == expected
+
+
+def test_a_written_out_point_the_screen_rules_out_decodes_nothing_free_running_and_says_why(workspace, monkeypatch):
+    from types import SimpleNamespace
+
+    from emad.evaluation.decoder import Decoder
+
+    monkeypatch.setattr(Decoder, "_ruled_out", lambda self, domain, forced: [SimpleNamespace(metric="perplexity")])
+    params = workspace / "params-ruled-out.yaml"
+    params.write_text(yaml.safe_dump({"decode": {**DECODE, "baselines": {"fixed-1": {"method": "fixed", "depth": 1}}}}))
+    assert _decode(workspace, "baseline", "fixed-1", monkeypatch, runs="ruled-out", params=params) == 0
+    (path,) = (workspace / "ruled-out" / "baseline-fixed-1").glob("*.json")
+    r = runfile.load(path)
+    assert not r["screened"] and r["cost"]["speed_timing"] == "none: violates perplexity (teacher forced)"
+    assert r["free_prompts"] == 0 and "fidelity" not in r["tasks"] and r["cost"]["speedup"] is None
+    assert r["not_run"]["fidelity"] == "the teacher-forced screen rules the point out (violates perplexity (teacher " \
+                                       "forced))"
+
+
+def test_the_default_point_keeps_its_free_running_tasks_on_the_cells_the_ablations_read():
+    from types import SimpleNamespace
+
+    from emad.evaluation.decoder import Decoder
+
+    decoder = object.__new__(Decoder)
+    decoder.plan = SimpleNamespace(cfg=SimpleNamespace(default_point="emad-m0", ablation_domains=["toy"],
+                                                       ablation_calibration="cal"))
+
+    def job(kind="point", name="emad-m0", calibration="cal"):
+        return SimpleNamespace(kind=kind, name=name, calibration=calibration)
+
+    assert decoder._ablation_base(job(), "toy")
+    assert not decoder._ablation_base(job(), "other")  # a domain the ablations do not run
+    assert not decoder._ablation_base(job(calibration="other"), "toy")
+    assert not decoder._ablation_base(job(name="emad-m1"), "toy")
+    assert not decoder._ablation_base(job(kind="ablation"), "toy")

@@ -1,5 +1,5 @@
-"""C2's timing: one pair per distinct prompt after an untimed warm-up, each side first on half of the prompts, the
-interval over prompts."""
+"""C2's timing: one pair per distinct prompt after an untimed warm-up, each side first on half of the prompts (points
+timed together share full depth's generation of each prompt), the interval over prompts."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def _stub(monkeypatch, seconds_of):
 
 def test_one_pair_per_prompt_after_a_warm_up_each_side_first_on_half(monkeypatch):
     calls = _stub(monkeypatch, lambda i, full: 1.0 if full else 0.8)
-    out = speed.time_prompts(None, None, object(), PROMPTS, NEW)
+    out = speed.time_prompts(None, None, [object()], PROMPTS, NEW)[0]
     assert calls[:2] == [(0, "method"), (0, "full")]  # the warm-up: one generation of each, not a pair
     pairs = calls[2:]
     assert len(pairs) == 16 and len(out["speed_pairs"]) == 8 and out["speed_unit"] == "prompt"
@@ -39,6 +39,34 @@ def test_one_pair_per_prompt_after_a_warm_up_each_side_first_on_half(monkeypatch
     assert firsts.count("method") == 4 and firsts.count("full") == 4
     assert [pairs[2 * i][0] for i in range(8)] == list(range(8)) == [pairs[2 * i + 1][0] for i in range(8)]
     assert out["speedup"] == pytest.approx(1.25)
+
+
+def test_points_timed_together_share_one_full_depth_generation_per_prompt_in_turning_order(monkeypatch):
+    """A block of two points: per prompt, full depth once and each point once, the order turning by one from
+    prompt to prompt; each point's pair holds full depth's generation of the same block."""
+    a, b = object(), object()
+    calls = []
+
+    def generate(stack, tokenizer, prompts, method, new_tokens):
+        (prompt,) = prompts
+        who = "full" if isinstance(method, Full) else "a" if method is a else "b"
+        calls.append((PROMPTS.index(prompt), who))
+        i = PROMPTS.index(prompt)
+        seconds = {"full": 1.0 + 0.1 * i, "a": 0.5, "b": 2.0}[who]
+        return SimpleNamespace(token_ids=[[0] * new_tokens], seconds=seconds)
+
+    monkeypatch.setattr(speed, "generate", generate)
+    out_a, out_b = speed.time_prompts(None, None, [a, b], PROMPTS, NEW)
+    assert calls[:3] == [(0, "a"), (0, "b"), (0, "full")]  # the warm-up: one generation of each
+    blocks = [calls[3 + 3 * i: 6 + 3 * i] for i in range(8)]
+    assert len(calls) == 3 + 3 * 8 and all(sorted(w for _, w in blk) == ["a", "b", "full"] for blk in blocks)
+    assert [blk[0][1] for blk in blocks] == ["a", "b", "full"] * 2 + ["a", "b"]  # each first in turn
+    assert all({p for p, _ in blk} == {i} for i, blk in enumerate(blocks))
+    full_tps = [NEW / (1.0 + 0.1 * i) for i in range(8)]
+    assert [b_ for _, b_ in out_a["speed_pairs"]] == pytest.approx(full_tps)
+    assert [b_ for _, b_ in out_b["speed_pairs"]] == pytest.approx(full_tps)
+    assert out_a["speed_block"] == out_b["speed_block"] == 2
+    assert out_b["speedup"] < 1 < out_a["speedup"]
 
 
 def test_the_interval_is_over_prompts_and_widens_with_a_slow_prompt(monkeypatch):
@@ -49,9 +77,9 @@ def test_the_interval_is_over_prompts_and_widens_with_a_slow_prompt(monkeypatch)
         return 1.0 if full else (1.0 if i == 5 else even(i, full))
 
     _stub(monkeypatch, even)
-    steady = ratio_interval([a / b for a, b in speed.time_prompts(None, None, object(), PROMPTS, NEW)["speed_pairs"]])
+    steady = ratio_interval([a / b for a, b in speed.time_prompts(None, None, [object()], PROMPTS, NEW)[0]["speed_pairs"]])
     _stub(monkeypatch, one_slow)
-    out = speed.time_prompts(None, None, object(), PROMPTS, NEW)
+    out = speed.time_prompts(None, None, [object()], PROMPTS, NEW)[0]
     ratios = [a / b for a, b in out["speed_pairs"]]
     assert ratios[5] == pytest.approx(1.0) and min(ratios[:5] + ratios[6:]) > 1.2
     wide = ratio_interval(ratios)
@@ -63,7 +91,7 @@ def test_fewer_speed_prompts_than_asked_is_an_error_naming_both(monkeypatch):
     task = SimpleNamespace(speed_prompts=lambda data, settings: (PROMPTS[:4], NEW))
     prepared = [SimpleNamespace(name="fidelity", task=task, data=None, settings=None)]
     with pytest.raises(ValueError, match=r"speed_prompts = 8, but task 'fidelity' has only 4 prompts"):
-        speed.prompt_speedup(None, None, object(), prepared, SimpleNamespace(generated={}), 8, NEW)
+        speed.speed_prompts_of(prepared, SimpleNamespace(generated={}), 8)
 
 
 def test_the_cheap_measure_sets_the_task_generation_against_a_reference_made_once(monkeypatch):

@@ -89,7 +89,8 @@ class ReadoutsConfig(Section):
             (null = the full vocabulary: exact and about V / (sample + k·batch) times slower).
         top_k: teacher tokens per token always in the KL's vocabulary subset.
         patience: epochs without held-out improvement before a layer stops.
-        source: the calibration source whose readouts serve points without a calibration (baselines, related).
+        source: the calibration source the translators are fitted on (one fit per model): they serve every
+            calibration source's tuned profile and every point.
         device, dtype: where and how the model runs.
     """
 

@@ -155,7 +155,8 @@ def evaluate(stack: LayerStack, readouts: Mapping[str, Readout], sample: Sample,
              chunk: int = 256) -> dict[str, dict[int, dict[str, float]]]:
     """Per readout and layer (and L): mean KL to the final layer, top-1 agreement with it, and perplexity of the next
     token, on the full vocabulary. The final distribution is computed once per chunk, and states that two readouts
-    translate alike (an identity translator) are read out once: ``{name: {layer: metrics}}``."""
+    translate alike (an identity translator), or that equal the final state, are read out once:
+    ``{name: {layer: metrics}}``."""
     device, layers = stack.device, sample.layers
     sums = {name: {layer: torch.zeros(3, dtype=torch.float64) for layer in [*layers, stack.n_layers]}
             for name in readouts}  # KL, agreements, NLL
@@ -166,8 +167,9 @@ def evaluate(stack: LayerStack, readouts: Mapping[str, Readout], sample: Sample,
         given = (torch.log_softmax(teacher, -1), teacher.argmax(-1), part.targets.clamp_min(0).to(device),
                  (part.targets >= 0).to(device))  # log p_L [n, V], its top-1 [n], next token [n], has one [n]
         final = _score(teacher, *given)
+        last = part.final.to(device, torch.float32)  # [n, d]: a layer whose state is the final one reads out as L
         for p, layer in enumerate(layers):
-            h, seen = part.hidden[:, p].to(device, torch.float32), []  # [n, d]; (state, its score)
+            h, seen = part.hidden[:, p].to(device, torch.float32), [(last, final)]  # [n, d]; (state, its score)
             for name, readout in readouts.items():
                 x = readout.translate(h, layer)
                 hit = next((got for y, got in seen if torch.equal(x, y)), None)

@@ -158,8 +158,15 @@ def scored_from_exits(continuation: Sequence[int], first_logits: torch.Tensor, d
     depth = exits.depth.tolist()
     # every term is a whole number of FLOPs below 2^53, so these sums are exact in any order
     flops += float(layer_flops(cost, exits.depth, keys).sum() + exits.charged.sum())
-    full += float(cost.full_depth(keys)[0].sum())
+    full += float(full_depth_flops(cost, n_prompt + 1, m))
     return Scored(logprobs, [depth0, *depth], flops, full, greedy=greedy)
+
+
+def full_depth_flops(cost: CostModel, first_key: int, m: int) -> int:
+    """FLOPs of ``m`` tokens at full depth, token ``i`` attending to ``first_key + i`` keys, with one exact readout
+    each: :meth:`CostModel.full_depth`'s FLOPs summed, as an integer (exact)."""
+    keys = m * first_key + m * (m - 1) // 2
+    return m * (2 * sum(cost.layer_params) + cost.readout_flops) + 4 * cost.d_model * cost.n_layers * keys
 
 
 def layer_flops(cost: CostModel, depth: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

@@ -90,10 +90,12 @@ class Sweep:
         self.stack, self.names = stack, names
         self.methods = [as_method(m) for m in methods]
         self._views: dict[tuple, tuple[LayerStack, CostModel]] = {}
-        self.keys = []
+        self.keys, digests = [], {}  # id(readout) -> its key: a shared readout is hashed once
         for method in self.methods:
             method.validate(stack.n_layers)
-            key = _readout_key(method)
+            if id(method.readout) not in digests:
+                digests[id(method.readout)] = _readout_key(method)
+            key = digests[id(method.readout)]
             if key not in self._views:
                 view = stack.with_readout(method.readout)
                 self._views[key] = view, CostModel.from_stack(view)

@@ -39,7 +39,13 @@ from emad.evaluation.operating_point import (
 from emad.evaluation.provenance import provenance
 from emad.evaluation.record import profile_facts, quality_of
 from emad.evaluation.screen import ScreenRow
-from emad.evaluation.speed import measure_speedup, point_speedup, prompt_speedup, reference_speed
+from emad.evaluation.speed import (
+    measure_speedup,
+    point_speedup,
+    reference_speed,
+    speed_prompts_of,
+    time_prompts,
+)
 from emad.evaluation.sweeps import SweepPosition
 from emad.exits.criteria import Full
 from emad.exits.estimators import ESTIMATORS
@@ -78,18 +84,7 @@ class Sources:
     corpora: Path | None = None
     profile: str | None = None
     readouts: str | None = None
-    readout_source: str | None = None
     estimators: str | None = None
-
-    def readouts_of(self, calibration: str | None) -> Path | None:
-        """The readouts file of a point calibrated on ``calibration`` (None: of ``readout_source``)."""
-        if self.readouts is None or "{source}" not in self.readouts:
-            return None if self.readouts is None else Path(self.readouts)
-        source = calibration or self.readout_source
-        if source is None:
-            raise ValueError("--readouts has {source} in its path: give --readout-source for points without a "
-                             "calibration")
-        return Path(self.readouts.replace("{source}", source))
 
 
 @dataclass(frozen=True)
@@ -177,7 +172,7 @@ class Decoder:
         job.method = build_method(job.point, self.stack.n_layers, self.loaded.fingerprint.as_dict(), profile_path,
                                   readout_path(src.estimators, job.point.readout) if fitted else None,
                                   load=model_loader(cfg.device, cfg.dtype),
-                                  readouts_path=src.readouts_of(job.calibration))
+                                  readouts_path=src.readouts)
         job.method.bind(self.stack, self.loaded.tokenizer)  # one method for every domain and task
         job.facts = profile_facts(profile_file(profile_path, job.point.strata) if profile_path else None,
                                   job.method)
@@ -232,9 +227,11 @@ class Decoder:
             why = self._not_timed(job, domain, screened)
             if job.label in spare and why is not None and why.startswith(COSTLY):
                 why = f"{why}; {NEITHER}"
-            # a swept point the screen rules out decodes nothing more; one that never exits or decides neither
-            # criterion, swept_prompts; every other point is judged on every prompt
-            limit = (None if job.position is None or why is None else 0 if why.startswith("violates") else
+            # a point the screen rules out decodes nothing more (but the default point where the ablations are
+            # read against it); a swept one that never exits or decides neither criterion, swept_prompts; every
+            # other point is judged on every prompt
+            limit = (0 if why is not None and why.startswith("violates") and not self._ablation_base(job, domain)
+                     else None if job.position is None or why is None else
                      cfg.swept_prompts if why == NEVER_EXITS or why.endswith(NEITHER) else None)
             forced = screened if limit == 0 else self._forced(domain, job, limit)
             free = evaluate(stack, tokenizer, job.method, [p for p in prepared if not p.task.teacher_forced], shared,
@@ -261,24 +258,52 @@ class Decoder:
         self._kept.pop(domain, None)
         return out
 
+    def _ablation_base(self, job: Job, domain: str) -> bool:
+        """``job`` is the point the ablations change one factor of, on a cell they run (its results are theirs to
+        be read against)."""
+        cfg = self.plan.cfg
+        return (job.kind == "point" and job.name == cfg.default_point and domain in cfg.ablation_domains
+                and job.calibration == cfg.ablation_calibration)
+
     def _speeds(self, domain: str, prepared: list, done: list[tuple]) -> dict[str, dict]:
-        """Each job's speed-up (:meth:`_speed`), C2's candidates timed family by family in rising FLOPs order. When
-        this call runs one domain (a point's C2 interval then rests on this domain's prompts alone), a family
-        whose timed point passes C2 here (every check met against full depth, the interval over prompts at or
-        above ``1 + min_speed_gain``) has decided C2: its later candidates get the cheap measure and say so."""
+        """Each job's speed-up: C2's candidates (no ``why``) timed in rounds, each round the next candidate of every
+        family in rising FLOPs order, together in one block per prompt (:func:`~emad.evaluation.speed.time_prompts`:
+        one full-depth generation per prompt serves the round); the others the cheap measure (:meth:`_speed`). When
+        this call runs one domain (a point's C2 interval then rests on this domain's prompts alone), a family whose
+        timed point passes C2 here (every check met against full depth, the interval over prompts at or above
+        ``1 + min_speed_gain``) has decided C2: its later candidates get the cheap measure and say so."""
         full = next((result for job, _, _, result in done if job.point.method == FULL), None)
         decides = len(self.plan.domains) == 1 and full is not None
         floor = 1.0 + self.plan.thresholds.min_speed_gain
-        decided: dict[str, str] = {}  # family -> the label of the point that passed C2 here
-        speeds = {}
-        for job, why, limit, result in sorted(done, key=lambda d: (d[1] is not None, d[0].point.family,
-                                                                   d[3].cost()["flops_ratio"] or 0.0)):
-            if why is None and job.point.family in decided:
-                why = f"C2 decided for {job.point.family} by {decided[job.point.family]}"
-            speeds[job.label] = speed = self._speed(job, prepared, result, limit, why)
-            if why is None and decides and self._passes_c2(domain, result, full, speed, floor):
-                decided[job.point.family] = job.label
+        speeds = {job.label: self._speed(job, prepared, result, limit, why)
+                  for job, why, limit, result in done if why is not None}
+        queues: dict[str, list] = {}  # family -> its candidates (job, result, limit), in rising FLOPs order
+        for job, _, limit, result in sorted((d for d in done if d[1] is None),
+                                            key=lambda d: (d[0].point.family, d[3].cost()["flops_ratio"] or 0.0)):
+            queues.setdefault(job.point.family, []).append((job, result, limit))
+        while any(queues.values()):
+            block = [queue.pop(0) for queue in queues.values() if queue]
+            for (job, result, _), speed in zip(block, self._time_block(prepared, block)):
+                speeds[job.label] = speed
+                if decides and self._passes_c2(domain, result, full, speed, floor):
+                    why = f"C2 decided for {job.point.family} by {job.label}"
+                    for later, res, limit in queues.pop(job.point.family):
+                        speeds[later.label] = self._speed(later, prepared, res, limit, why)
         return speeds
+
+    def _time_block(self, prepared: list, block: list[tuple]) -> list[dict]:
+        """C2's timing of ``block`` (``(job, result, limit)`` each): the jobs that time the same prompts together."""
+        cfg, stack, tokenizer = self.plan.cfg, self.stack, self.loaded.tokenizer
+        groups: dict[tuple, list[int]] = {}  # prompts -> indices into block
+        prompts = [speed_prompts_of(prepared, result, cfg.speed_prompts) or [] for _, result, _ in block]
+        for i, these in enumerate(prompts):
+            groups.setdefault(tuple(map(tuple, these)), []).append(i)
+        out: list[dict] = [{}] * len(block)
+        for these, members in groups.items():
+            timed = time_prompts(stack, tokenizer, [block[i][0].method for i in members], these, cfg.speed_tokens)
+            for i, speed in zip(members, timed):
+                out[i] = {**speed, "speed_timing": "pairs"}
+        return out
 
     def _passes_c2(self, domain: str, result: Evaluation, full: Evaluation, speed: dict, floor: float) -> bool:
         """Every check of ``result`` against full depth on ``domain`` is met and its speed-up's interval over
@@ -318,20 +343,15 @@ class Decoder:
         return screen(domain, forced.tasks, reference=self._reference[domain],
                       tolerance=self.plan.thresholds.tolerance)
 
-    def _speed(self, job: Job, prepared: list, result, limit: int | None, why: str | None) -> dict:
-        """The point's speed-up against full depth: one timed pair per prompt on ``speed_prompts`` prompts of
-        ``speed_tokens`` new tokens (C2's interval over prompts), or, when the verdict cannot read it (``why``),
-        the cheap ``speed_repeats`` measure."""
+    def _speed(self, job: Job, prepared: list, result, limit: int | None, why: str) -> dict:
+        """The speed-up of a point the verdict does not time (``why``): the cheap ``speed_repeats`` measure, or none
+        when it decoded nothing free running."""
         cfg, stack, tokenizer = self.plan.cfg, self.stack, self.loaded.tokenizer
         if limit == 0:
             return {**measure_speedup(stack, tokenizer, job.method, [], 0, 0), "speed_timing": f"none: {why}"}
-        if why is None:
-            timed = prompt_speedup(stack, tokenizer, job.method, prepared, result, cfg.speed_prompts,
-                                   cfg.speed_tokens)
-        else:
-            timed = point_speedup(stack, tokenizer, job.method, prepared, result, limit, cfg.speed_repeats,
-                                  reference=self._reference_speed)
-        return {**timed, "speed_timing": "pairs" if why is None else f"cheap: {why}"}
+        timed = point_speedup(stack, tokenizer, job.method, prepared, result, limit, cfg.speed_repeats,
+                              reference=self._reference_speed)
+        return {**timed, "speed_timing": f"cheap: {why}"}
 
     def _reference_speed(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> float:
         """Full depth's tokens/s on ``prompts`` (:func:`~emad.evaluation.speed.reference_speed`), made once per prompt

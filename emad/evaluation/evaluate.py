@@ -190,7 +190,7 @@ def evaluate(stack: LayerStack, tokenizer, method: Method, prepared: list[Prepar
         if p.name in scores:
             result.outputs.extend(s for row in scores[p.name] for s in row)
             result.tasks[p.name] = p.task.reduce(stack, tokenizer, method, p.data, p.settings, scores[p.name],
-                                                 result.outputs, limit)
+                                                 result.outputs, limit, shared)
         else:
             result.tasks[p.name] = p.task.run(stack, tokenizer, method, p.data, p.settings, result.outputs, shared,
                                               limit)

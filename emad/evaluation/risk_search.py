@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from emad.decode import generate
+from emad.decode import Generation, Prefills, generate
 from emad.engine.models import load_model
 from emad.engine.stack import LayerStack
 from emad.evaluation.operating_point import build_method, readout_path
@@ -82,31 +82,31 @@ class Searcher:
                     readouts_path=plan.readouts)
         self.held, self.fresh = split_prompts(cfg, plan.corpus, self.loaded.tokenizer)
         self._full: dict[str, list] = {}  # "held" / "fresh" -> full depth's continuations, made on first use
+        self._passes = Prefills()  # each prompt set's pass at each prompt depth, made once for every value
 
     def _full_depth(self, which: str) -> list:
         if which not in self._full:
-            prompts = self.held if which == "held" else self.fresh
-            self._full[which] = generate(self.stack, self.loaded.tokenizer, prompts, Full(),
-                                         self.plan.cfg.new_tokens).token_ids
+            self._full[which] = self._generate(self.held if which == "held" else self.fresh, Full()).token_ids
         return self._full[which]
 
-    def _generate(self, prompts, name: str, value: float):
-        return generate(self.stack, self.loaded.tokenizer, prompts, self.methods[name, value],
-                        self.plan.cfg.new_tokens)
+    def _generate(self, prompts, method) -> Generation:
+        """The greedy generation of ``prompts`` under ``method`` (exact; the prompt passes shared, so untimed)."""
+        return generate(self.stack, self.loaded.tokenizer, prompts, method, self.plan.cfg.new_tokens,
+                        prefills=self._passes)
 
     def run(self, name: str, worker: str = "") -> SearchOutcome:
         """Certify search ``name``'s most aggressive value on the held-out prompts; check it on fresh ones."""
         cfg, search = self.plan.cfg, self.plan.cfg.searches[name]
 
         def losses(value: float) -> list[float]:
-            return prompt_losses(self._generate(self.held, name, value).token_ids, self._full_depth("held"),
+            return prompt_losses(self._generate(self.held, self.methods[name, value]).token_ids, self._full_depth("held"),
                                  cfg.loss)
 
         result = control(losses, search.knob, search.values, search.conservative, cfg.delta, cfg.epsilon,
                          len(self.held), cfg.loss)
         check = {}
         if result.chosen is not None:
-            ours = self._generate(self.fresh, name, result.chosen)
+            ours = self._generate(self.fresh, self.methods[name, result.chosen])
             result.fresh_n = len(self.fresh)
             result.fresh_risk = sum(prompt_losses(ours.token_ids, self._full_depth("fresh"), cfg.loss)) / len(
                 self.fresh)

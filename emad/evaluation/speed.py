@@ -2,10 +2,11 @@
 
 Two measures:
 
-- :func:`prompt_speedup` (C2): the unit of a speed-up is a distinct prompt — an adaptive method's speed-up is
-  what varies between inputs. Each of ``n`` prompts is one pair (the point and full depth back to back; the point
-  goes first on half of the prompts), after one untimed warm-up generation of each; the pairs (``speed_pairs``)
-  give the verdict's 95% interval over prompts. The verdict reads at least ``MIN_SPEED_PROMPTS`` per domain
+- :func:`time_prompts` (C2): the unit of a speed-up is a distinct prompt — an adaptive method's speed-up is
+  what varies between inputs. Each of ``n`` prompts is one timed block (full depth and the points being timed
+  together, back to back, the order turning from prompt to prompt), after one untimed warm-up generation of each;
+  a point's pairs with full depth's generation in the same block (``speed_pairs``) give the verdict's 95% interval
+  over prompts. The verdict reads at least ``MIN_SPEED_PROMPTS`` per domain.
 - :func:`measure_speedup` (the figures' cheap measure, for points the verdict does not time): the point's
   tokens/s over full depth's on the same prompts — its first sample the generation its task just made (or, when
   that generation shared its batch's prompt pass, a fresh generation of the first prompt), against a full-depth
@@ -41,51 +42,63 @@ def _speed_prompts(prepared: Sequence, result) -> tuple | None:
     return found[0] if found else None
 
 
-def prompt_speedup(stack, tokenizer, method, prepared: Sequence, result, prompts: int,
-                   new_tokens: int) -> dict[str, Any]:
-    """C2's timing of a point: :func:`time_prompts` on the first ``prompts`` speed prompts of its first task that
-    has them (:func:`point_speedup` for how it is found), ``new_tokens`` each.
+def speed_prompts_of(prepared: Sequence, result, prompts: int) -> list | None:
+    """C2's prompts of a point: the first ``prompts`` speed prompts of its first task that has them (:func:`point_speedup`
+    for how it is found); None when no task has any.
 
     Raises:
         ValueError: the task has fewer speed prompts than ``prompts`` (names both counts).
     """
     found = _speed_prompts(prepared, result)
     if found is None:
-        return time_prompts(stack, tokenizer, method, [], new_tokens)
+        return None
     p, (have, _) = found
     if len(have) < prompts:
         raise ValueError(f"decode.speed_prompts = {prompts}, but task {p.name!r} has only {len(have)} prompts: "
                          f"raise decode.tasks.{p.name}.prompts to at least {prompts}")
-    return time_prompts(stack, tokenizer, method, have[:prompts], new_tokens)
+    return [list(x) for x in have[:prompts]]
 
 
-def time_prompts(stack, tokenizer, method, prompts: Sequence[Sequence[int]], new_tokens: int) -> dict[str, Any]:
-    """One timed pair per prompt: ``method`` and full depth generate ``new_tokens`` from it back to back, the
-    method first on the even-numbered prompts, after one untimed warm-up generation of each on the first prompt.
+def time_prompts(stack, tokenizer, methods: Sequence, prompts: Sequence[Sequence[int]],
+                 new_tokens: int) -> list[dict[str, Any]]:
+    """C2's timing of ``methods`` on the same prompts: one timed block per prompt, in which full depth and each
+    method generate ``new_tokens`` from it back to back, after one untimed warm-up generation of each on the first
+    prompt. The order within a block turns by one from prompt to prompt (with one method: the method first on the
+    even-numbered prompts), so that each generation is in each place equally often; a method's pair on a prompt is
+    its tokens/s and full depth's in the same block.
 
     Returns:
-        ``speedup`` (geometric mean of the per-prompt ratios method tokens/s ÷ full-depth tokens/s), the medians
-        ``speed_tokens_per_s`` and ``reference_tokens_per_s``, ``speed_pairs`` (per prompt ``[method tokens/s,
-        full-depth tokens/s]``), ``speed_unit`` (``prompt``), ``speed_new_tokens`` and ``load_avg`` (1-minute
-        load average, the larger of before and after). Values are None without prompts.
+        Per method: ``speedup`` (geometric mean of the per-prompt ratios method tokens/s ÷ full-depth tokens/s), the
+        medians ``speed_tokens_per_s`` and ``reference_tokens_per_s``, ``speed_pairs`` (per prompt ``[method
+        tokens/s, full-depth tokens/s]``), ``speed_unit`` (``prompt``), ``speed_block`` (the methods timed in the
+        blocks), ``speed_new_tokens`` and ``load_avg`` (1-minute load average, the larger of before and after).
+        Values are None without prompts.
     """
     if not prompts:
-        return {"speedup": None, "speed_tokens_per_s": None, "reference_tokens_per_s": None, "speed_pairs": [],
-                "speed_unit": "prompt", "speed_new_tokens": None, "load_avg": None}
+        return [{"speedup": None, "speed_tokens_per_s": None, "reference_tokens_per_s": None, "speed_pairs": [],
+                 "speed_unit": "prompt", "speed_block": len(methods), "speed_new_tokens": None, "load_avg": None}
+                for _ in methods]
     before = os.getloadavg()[0]
-    full = Full()
-    for m in (method, full):  # warm-up: caches, allocator, lazy initialisation — not a pair
+    order = [*methods, Full()]  # full depth last: index len(methods)
+    for m in order:  # warm-up: caches, allocator, lazy initialisation — not timed
         generate(stack, tokenizer, [list(prompts[0])], m, new_tokens)
-    pairs = []
+    pairs: list[list[list[float]]] = [[] for _ in methods]
     for i, prompt in enumerate(prompts):
-        order = (method, full) if i % 2 == 0 else (full, method)
-        tps = {id(m): _tokens_per_s(generate(stack, tokenizer, [list(prompt)], m, new_tokens)) for m in order}
-        pairs.append([tps[id(method)], tps[id(full)]])
-    logs = [math.log(a / b) for a, b in pairs]
-    return {"speedup": math.exp(sum(logs) / len(logs)),
-            "speed_tokens_per_s": statistics.median(a for a, _ in pairs),
-            "reference_tokens_per_s": statistics.median(b for _, b in pairs), "speed_pairs": pairs,
-            "speed_unit": "prompt", "speed_new_tokens": new_tokens, "load_avg": max(before, os.getloadavg()[0])}
+        turn = i % len(order)
+        tps = {j: _tokens_per_s(generate(stack, tokenizer, [list(prompt)], order[j], new_tokens))
+               for j in [*range(turn, len(order)), *range(turn)]}
+        for j in range(len(methods)):
+            pairs[j].append([tps[j], tps[len(methods)]])
+    load = max(before, os.getloadavg()[0])
+    out = []
+    for own in pairs:
+        logs = [math.log(a / b) for a, b in own]
+        out.append({"speedup": math.exp(sum(logs) / len(logs)),
+                    "speed_tokens_per_s": statistics.median(a for a, _ in own),
+                    "reference_tokens_per_s": statistics.median(b for _, b in own), "speed_pairs": own,
+                    "speed_unit": "prompt", "speed_block": len(methods), "speed_new_tokens": new_tokens,
+                    "load_avg": load})
+    return out
 
 
 REFERENCE_RUNS = 3  # full-depth generations whose median tokens/s is a prompt set's cheap-measure reference

@@ -12,6 +12,7 @@ strategies all use it; :class:`~emad.engine.cost.CostModel` charges a translatio
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -237,7 +238,8 @@ def _who(fingerprint: dict) -> str:
 
 def load_readout(name: str, path: str | Path | None, fingerprint: dict, probe_layers: Iterable[int],
                  n_layers: int) -> Readout:
-    """The readout ``name`` for a model, checked against its fingerprint and the method's probe layers.
+    """The readout ``name`` for a model, checked against its fingerprint and the method's probe layers (a tuned
+    readout is one shared instance per unchanged file in a process).
 
     Raises:
         ReadoutError: ``tuned`` without a readouts file, or one fitted for another model or other layers.
@@ -248,6 +250,14 @@ def load_readout(name: str, path: str | Path | None, fingerprint: dict, probe_la
     if path is None:
         raise ReadoutError("readout 'tuned' needs a readouts file: run stage fit_readouts (dvc repro fit_readouts) "
                            "or pass --readouts PATH (readouts=PATH in lm-eval model_args)")
-    readout = TunedLens.load(path)
+    stat = Path(path).stat() if Path(path).is_file() else None
+    readout = _load_tuned(str(path), stat and stat.st_mtime_ns, stat and stat.st_size)
     readout.check(fingerprint, probe_layers, n_layers)
     return readout
+
+
+@functools.lru_cache(maxsize=8)
+def _load_tuned(path: str, mtime_ns: int | None, size: int | None) -> TunedLens:
+    """A readouts file, loaded once per process while it is unchanged: every point that reads it shares one lens
+    (a sweep then reads a layer out once for all of them)."""
+    return TunedLens.load(path)

@@ -16,13 +16,14 @@ Each item is a passage and its target word; the continuation is ``" " + target``
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from emad.decode import Generation, Method, Scored, generate, score_continuations
+from emad.decode import Generation, Method, Prefills, Scored, generate, score_continuations
 from emad.decode.results import Request
 from emad.engine.stack import LayerStack
 from emad.tasks.multiple_choice import encode_pair
@@ -55,7 +56,14 @@ def majority_rate(targets: Sequence[str]) -> float:
 
 def cloze_requests(tokenizer, items: Sequence[ClozeItem], adaptive_tokens: int) -> tuple[list[Request], list[int]]:
     """One request per item: the passage less its last ``adaptive_tokens`` tokens as the prompt, those tokens and
-    the target's as the continuation; and each item's target length in tokens (the scored tail)."""
+    the target's as the continuation; and each item's target length in tokens (the scored tail). Tokenised once
+    per process for every point that reads them."""
+    requests, tails = _cloze_requests(tokenizer, tuple(items), adaptive_tokens)
+    return [(list(prompt), [list(c) for c in continuations]) for prompt, continuations in requests], list(tails)
+
+
+@functools.lru_cache(maxsize=16)
+def _cloze_requests(tokenizer, items: tuple[ClozeItem, ...], adaptive_tokens: int) -> tuple[list, list]:
     requests, tails = [], []
     for item in items:
         context, whole = encode_pair(tokenizer, item.context, " " + item.target)
@@ -90,11 +98,13 @@ def cloze_metrics(items: Sequence[ClozeItem], scored: Sequence[Sequence[Scored]]
     return {**out, "flops_ratio": flops / full if full else 1.0}
 
 
-def cloze_generation(stack: LayerStack, tokenizer, items: Sequence[ClozeItem], method: Method) -> Generation:
-    """Greedy continuations of the items' passages, one token longer than the longest target."""
+def cloze_generation(stack: LayerStack, tokenizer, items: Sequence[ClozeItem], method: Method,
+                     prefills: Prefills | None = None) -> Generation:
+    """Greedy continuations of the items' passages, one token longer than the longest target (``prefills``: prompt
+    passes to reuse, :class:`~emad.decode.Prefills`)."""
     pairs = [encode_pair(tokenizer, item.context, " " + item.target) for item in items]
     longest = max(len(whole) - len(context) for context, whole in pairs)
-    return generate(stack, tokenizer, [context for context, _ in pairs], method, longest + 1)
+    return generate(stack, tokenizer, [context for context, _ in pairs], method, longest + 1, prefills=prefills)
 
 
 def cloze(stack: LayerStack, tokenizer, items: Sequence[ClozeItem], method: Method, adaptive_tokens: int = 8,

@@ -86,8 +86,9 @@ class Task:
         return requests
 
     def reduce(self, stack, tokenizer, method, data, settings, scored: list[list[Scored]], sink: list,
-               limit: int | None = None) -> dict:
-        """A teacher-forced task's metrics from ``method``'s scores of (the leading) requests."""
+               limit: int | None = None, shared: Shared | None = None) -> dict:
+        """A teacher-forced task's metrics from ``method``'s scores of (the leading) requests (``shared``: what its
+        generations may share across points)."""
         raise NotImplementedError
 
     def speed_prompts(self, data, settings) -> tuple[list[list[int]], int] | None:
@@ -152,7 +153,7 @@ class Perplexity(Task):
     def fewer(self, requests, tokens):
         return first_tokens(requests, tokens)
 
-    def reduce(self, stack, tokenizer, method, data, settings, scored, sink, limit=None):
+    def reduce(self, stack, tokenizer, method, data, settings, scored, sink, limit=None, shared=None):
         return perplexity_metrics(scored, settings.prefix)
 
 
@@ -199,7 +200,7 @@ class Agreement(Fidelity):
     def requests(self, stack, tokenizer, data, settings, shared):
         return agreement_requests(data, shared.reference(stack, tokenizer, data, settings.new_tokens))
 
-    def reduce(self, stack, tokenizer, method, data, settings, scored, sink, limit=None):
+    def reduce(self, stack, tokenizer, method, data, settings, scored, sink, limit=None, shared=None):
         return agreement_metrics(scored)
 
 
@@ -260,7 +261,7 @@ class MultipleChoice(Task):
     def requests(self, stack, tokenizer, data, settings, shared):
         return choice_requests(tokenizer, data)
 
-    def reduce(self, stack, tokenizer, method, data, settings, scored, sink, limit=None):
+    def reduce(self, stack, tokenizer, method, data, settings, scored, sink, limit=None, shared=None):
         return choice_metrics(data, scored)
 
 
@@ -295,9 +296,10 @@ class Cloze(Task):
     def requests(self, stack, tokenizer, data, settings, shared):
         return cloze_requests(tokenizer, data, settings.adaptive_tokens)[0]
 
-    def reduce(self, stack, tokenizer, method, data, settings, scored, sink, limit=None):
+    def reduce(self, stack, tokenizer, method, data, settings, scored, sink, limit=None, shared=None):
         """``limit`` 0: the scored metrics only (no greedy generation, no ``generation_acc``: a screen)."""
-        generated = cloze_generation(stack, tokenizer, data[:limit], method) if limit != 0 else None
+        generated = (cloze_generation(stack, tokenizer, data[:limit], method, shared and shared.passes(data[:limit]))
+                     if limit != 0 else None)
         if generated is not None:
             sink.append(generated)
         return cloze_metrics(data, scored, cloze_requests(tokenizer, data, settings.adaptive_tokens)[1], generated)
@@ -314,6 +316,7 @@ class Choice(MultipleChoice):
     def load(self, settings, corpus_dir, tokenizer):
         return _items(corpus_dir, "choice", lambda r: Item(r["context"], tuple(r["choices"]), r["answer"]))
 
-    def reduce(self, stack, tokenizer, method, data, settings, scored, sink, limit=None):
+    def reduce(self, stack, tokenizer, method, data, settings, scored, sink, limit=None, shared=None):
         chance = sum(1 / len(item.choices) for item in data) / len(data)  # 1 / choices
-        return {**super().reduce(stack, tokenizer, method, data, settings, scored, sink, limit), "chance": chance}
+        return {**super().reduce(stack, tokenizer, method, data, settings, scored, sink, limit, shared),
+                "chance": chance}
