@@ -45,8 +45,11 @@ class ControlConfig(Section):
         model: its name (folders, run ids, the report), e.g. ``smollm2-135m+idle30``.
         spec: a model with idle layers appended, ``<base spec>+idle<N>`` (the base an embedded alias, a local
             folder or a hub id).
+        base: the model of ``models`` that ``spec`` grows (its spec is ``spec`` less ``+idle<N>``): the control's
+            readouts are that model's fit, extended to the idle layers (bit for bit what a fit on the control
+            gives, :func:`emad.calibration.readout_fit.grown_fit`).
         source: its one calibration source (readouts, profiles and estimators are fitted on it), one of
-            ``calibrate.sources``.
+            ``calibrate.sources``; ``readouts.source``, as the base model's readouts are fitted there.
         decode: its decode section: ``domains``, ``baselines`` and ``points`` of its own, the other keys of
             :data:`CONTROL_INHERITS` from ``decode`` unless given; it runs no ablations and no related methods, and
             every point reads the profiles of ``source``.
@@ -54,6 +57,7 @@ class ControlConfig(Section):
 
     model: str = Field(pattern=r"^[A-Za-z0-9_+-]+$")
     spec: str
+    base: str
     source: str = "stdlib-prose"
     decode: dict[str, Any] = Field(default_factory=dict)
 
@@ -153,6 +157,7 @@ def _check_across(cfg: dict[str, Any]) -> None:
                           f"({', '.join(sorted(sampled))})")
     if "control" in cfg:
         _check_calibrated("control.source", cfg["control"].source, calibrated)
+        _check_control_base(cfg)
     for section in ("decode", "control.decode"):
         for domain, tasks in cfg[section].domains.items() if section in cfg else []:
             if domain not in sampled:
@@ -170,6 +175,21 @@ def _check_calibrated(key: str, source: str, calibrated: list[str]) -> None:
     if source not in calibrated:
         raise ConfigError(f"{key}: {source!r} is not a calibration source; valid: calibrate.sources "
                           f"({', '.join(calibrated)})")
+
+
+def _check_control_base(cfg: dict[str, Any]) -> None:
+    """The control grows one of the models, and is calibrated where that model's readouts are fitted."""
+    control, models = cfg["control"], cfg["models"].root if "models" in cfg else None
+    grown = parse_idle_spec(control.spec)[0]
+    if models is not None and models.get(control.base) != grown:
+        named = [name for name, spec in models.items() if spec == grown]
+        raise ConfigError(f"control.base: {control.base!r} is not the model of models that control.spec "
+                          f"({control.spec!r}) grows; valid: a model whose spec is {grown!r}"
+                          f"{f' ({named[0]})' if named else ' (add it to models)'}")
+    source = cfg.get("readouts", ReadoutsConfig()).source
+    if control.source != source:
+        raise ConfigError(f"control.source: {control.source!r} must be readouts.source ({source!r}): the control's "
+                          f"readouts are its base model's fit there, extended to the idle layers")
 
 
 def _check_readouts(cfg: dict[str, Any]) -> None:

@@ -3,7 +3,9 @@
 Writes ``readouts.safetensors`` (translators, model fingerprint, layers) and ``metrics.json`` (per layer KL, top-1
 agreement with the final layer and perplexity on held-out tokens, for ``logit`` and ``tuned``; the training
 curve; each layer's best epoch, 0 for the identity) into ``--out-dir``, and a figure. Runs as a plain process or
-data-parallel under ``torchrun --nproc_per_node N pipeline/fit_readouts.py ...``.
+data-parallel under ``torchrun --nproc_per_node N pipeline/fit_readouts.py ...``. For a model grown by idle layers
+(``<base>+idle<N>``, the positive control), ``--grown-from`` the base model's fit on the same corpus: extended to the
+idle layers, which is what a fit would give bit for bit (:func:`emad.calibration.readout_fit.grown_fit`).
 """
 
 from __future__ import annotations
@@ -15,12 +17,15 @@ from pathlib import Path
 from tqdm import tqdm
 
 from emad import tracking
+from emad.calibration.calibrate import resolve_probe_layers
 from emad.calibration.config import ReadoutsConfig
-from emad.calibration.readout_fit import fit_texts
+from emad.calibration.readout_fit import FitResult, fit_texts, grown_fit
 from emad.corpus import read_split
 from emad.engine import distributed
+from emad.engine.idle import parse_idle_spec
 from emad.engine.models import load_model
-from emad.io import atomic_write_json
+from emad.exits.readouts import TunedLens
+from emad.io import atomic_write_json, read_json
 from emad.params import load_section
 from emad.report.plots import readouts_figure, save_figure
 from emad.stage import run_stage
@@ -32,10 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--corpus", type=Path, required=True, help="sampled corpus folder (calib.jsonl)")
     parser.add_argument("--out-dir", type=Path, required=True, help="folder for readouts.safetensors, metrics.json")
     parser.add_argument("--plot", type=Path, required=True, help="PNG of logit vs tuned per layer")
+    parser.add_argument("--grown-from", type=Path, help="for a model grown by idle layers (<base>+idle<N>): the "
+                        "folder of its base model's fit on the same corpus, extended instead of fitting anew")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
     cfg = load_section("readouts", ReadoutsConfig, args.params)
     texts, corpus_hash = read_split(args.corpus, "calib")
+    base = _base_fit(args.grown_from, corpus_hash) if args.grown_from else None
 
     device, rank, world = distributed.join(cfg.device)
     params = {"readouts": cfg.model_dump(), "model": args.model_dir, "corpus": str(args.corpus), "world_size": world}
@@ -53,16 +61,25 @@ def main(argv: list[str] | None = None) -> int:
             bar.set_postfix(epoch=entry["epoch"], held_out_kl=f"{sum(entry['held_out_kl'].values()):.3f}")
 
         start = time.perf_counter()
-        result, facts = fit_texts(loaded, texts, cfg, checkpoint=args.out_dir / "readouts.ckpt", on_epoch=on_epoch,
-                                  on_batch=bar.update, on_start=lambda n: bar.reset(total=n * cfg.epochs))
+        if base is None:
+            result, facts = fit_texts(loaded, texts, cfg, checkpoint=args.out_dir / "readouts.ckpt",
+                                      on_epoch=on_epoch, on_batch=bar.update,
+                                      on_start=lambda n: bar.reset(total=n * cfg.epochs))
+        else:
+            result, facts = _grown(loaded, cfg, *base)
+            for entry in result.history:
+                on_epoch(entry)
         bar.close()
         elapsed = time.perf_counter() - start
         if rank == 0:
             result.lens.save(args.out_dir / "readouts.safetensors")
-            metrics = {"model": loaded.fingerprint.as_dict(), "corpus": corpus_hash, **facts,
+            metrics = {"model": loaded.fingerprint.as_dict(), "corpus": corpus_hash, **facts, "settings": cfg.model_dump(),
                        "seconds": elapsed, "tokens_per_s": facts["tokens"] * len(result.history) / elapsed,
                        "best_epoch": {str(k): v for k, v in result.best_epoch.items()}, "history": result.history,
                        "held_out": {r: {str(k): v for k, v in m.items()} for r, m in result.held_out.items()}}
+            if base is not None:  # the fit's own cost is the base fit's
+                metrics |= {"grown_from": str(args.grown_from), "seconds": base[1]["seconds"],
+                            "tokens_per_s": base[1]["tokens_per_s"]}
             atomic_write_json(args.out_dir / "metrics.json", metrics)
             save_figure(readouts_figure(result.held_out, title=str(args.out_dir)), args.plot)
             for readout, per_layer in result.held_out.items():
@@ -78,6 +95,38 @@ def main(argv: list[str] | None = None) -> int:
                   f"{result.held_out['tuned'][deepest]['agreement']:.3f} (tuned) -> {args.out_dir}")
     distributed.leave()
     return 0
+
+
+def _base_fit(folder: Path, corpus_hash: str) -> tuple[TunedLens, dict]:
+    """The base model's fit in ``folder`` (readouts and metrics), checked to be on this corpus, before any work."""
+    metrics_path = folder / "metrics.json"
+    if not metrics_path.is_file():
+        raise FileNotFoundError(f"--grown-from {folder}: no metrics.json there; run fit_readouts for the base model "
+                                f"first (its folder data/readouts/<base>/<source>)")
+    metrics = read_json(metrics_path, "readouts metrics", ValueError)
+    if metrics.get("corpus") != corpus_hash:
+        raise ValueError(f"--grown-from {folder}: the base fit read another corpus (manifest {metrics.get('corpus')}, "
+                         f"this one {corpus_hash}): give the base model's fit on the same --corpus")
+    return TunedLens.load(folder / "readouts.safetensors"), metrics
+
+
+def _grown(loaded, cfg: ReadoutsConfig, base: TunedLens, metrics: dict) -> tuple[FitResult, dict]:
+    """The grown model's fit from its base's (:func:`~emad.calibration.readout_fit.grown_fit`), after checking
+    that this model is the base grown by idle layers and the base fit used these settings."""
+    fingerprint = loaded.fingerprint.as_dict()
+    parsed = parse_idle_spec(str(fingerprint.get("spec", "")))
+    same = ("model_type", "hidden_size", "vocab_size", "tokenizer_sha256")
+    if parsed is None or parsed[0] != metrics["model"].get("spec") or any(
+            fingerprint[k] != metrics["model"].get(k) for k in same) or (
+            fingerprint["n_layers"] != metrics["model"]["n_layers"] + parsed[1]):
+        raise ValueError(f"--grown-from: this model ({fingerprint.get('spec')}) is not the base fit's model "
+                         f"({metrics['model'].get('spec')}) grown by idle layers: fit it instead (drop --grown-from)")
+    if metrics.get("settings", {}) | {"device": cfg.device} != cfg.model_dump():
+        raise ValueError("--grown-from: the base fit used other readouts settings than params readouts: rerun it")
+    n = fingerprint["n_layers"]
+    layers = [p for p in resolve_probe_layers(cfg.layers, n) if p < n]
+    result = grown_fit(base, metrics, fingerprint, layers, n, cfg.rank, cfg.seed)
+    return result, {"layers": layers, "tokens": metrics["tokens"], "holdout": metrics["holdout"]}
 
 
 if __name__ == "__main__":

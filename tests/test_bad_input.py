@@ -54,7 +54,7 @@ BASE = {
     },
     "risk": {"domain": "stdlib-prose", "prompts": 22, "delta": 0.1, "epsilon": 0.1,
              "searches": {"m": {"point": {"method": "emad"}, "knob": "margin", "values": [1.0, 0.5]}}},
-    "control": {"model": "tiny+idle2", "spec": "tiny-folder+idle2", "source": "stdlib-prose",
+    "control": {"model": "tiny+idle2", "spec": "tiny-folder+idle2", "base": "tiny", "source": "stdlib-prose",
                 "decode": {"domains": {"stdlib-prose": ["perplexity"]}, "baselines": {"full": {"method": "full"}},
                            "points": {"p": {"method": "emad", "margin": 1}}}},
     "aggregate": {"min_flops_reduction": 0.15},
@@ -110,6 +110,8 @@ PARAMS_CASES = [  # (path with '/' between keys, value, what the message must na
     ("control/spec", "smollm2-135m+idle2.5", r"control\.spec.*idle-layer count.*positive integer"),
     ("control/model", "a/b", r"control\.model.*should match pattern"),
     ("control/source", "shakespeare", r"control\.source: 'shakespeare' is not a calibration source"),
+    ("control/base", "other", r"control\.base: 'other' is not the model of models that control\.spec "
+     r"\('tiny-folder\+idle2'\) grows; valid: a model whose spec is 'tiny-folder' \(tiny\)"),
     ("control/decode/points/p/margin", "wide", r"control\.decode\.points\.p\.margin.*'wide'"),
     ("control/decode", {"domains": {"stdlib-prose": ["perplexity"]}}, r"control\.decode: give baselines, points"),
     ("decode/points/p.1", {"method": "emad", "margin": 1.0}, r"no dots.*p\.1"),
@@ -142,6 +144,12 @@ PARAMS_CASES = [  # (path with '/' between keys, value, what the message must na
     ("models", {"smol.lm": "x"}, r"models\.smol\.lm"),
     ("models/tiny", " ", r"models\.tiny.*not empty"),
 ]
+
+
+def test_a_control_calibrated_where_its_base_fits_no_readouts_is_refused():
+    params = _set(_set(BASE, "calibrate/sources", ["stdlib-prose", "gsm8k"]), "readouts/source", "gsm8k")
+    with pytest.raises(ConfigError, match=r"control\.source: 'stdlib-prose' must be readouts\.source \('gsm8k'\)"):
+        validate_params_dict(params)
 
 
 def test_the_base_params_and_the_project_params_are_valid():

@@ -391,10 +391,11 @@ def test_bad_risk_params_name_the_culprit(change, culprit):
 
 
 @pytest.mark.parametrize("domains", [["toy"], ["toy", "other"]])
-def test_c2_candidates_are_timed_in_rounds_of_one_per_family_and_a_family_that_passed_on_the_only_domain_stops(
+def test_c2_candidates_share_blocks_and_a_family_that_passed_on_the_only_domain_stops(
         domains, monkeypatch):
-    """Each round times the next candidate of every family (rising FLOPs) together; on the only domain a family
-    whose timed point passes C2 has decided it, and its dearer candidates get the cheap measure."""
+    """On the only domain each round times the next candidate of every family (rising FLOPs) together, and a
+    family whose timed point passes C2 has decided it: its dearer candidates get the cheap measure. With several
+    domains nothing is decided on one: every candidate is timed in one block."""
     from types import SimpleNamespace
 
     from emad.evaluation.checks import Thresholds
@@ -420,9 +421,20 @@ def test_c2_candidates_are_timed_in_rounds_of_one_per_family_and_a_family_that_p
     expected = {"f_b": "pairs", "g_a": "pairs", "full": "cheap: full depth"}
     if len(domains) == 1:  # f_b decided C2 for family f: its dearer points get the cheap measure
         assert blocks == [["f_b", "g_a"]]
+        full = done("full", "full", 1.0, "full depth")
+        speeds_left = decoder._speeds("toy", [], [full, done("f_a", "f", 0.9), done("f_c", "f", 0.85),
+                                                  done("g_a", "g", 0.82), done("g_b", "g", 0.95)])
+        assert blocks[1:] == [["f_c", "g_a"], ["f_a", "g_b"]] and len(speeds_left) == 5  # no family passes
+        blocks.clear()
+        decoder._speeds("toy", [], [full, done("f_a", "f", 0.9), done("f_c", "f", 0.85), done("g_a", "g", 0.7)])
+        assert blocks == [["f_c", "g_a"], ["f_a"]]  # g decided: f's last candidate alone
+        blocks.clear()
+        decoder._speeds("toy", [], [full, done("f_a", "f", 0.9), done("f_c", "f", 0.85), done("f_d", "f", 0.95),
+                                    done("g_a", "g", 0.7)])
+        assert blocks == [["f_c", "g_a"], ["f_a", "f_d"]]  # one family left: its candidates share a block
         expected |= {"f_c": f"cheap: {stopped}", "f_a": f"cheap: {stopped}"}
     else:  # a point's C2 interval pools every domain's prompts: nothing is decided on one of them
-        assert blocks == [["f_b", "g_a"], ["f_c"], ["f_a"]]
+        assert blocks == [["f_b", "f_c", "f_a", "g_a"]]  # every candidate in one block
         expected |= {"f_c": "pairs", "f_a": "pairs"}
     assert {label: speed["speed_timing"] for label, speed in speeds.items()} == expected
 

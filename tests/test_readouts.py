@@ -262,6 +262,35 @@ def test_layers_whose_state_is_the_final_one_keep_the_identity_bit_for_bit(lr):
     assert result.best_epoch[1] > 0  # the others did train
 
 
+@pytest.mark.parametrize("rank", [None, 4])
+def test_a_grown_models_fit_is_its_base_models_fit_extended_bit_for_bit(rank):
+    """The control's readouts: a fit on the tiny model with 2 idle layers equals the tiny model's own fit, extended
+    to the idle layers (the identity there, the final state's held-out metrics), translators bit for bit."""
+    import json
+
+    base = LayerStack(tiny_model("llama"))
+    idle, _, _ = _idle()
+    samples = {}
+    for name, stack_, layers in (("base", base, [1, 2, 3]), ("idle", idle, [1, 2, 3, 4, 5])):
+        samples[name] = [collect(stack_, random_prompts(n, [32], seed=s), layers, top_k=8) for n, s in ((6, 1), (3, 2))]
+    kwargs = {"epochs": 3, "lr": 3e-2, "rank": rank, "batch_tokens": 64, "vocab_sample": 24}
+    own = fit(idle, *samples["idle"], {**FINGERPRINT, "n_layers": 6}, **kwargs)
+    fitted = fit(base, *samples["base"], FINGERPRINT, **kwargs)
+    metrics = json.loads(json.dumps({"model": FINGERPRINT, "best_epoch": fitted.best_epoch, "history": fitted.history,
+                                     "held_out": fitted.held_out}))  # as metrics.json holds them
+    grown = readout_fit.grown_fit(fitted.lens, metrics, {**FINGERPRINT, "n_layers": 6}, [1, 2, 3, 4, 5], 6, rank)
+    assert sorted(grown.lens.layers) == sorted(own.lens.layers) == [1, 2, 3, 4, 5]
+    for layer, translator in own.lens.translators.items():
+        mine = grown.lens.translators[layer].state_dict()
+        assert all(torch.equal(v, mine[k]) for k, v in translator.state_dict().items()), layer
+    assert grown.best_epoch == own.best_epoch and own.best_epoch[1] > 0
+    assert json.loads(json.dumps(own.held_out)) == json.loads(json.dumps(grown.held_out))
+    assert json.loads(json.dumps(own.history)) == grown.history
+    assert grown.lens.meta == json.loads(json.dumps(own.lens.meta)) | {"best_epoch": own.best_epoch}
+    with pytest.raises(ValueError, match=r"the grown model needs \[1, 3\] below the base's L = 4"):
+        readout_fit.grown_fit(fitted.lens, metrics, FINGERPRINT, [1, 3, 5], 6)
+
+
 @pytest.mark.parametrize("lr", [3e-3, 3e-2, 10.0])
 def test_the_tuned_readout_is_never_worse_than_the_logit_lens_on_held_out_tokens(stack, lr):
     train, held = _sample(stack, 1), _sample(stack, 2, 3)

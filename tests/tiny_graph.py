@@ -58,7 +58,7 @@ def params(model_dir: Path) -> dict:
                  "device": "cpu", "dtype": "float32",
                  "searches": {"margin": {"point": {"method": "emad"}, "knob": "margin", "values": [10.0, 0.0]}}},
         # the positive control: the tiny model with 40 idle layers; fixed depth 4 (the tiny model's own) is lossless
-        "control": {"model": "tiny+idle40", "spec": f"{model_dir}+idle40", "source": "stdlib-prose",
+        "control": {"model": "tiny+idle40", "spec": f"{model_dir}+idle40", "base": "tiny", "source": "stdlib-prose",
                     "decode": {"domains": {"stdlib-prose": ["perplexity", "agreement"]},
                                "tasks": CONTROL_TASKS,
                                "baselines": {"full": {"method": "full"}, "fixed": {"method": "fixed", "depth": [3, 4]}},

@@ -89,11 +89,18 @@ def accumulate_batch(stack: LayerStack, stats: CalibrationStats, batch: Sequence
     slots = cache.allocate(torch.ones_like(real))
     h = stack.embed(ids, positions)  # [B, T, d]
     entropies, argmaxes, first_conf, done = [], [], None, 0
+    # the previous probe's T_ℓ(h) [N, d] and readout summaries: a probe whose state translates to the same reads
+    # out alike (e.g. after idle layers, which leave h unchanged)
+    prev = None
     for probe in stats.probe_layers:
         h = stack.run(h, done, probe, cache, positions, slots)
         done = probe
         flat = h[real]  # [N, d]
-        parts = [readout_summary(stack.readout(flat[i:i + chunk], probe)) for i in range(0, flat.shape[0], chunk)]
+        moved = stack.translate(flat, probe)
+        if prev is None or not torch.equal(moved, prev[0]):
+            prev = moved, [readout_summary(stack.readout(flat[i:i + chunk], probe))
+                           for i in range(0, flat.shape[0], chunk)]
+        parts = prev[1]
         entropies.append(torch.cat([p[0] for p in parts]))
         argmaxes.append(torch.cat([p[1] for p in parts]))
         if first_conf is None:

@@ -39,11 +39,14 @@ def collect(stack: LayerStack, token_windows: Sequence[Sequence[int]], probe_lay
         pos = torch.arange(len(w), device=stack.device)[None]
         cache = stack.new_cache(1, len(w))
         slots = cache.allocate(torch.ones_like(ids, dtype=torch.bool))
-        h, done = stack.embed(ids, pos), 0
+        h, done, prev = stack.embed(ids, pos), 0, None
         for p in probe_layers:
             h = stack.run(h, done, p, cache, pos, slots)
             done = p
-            ent, argmax, _ = readout_summary(stack.readout(h[0], p))
+            moved = stack.translate(h[0], p)  # a probe whose state translates as the previous one's reads out alike
+            if prev is None or not torch.equal(moved, prev[0]):
+                prev = moved, readout_summary(stack.readout(h[0], p))
+            ent, argmax, _ = prev[1]
             hidden[p].append(h[0])
             entropy[p].append(ent)
         final.append(argmax)

@@ -141,12 +141,13 @@ def held_out_kl(stack: LayerStack, lens: TunedLens, sample: Sample, rows: torch.
     return sums / len(sample)
 
 
-def _score(logits: torch.Tensor, logp: torch.Tensor, top1: torch.Tensor, tgt: torch.Tensor,
+def _score(logits: torch.Tensor, logp: torch.Tensor, p: torch.Tensor, top1: torch.Tensor, tgt: torch.Tensor,
            has: torch.Tensor) -> torch.Tensor:
-    """Sums over tokens of KL(final ‖ read), top-1 agreements and next-token NLL: ``[3]`` (float64, CPU)."""
+    """Sums over tokens of KL(final ‖ read), top-1 agreements and next-token NLL: ``[3]`` (float64, CPU), from the
+    final log-probabilities ``logp`` and probabilities ``p`` ``[n, V]``."""
     logq = torch.log_softmax(logits, -1)  # [n, V]
     nll = -logq.gather(-1, tgt[:, None])[:, 0]  # [n]
-    return torch.stack([(logp.exp() * (logp - logq)).sum(), (logits.argmax(-1) == top1).sum(),
+    return torch.stack([(p * (logp - logq)).sum(), (logits.argmax(-1) == top1).sum(),
                         nll[has].sum()]).double().cpu()
 
 
@@ -164,8 +165,9 @@ def evaluate(stack: LayerStack, readouts: Mapping[str, Readout], sample: Sample,
     for i in range(0, n, chunk):
         part = sample.take(slice(i, i + chunk))
         teacher = _logits(stack, part.final.to(device, stack.dtype), stack.head.weight)  # [n, V]
-        given = (torch.log_softmax(teacher, -1), teacher.argmax(-1), part.targets.clamp_min(0).to(device),
-                 (part.targets >= 0).to(device))  # log p_L [n, V], its top-1 [n], next token [n], has one [n]
+        logp = torch.log_softmax(teacher, -1)  # log p_L [n, V]
+        given = (logp, logp.exp(), teacher.argmax(-1), part.targets.clamp_min(0).to(device),
+                 (part.targets >= 0).to(device))  # log p_L, p_L [n, V], its top-1 [n], next token [n], has one [n]
         final = _score(teacher, *given)
         last = part.final.to(device, torch.float32)  # [n, d]: a layer whose state is the final one reads out as L
         for p, layer in enumerate(layers):
@@ -355,6 +357,38 @@ def _resume(ckpt: Path | None, key: str, modules, optimizer, state: dict) -> Non
         log.warning("resuming readout fitting from checkpoint %s after epoch %d", ckpt, state["epoch"])
     except (OSError, RuntimeError, KeyError, EOFError, ValueError):
         return
+
+
+def grown_fit(base: TunedLens, metrics: Mapping, fingerprint: dict, layers: Sequence[int], n_layers: int,
+              rank: int | None = None, seed: int = 0) -> FitResult:
+    """The fit of a model grown by idle layers (:mod:`emad.engine.idle`: ``<base>+idle<N>``) at ``layers``, from its
+    base model's fit on the same corpus and settings (``base``, its ``metrics.json`` as ``metrics``).
+
+    Below the base's L the grown model's states are the base model's, and every later state is the final one, bit
+    for bit. A fit on it therefore gives each layer below the base's L the base fit's translator (a layer's updates
+    read only its own states, the final states, and the batch order and vocabulary draws all layers share), and
+    every later layer the identity (its held-out KL is 0 from the start: never trained), with the held-out metrics
+    of the final state; the training history and best epochs are the base fit's.
+
+    Raises:
+        ValueError: the grown model's layers below the base's L are not the base fit's (other readouts settings).
+    """
+    n_base = int(metrics["model"]["n_layers"])
+    below = [layer for layer in layers if layer < n_base]
+    if below != sorted(base.layers):
+        raise ValueError(f"the base fit has translators at layers {sorted(base.layers)}, the grown model needs "
+                         f"{below} below the base's L = {n_base}: fit both with the same readouts settings")
+    lens = TunedLens.identity(layers, int(fingerprint["hidden_size"]), fingerprint, rank, seed)
+    for layer in below:
+        lens.translators[layer].load_state_dict(base.translators[layer].state_dict())
+    best = {**{int(k): v for k, v in metrics["best_epoch"].items()}, **{ly: 0 for ly in layers if ly >= n_base}}
+    lens.meta = {**base.meta, "best_epoch": best}
+    held = {}
+    for name, per in metrics["held_out"].items():  # the final state's metrics at the base's L and every later layer
+        final = per[str(n_base)]
+        held[name] = {**{int(k): v for k, v in per.items() if int(k) < n_base},
+                      **{layer: dict(final) for layer in [*layers, n_layers] if layer >= n_base}}
+    return FitResult(lens, held, list(metrics["history"]), best)
 
 
 def split_windows(token_windows: list[list[int]], tokens: int, holdout: int) -> tuple[list[list[int]], list[list[int]]]:

@@ -266,12 +266,14 @@ class Decoder:
                 and job.calibration == cfg.ablation_calibration)
 
     def _speeds(self, domain: str, prepared: list, done: list[tuple]) -> dict[str, dict]:
-        """Each job's speed-up: C2's candidates (no ``why``) timed in rounds, each round the next candidate of every
-        family in rising FLOPs order, together in one block per prompt (:func:`~emad.evaluation.speed.time_prompts`:
-        one full-depth generation per prompt serves the round); the others the cheap measure (:meth:`_speed`). When
-        this call runs one domain (a point's C2 interval then rests on this domain's prompts alone), a family whose
-        timed point passes C2 here (every check met against full depth, the interval over prompts at or above
-        ``1 + min_speed_gain``) has decided C2: its later candidates get the cheap measure and say so."""
+        """Each job's speed-up: C2's candidates (no ``why``) timed together in one block per prompt
+        (:func:`~emad.evaluation.speed.time_prompts`: one full-depth generation per prompt serves the block); the
+        others the cheap measure (:meth:`_speed`). When this call runs one domain (a point's C2 interval then rests on
+        this domain's prompts alone), a family whose timed point passes C2 here (every check met against full depth,
+        the interval over prompts at or above ``1 + min_speed_gain``) has decided C2: its later candidates get the
+        cheap measure and say so — so there the candidates are timed in rounds, each the next candidate of every
+        family in rising FLOPs order, until one family is left (its candidates then share a block: one full-depth
+        generation per prompt for all of them, against two per prompt for each candidate timed alone)."""
         full = next((result for job, _, _, result in done if job.point.method == FULL), None)
         decides = len(self.plan.domains) == 1 and full is not None
         floor = 1.0 + self.plan.thresholds.min_speed_gain
@@ -282,7 +284,11 @@ class Decoder:
                                             key=lambda d: (d[0].point.family, d[3].cost()["flops_ratio"] or 0.0)):
             queues.setdefault(job.point.family, []).append((job, result, limit))
         while any(queues.values()):
-            block = [queue.pop(0) for queue in queues.values() if queue]
+            left = [queue for queue in queues.values() if queue]
+            if decides and len(left) > 1:
+                block = [queue.pop(0) for queue in left]
+            else:  # nothing is decided on one of several domains, or one family is left: its candidates together
+                block, queues = [c for queue in left for c in queue], {}
             for (job, result, _), speed in zip(block, self._time_block(prepared, block)):
                 speeds[job.label] = speed
                 if decides and self._passes_c2(domain, result, full, speed, floor):

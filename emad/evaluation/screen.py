@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 MAX_GAP = 0.05  # FLOPs ratio between the kept points beside the target (and beside the tolerance crossing)
-REFINE_VALUES = 6  # values screened between two neighbours that lie farther apart
+REFINE_VALUES = 4  # values screened between two neighbours that lie farther apart
 ROUNDS = 3  # refinement rounds at most
 
 

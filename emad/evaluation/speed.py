@@ -42,6 +42,9 @@ def _speed_prompts(prepared: Sequence, result) -> tuple | None:
     return found[0] if found else None
 
 
+WARM_UP_TOKENS = 2  # new tokens of a warm-up generation: its prompt pass and steps run every code path once
+
+
 def speed_prompts_of(prepared: Sequence, result, prompts: int) -> list | None:
     """C2's prompts of a point: the first ``prompts`` speed prompts of its first task that has them (:func:`point_speedup`
     for how it is found); None when no task has any.
@@ -63,9 +66,9 @@ def time_prompts(stack, tokenizer, methods: Sequence, prompts: Sequence[Sequence
                  new_tokens: int) -> list[dict[str, Any]]:
     """C2's timing of ``methods`` on the same prompts: one timed block per prompt, in which full depth and each
     method generate ``new_tokens`` from it back to back, after one untimed warm-up generation of each on the first
-    prompt. The order within a block turns by one from prompt to prompt (with one method: the method first on the
-    even-numbered prompts), so that each generation is in each place equally often; a method's pair on a prompt is
-    its tokens/s and full depth's in the same block.
+    prompt (:data:`WARM_UP_TOKENS` new tokens). The order within a block turns by one from prompt to prompt (with
+    one method: the method first on the even-numbered prompts), so that each generation is in each place equally
+    often; a method's pair on a prompt is its tokens/s and full depth's in the same block.
 
     Returns:
         Per method: ``speedup`` (geometric mean of the per-prompt ratios method tokens/s ÷ full-depth tokens/s), the
@@ -81,7 +84,7 @@ def time_prompts(stack, tokenizer, methods: Sequence, prompts: Sequence[Sequence
     before = os.getloadavg()[0]
     order = [*methods, Full()]  # full depth last: index len(methods)
     for m in order:  # warm-up: caches, allocator, lazy initialisation — not timed
-        generate(stack, tokenizer, [list(prompts[0])], m, new_tokens)
+        generate(stack, tokenizer, [list(prompts[0])], m, min(new_tokens, WARM_UP_TOKENS))
     pairs: list[list[list[float]]] = [[] for _ in methods]
     for i, prompt in enumerate(prompts):
         turn = i % len(order)

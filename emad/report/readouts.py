@@ -72,8 +72,10 @@ def readouts_markdown(fits: Mapping[str, Mapping[str, Any]], runs: Sequence[dict
     parts = ["Held-out tokens of the calibration split, read out at each layer through the final norm and head "
              "(`logit`) or through the fitted translator first (`tuned`). Agreement = top-1 equal to layer L's."]
     for name, fit in sorted(fits.items()):
+        grown = (f" (the fit of `{fit['grown_from']}`, extended to the idle layers: what a fit here gives, bit for "
+                 f"bit)") if fit.get("grown_from") else ""
         parts += [f"### {name}: {fit['tokens']} training tokens, {len(fit['history'])} epochs, "
-                  f"{fit['seconds']:.0f} s", layer_table(fit)]
+                  f"{fit['seconds']:.0f} s{grown}", layer_table(fit)]
     bounds = oracle_bounds(runs)
     if bounds:
         rows = [[model, cal, fmt(ratio)] for model, per in bounds.items() for cal, ratio in per.items()]
