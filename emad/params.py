@@ -49,7 +49,8 @@ class ControlConfig(Section):
             readouts are that model's fit, extended to the idle layers (bit for bit what a fit on the control
             gives, :func:`emad.calibration.readout_fit.grown_fit`).
         source: its one calibration source (readouts, profiles and estimators are fitted on it), one of
-            ``calibrate.sources``; ``readouts.source``, as the base model's readouts are fitted there.
+            ``calibrate.sources``; ``readouts.source`` and ``decode.ablation_calibration``, where the base model's
+            readouts and estimators are fitted.
         decode: its decode section: ``domains``, ``baselines`` and ``points`` of its own, the other keys of
             :data:`CONTROL_INHERITS` from ``decode`` unless given; it runs no ablations and no related methods, and
             every point reads the profiles of ``source``.
@@ -186,10 +187,13 @@ def _check_control_base(cfg: dict[str, Any]) -> None:
         raise ConfigError(f"control.base: {control.base!r} is not the model of models that control.spec "
                           f"({control.spec!r}) grows; valid: a model whose spec is {grown!r}"
                           f"{f' ({named[0]})' if named else ' (add it to models)'}")
-    source = cfg.get("readouts", ReadoutsConfig()).source
-    if control.source != source:
-        raise ConfigError(f"control.source: {control.source!r} must be readouts.source ({source!r}): the control's "
-                          f"readouts are its base model's fit there, extended to the idle layers")
+    for key, source in (("readouts.source", cfg.get("readouts", ReadoutsConfig()).source),
+                        ("decode.ablation_calibration", cfg["decode"].ablation_calibration if "decode" in cfg else
+                         control.source)):
+        if control.source != source:
+            raise ConfigError(f"control.source: {control.source!r} must be {key} ({source!r}): the control's "
+                              f"readouts and estimators are its base model's, fitted there, extended to the idle "
+                              f"layers")
 
 
 def _check_readouts(cfg: dict[str, Any]) -> None:

@@ -15,9 +15,11 @@ from tqdm import tqdm
 from emad import tracking
 from emad.calibration.calibrate import calibrate_texts, resolve_probe_layers
 from emad.calibration.config import CalibrateConfig
+from emad.calibration.stats import CalibrationStats
 from emad.corpus import read_split
 from emad.engine import distributed
-from emad.engine.models import load_model
+from emad.engine.idle import check_grown
+from emad.engine.models import load_model, prepared_spec
 from emad.exits.readouts import load_readout
 from emad.params import load_section
 from emad.stage import READOUT, checkpoint_beside, per_readout, run_stage
@@ -43,10 +45,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--readout", action="append", help="a readout entropies are read through (logit, tuned); "
                         "repeat for several (default: every one of calibrate.readouts)")
     parser.add_argument("--readouts", type=Path, help="readouts.safetensors (stage fit_readouts) for readout tuned")
+    parser.add_argument("--grown-from", help=f"for a model grown by idle layers (<base>+idle<N>): its base model's "
+                        f"statistics on the same corpus (a path with {READOUT}, as --out), extended instead of "
+                        f"calibrating anew")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
     cfg = load_section("calibrate", CalibrateConfig, args.params)
     outs = per_readout(args.out, args.readout or cfg.readouts, "--out")
+    bases = per_readout(args.grown_from, list(outs), "--grown-from") if args.grown_from else {}
     texts, corpus_hash = read_split(args.corpus, "calib")
 
     device, rank, world = distributed.join(cfg.device)
@@ -54,15 +60,34 @@ def main(argv: list[str] | None = None) -> int:
     layers = resolve_probe_layers(cfg.probe_layers, loaded.fingerprint.n_layers)
     readouts = {name: load_readout(name, args.readouts, loaded.fingerprint.as_dict(), layers,
                                    loaded.fingerprint.n_layers) for name in outs}  # all checked before any work
+    grown = {name: _grown(path, prepared_spec(args.model_dir), loaded.fingerprint.as_dict(), corpus_hash, name,
+                          cfg, layers)
+             for name, path in bases.items()}  # before any work
     for name, out in outs.items():
-        _calibrate(args, cfg, loaded, texts, corpus_hash, name, readouts[name], out, rank, world)
+        _calibrate(args, cfg, loaded, texts, corpus_hash, name, readouts[name], out, rank, world, grown.get(name))
     distributed.leave()
     return 0
 
 
+def _grown(path: Path, spec: str, fingerprint: dict, corpus_hash: str, readout: str, cfg: CalibrateConfig,
+           layers: list[int]) -> CalibrationStats:
+    """This model's statistics at probe ``layers`` from its base model's at ``path``, checked to be this model's
+    base on this corpus and settings (:meth:`~emad.calibration.stats.CalibrationStats.grown`)."""
+    base = CalibrationStats.load(path)
+    check_grown(spec, fingerprint, base.model)
+    if (base.corpus, base.readout) != (corpus_hash, readout):
+        raise ValueError(f"--grown-from {path}: statistics of corpus {base.corpus} through {base.readout!r}, not of "
+                         f"this corpus ({corpus_hash}) through {readout!r}")
+    if (base.strata, base.hist_bins) != (cfg.strata.build(), cfg.hist_bins):
+        raise ValueError(f"--grown-from {path}: calibrated with other strata or histogram bins than params "
+                         f"calibrate: rerun it")
+    return base.grown(layers, fingerprint)
+
+
 def _calibrate(args, cfg: CalibrateConfig, loaded, texts, corpus_hash: str, name: str, readout, out: Path,
-               rank: int, world: int) -> None:
-    """One readout's statistics, written to ``out``, and its MLflow run."""
+               rank: int, world: int, grown: CalibrationStats | None = None) -> None:
+    """One readout's statistics (``grown``: given, from the base model's), written to ``out``, and its MLflow
+    run."""
     params = {"calibrate": cfg.model_dump(), "model": args.model_dir, "corpus": str(args.corpus), "world_size": world,
               "readout": name}
     run_name = tracking.run_name("calibrate", tracking.label(args.model_dir), tracking.label(args.corpus), name)
@@ -71,9 +96,13 @@ def _calibrate(args, cfg: CalibrateConfig, loaded, texts, corpus_hash: str, name
         run.set_tags({"model_fingerprint": loaded.fingerprint.digest, "readout": name})
         bar = tqdm(unit="tok", desc=f"calibrate {args.corpus.name} {name}", disable=rank != 0)
         start = time.perf_counter()
-        stats = calibrate_texts(loaded, texts, cfg, corpus_hash, checkpoint=checkpoint_beside(out),
-                                on_batch=lambda n: bar.update(n * world), on_start=lambda n: bar.reset(total=n),
-                                readout=readout)
+        if grown is None:
+            stats = calibrate_texts(loaded, texts, cfg, corpus_hash, checkpoint=checkpoint_beside(out),
+                                    on_batch=lambda n: bar.update(n * world), on_start=lambda n: bar.reset(total=n),
+                                    readout=readout)
+        else:
+            stats = grown
+            run.set_tags({"grown_from": str(args.grown_from)})
         bar.close()
         probes = stats.probe_layers
         elapsed = time.perf_counter() - start

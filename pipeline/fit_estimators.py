@@ -11,12 +11,14 @@ from pathlib import Path
 from emad import tracking
 from emad.calibration.calibrate import cap_tokens, windows
 from emad.calibration.config import EstimatorsConfig
-from emad.calibration.estimator_fit import build, collect, fit, save
+from emad.calibration.estimator_fit import EstimatorFitError, build, collect, fit, grown, save
 from emad.calibration.profile import Profile
 from emad.corpus import read_split
-from emad.engine.models import load_model
+from emad.engine.idle import check_grown
+from emad.engine.models import load_model, prepared_spec
 from emad.engine.stack import LayerStack
 from emad.exits.readouts import load_readout
+from emad.io import read_json
 from emad.params import load_section
 from emad.stage import READOUT, per_readout, run_stage
 
@@ -45,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
                         "several (default: every one of estimators.readouts)")
     parser.add_argument("--only", action="append", help="fit only this estimator of the estimators section "
                         "(repeat for several; default: every one)")
+    parser.add_argument("--grown-from", help=f"for a model grown by idle layers (<base>+idle<N>): its base model's "
+                        f"estimators fitted on the same corpus (a path with {READOUT}, as --out), extended instead of "
+                        f"fitting anew")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
     cfg = load_section("estimators", EstimatorsConfig, args.params)
@@ -67,27 +72,49 @@ def main(argv: list[str] | None = None) -> int:
         profile.check_model(loaded.fingerprint.as_dict())
         stacks[name] = base.with_readout(load_readout(profile.readout, args.readouts, loaded.fingerprint.as_dict(),
                                                       profile.probe_layers, base.n_layers))
+    bases = {}  # readout -> the base model's estimators file, checked before any work
+    for name, path in per_readout(args.grown_from, list(outs), "--grown-from").items() if args.grown_from else ():
+        bases[name] = _base_file(path, prepared_spec(args.model_dir), loaded.fingerprint.as_dict(), corpus_hash,
+                                 cfg, list(chosen), profiles[name].probe_layers)
     docs = [loaded.tokenizer(t)["input_ids"] for t in texts]
     for name, profile in profiles.items():
-        _fit(cfg, chosen, stacks[name], cap_tokens(windows(docs, cfg.window), cfg.tokens), profile,
-             paths[name], outs[name], loaded, corpus_hash)
+        fitted = (grown(bases[name], list(chosen), profile.probe_layers) if name in bases else
+                  _fitted(cfg, chosen, stacks[name], cap_tokens(windows(docs, cfg.window), cfg.tokens), profile))
+        _write(cfg, fitted, profile, paths[name], outs[name], loaded, corpus_hash)
     return 0
 
 
-def _fit(cfg: EstimatorsConfig, chosen: dict, stack: LayerStack, token_windows: list, profile: Profile,
-         profile_path: Path, out: Path, loaded, corpus_hash: str) -> None:
-    """The estimators of one profile's readout, fitted on ``token_windows``, written to ``out``, and its MLflow run."""
+def _base_file(path: Path, spec: str, fingerprint: dict, corpus_hash: str, cfg: EstimatorsConfig,
+               names: list[str], probes: list[int]) -> dict:
+    """The base model's estimators file at ``path``, checked to be this model's base on this corpus and settings."""
+    data = read_json(path, "estimators file", EstimatorFitError)
+    check_grown(spec, fingerprint, data.get("model", {}))
+    if data.get("corpus") != corpus_hash or data.get("settings") != cfg.model_dump():
+        raise ValueError(f"--grown-from {path}: fitted on another corpus or with other estimators settings than "
+                         f"this corpus ({corpus_hash}) and params estimators: rerun it")
+    grown(data, names, probes)  # the probes and estimators are there
+    return data
+
+
+def _fitted(cfg: EstimatorsConfig, chosen: dict, stack: LayerStack, token_windows: list, profile: Profile) -> dict:
+    """The estimators of one profile's readout, fitted on ``token_windows``."""
     sample = collect(stack, token_windows, profile.probe_layers)
     fitted = {}
     for name, options in chosen.items():
         estimator = build(name, options, stack, sample)
         report = fit(stack, estimator, sample, cfg.holdout)
         fitted[name] = {"options": estimator.options(), **report}
+    return fitted
+
+
+def _write(cfg: EstimatorsConfig, fitted: dict, profile: Profile, profile_path: Path, out: Path, loaded,
+           corpus_hash: str) -> None:
+    """One profile's fitted estimators, written to ``out``, and its MLflow run."""
     params = {"estimators": cfg.model_dump(), "profile": str(profile_path)}
     name = tracking.run_name("fit_estimators", *tracking.profile_qualifiers(profile_path, profile.readout))
     with tracking.stage_run("fit_estimators", params, {"model_fingerprint": loaded.fingerprint.digest,
                                                       "corpus_manifest": corpus_hash}, run_name=name) as run:
-        save(out, fitted, loaded.fingerprint.as_dict(), profile.probe_layers)
+        save(out, fitted, loaded.fingerprint.as_dict(), profile.probe_layers, corpus_hash, cfg.model_dump())
         for name, entry in fitted.items():
             run.log_metrics({f"{name}.mae_raw": entry["mae_raw"]["all"], f"{name}.mae": entry["mae"]["all"]})
             run.log_series(f"{name}.mae_by_layer", {int(k): v for k, v in entry["mae"].items() if k != "all"})

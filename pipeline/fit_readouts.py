@@ -22,8 +22,8 @@ from emad.calibration.config import ReadoutsConfig
 from emad.calibration.readout_fit import FitResult, fit_texts, grown_fit
 from emad.corpus import read_split
 from emad.engine import distributed
-from emad.engine.idle import parse_idle_spec
-from emad.engine.models import load_model
+from emad.engine.idle import check_grown
+from emad.engine.models import load_model, prepared_spec
 from emad.exits.readouts import TunedLens
 from emad.io import atomic_write_json, read_json
 from emad.params import load_section
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                                       on_epoch=on_epoch, on_batch=bar.update,
                                       on_start=lambda n: bar.reset(total=n * cfg.epochs))
         else:
-            result, facts = _grown(loaded, cfg, *base)
+            result, facts = _grown(prepared_spec(args.model_dir), loaded, cfg, *base)
             for entry in result.history:
                 on_epoch(entry)
         bar.close()
@@ -110,17 +110,11 @@ def _base_fit(folder: Path, corpus_hash: str) -> tuple[TunedLens, dict]:
     return TunedLens.load(folder / "readouts.safetensors"), metrics
 
 
-def _grown(loaded, cfg: ReadoutsConfig, base: TunedLens, metrics: dict) -> tuple[FitResult, dict]:
+def _grown(spec: str, loaded, cfg: ReadoutsConfig, base: TunedLens, metrics: dict) -> tuple[FitResult, dict]:
     """The grown model's fit from its base's (:func:`~emad.calibration.readout_fit.grown_fit`), after checking
     that this model is the base grown by idle layers and the base fit used these settings."""
     fingerprint = loaded.fingerprint.as_dict()
-    parsed = parse_idle_spec(str(fingerprint.get("spec", "")))
-    same = ("model_type", "hidden_size", "vocab_size", "tokenizer_sha256")
-    if parsed is None or parsed[0] != metrics["model"].get("spec") or any(
-            fingerprint[k] != metrics["model"].get(k) for k in same) or (
-            fingerprint["n_layers"] != metrics["model"]["n_layers"] + parsed[1]):
-        raise ValueError(f"--grown-from: this model ({fingerprint.get('spec')}) is not the base fit's model "
-                         f"({metrics['model'].get('spec')}) grown by idle layers: fit it instead (drop --grown-from)")
+    check_grown(spec, fingerprint, metrics["model"])
     if metrics.get("settings", {}) | {"device": cfg.device} != cfg.model_dump():
         raise ValueError("--grown-from: the base fit used other readouts settings than params readouts: rerun it")
     n = fingerprint["n_layers"]

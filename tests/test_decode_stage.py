@@ -432,6 +432,9 @@ def test_c2_candidates_share_blocks_and_a_family_that_passed_on_the_only_domain_
         decoder._speeds("toy", [], [full, done("f_a", "f", 0.9), done("f_c", "f", 0.85), done("f_d", "f", 0.95),
                                     done("g_a", "g", 0.7)])
         assert blocks == [["f_c", "g_a"], ["f_a", "f_d"]]  # one family left: its candidates share a block
+        blocks.clear()
+        shared = decoder._speeds("toy", [], [full, done("f_a", "f", 0.75), done("f_d", "f", 0.7)])
+        assert blocks == [["f_d", "f_a"]] and shared["f_a"] == shared["f_d"] == {"speed_timing": "pairs"}
         expected |= {"f_c": f"cheap: {stopped}", "f_a": f"cheap: {stopped}"}
     else:  # a point's C2 interval pools every domain's prompts: nothing is decided on one of them
         assert blocks == [["f_b", "f_c", "f_a", "g_a"]]  # every candidate in one block

@@ -100,3 +100,49 @@ def test_smollm2_with_idle_layers_equals_smollm2(smollm2):
     fixed = generate(LayerStack(control.model), smollm2.tokenizer, prompts, Fixed(30), 8, eos_token_ids=[])
     assert fixed.token_ids == reference.token_ids
     assert 0.55 < fixed.cost_ratio() < 0.57  # 30 of 60 layers, the head paid once: just over half
+
+
+@pytest.mark.parametrize("probes", [([1, 2, 3, 4], [1, 2, 3, 4, 5, 6]), ([2, 4], [2, 4, 6]), ([2, 4], [2, 5, 6])])
+def test_a_grown_models_calibration_is_its_base_models_extended_exactly(probes):
+    """The control's statistics: a calibration of the tiny model with 2 idle layers equals the tiny model's own,
+    extended (each probe from the base's L on reads as the base's final layer), array for array."""
+    from emad.calibration.calibrate import calibrate, windows
+    from emad.exits.strata import Strata
+
+    base_probes, grown_probes = probes
+    tokens = windows(random_prompts(8, [24], seed=3), 24)
+    strata = Strata((8,), (0.5,))
+    base = calibrate(LayerStack(tiny_model("llama")), tokens, base_probes, strata, batch_size=4, hist_bins=20)
+    own = calibrate(LayerStack(append_idle_layers(tiny_model("llama"), 2)), tokens, grown_probes, strata,
+                    batch_size=4, hist_bins=20)
+    grown = base.grown(grown_probes, {})
+    for name in ("count", "sum", "sumsq", "hist", "agree", "oracle"):
+        assert torch.equal(getattr(grown, name), getattr(own, name)), name
+    assert grown.probe_layers == own.probe_layers and grown.tokens == own.tokens
+    if 3 not in base_probes:  # a probe below the base's L it never read
+        with pytest.raises(ValueError, match=r"no probes \[3\]"):
+            base.grown([3, 6], {})
+
+
+def test_a_grown_models_estimators_are_its_base_models_extended_exactly():
+    """The control's estimators: Top-K and low-rank fitted on the tiny model with 2 idle layers equal the tiny
+    model's own fits, extended (each probe from the base's L on takes its final layer's correction and errors)."""
+    import json
+
+    from emad.calibration.estimator_fit import build, collect, fit, grown
+
+    tokens = random_prompts(6, [24], seed=4)
+    files = {}
+    for name, model, probes in (("base", tiny_model("llama"), [1, 2, 3, 4]),
+                                ("grown", append_idle_layers(tiny_model("llama"), 2), [1, 2, 3, 4, 5, 6])):
+        stack = LayerStack(model)
+        sample = collect(stack, tokens, probes)
+        fitted = {}
+        for est, options in (("topk", {"k": 16}), ("lowrank", {"rank": 4})):
+            estimator = build(est, options, stack, sample)
+            fitted[est] = {"options": estimator.options(), **fit(stack, estimator, sample)}
+        files[name] = json.loads(json.dumps({"model": {"n_layers": stack.n_layers}, "probe_layers": probes,
+                                             "estimators": fitted}))
+    assert grown(files["base"], ["topk", "lowrank"], [1, 2, 3, 4, 5, 6]) == files["grown"]["estimators"]
+    with pytest.raises(ValueError, match=r"lacks probes \[\] or estimators \['prune'\]"):
+        grown(files["base"], ["prune"], [1, 2, 3, 4, 5, 6])

@@ -209,7 +209,7 @@ def calibrate_texts(loaded, texts: Sequence[str], cfg, corpus: str = "", checkpo
         stack = stack.with_readout(readout)
     if stack.max_positions is not None and cfg.window > stack.max_positions:
         raise ValueError(f"calibrate.window = {cfg.window} exceeds the model's context of {stack.max_positions}")
-    strata = Strata(tuple(cfg.strata.position_edges), tuple(cfg.strata.confidence_edges))
+    strata = cfg.strata.build()
     docs = [loaded.tokenizer(t)["input_ids"] for t in texts]
     wins = cap_tokens(windows(docs, cfg.window), cfg.max_tokens)
     if not wins:

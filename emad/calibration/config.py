@@ -29,8 +29,12 @@ class StrataConfig(Section):
 
     @model_validator(mode="after")
     def _edges(self) -> StrataConfig:
-        Strata(self.position_edges, self.confidence_edges)  # sorted, unique, in range, or a ValueError naming them
+        self.build()  # sorted, unique, in range, or a ValueError naming them
         return self
+
+    def build(self) -> Strata:
+        """The stratification these edges define."""
+        return Strata(tuple(self.position_edges), tuple(self.confidence_edges))
 
 
 class CalibrateConfig(Section):

@@ -1,6 +1,7 @@
 """Fitting cheap entropy estimators on calibration tokens, measuring their error, and storing them beside a profile.
 
-File format ``emad-estimators`` version 1 (JSON): ``model`` (fingerprint), ``probe_layers``, and per estimator
+File format ``emad-estimators`` version 1 (JSON): ``model`` (fingerprint), ``probe_layers``, ``corpus`` (the
+calibration corpus's manifest hash), ``settings`` (the estimators section), and per estimator
 name its constructor options (``k`` + ``shortlist`` / ``rank``), ``correction`` ``{layer: [slope, intercept]}``
 and held-out errors ``mae_raw`` / ``mae`` (nats, per layer and overall).
 """
@@ -68,7 +69,6 @@ def fit(stack: LayerStack, estimator: Estimator, sample: dict, holdout: float = 
     cut = max(1, int(n * (1 - holdout)))
     estimator.correction = {}
     correction, mae_raw, mae = {}, {}, {}
-    raw_all, fit_all, exact_all = [], [], []
     for layer, h in sample["hidden"].items():
         exact = sample["entropy"][layer].double()
         raw = estimator.estimate(stack, h, layer).entropy.double()
@@ -79,14 +79,42 @@ def fit(stack: LayerStack, estimator: Estimator, sample: dict, holdout: float = 
         fitted = (raw[cut:] * slope + intercept).clamp_min(0.0)
         mae_raw[layer] = float((raw[cut:] - exact[cut:]).abs().mean())
         mae[layer] = float((fitted - exact[cut:]).abs().mean())
-        raw_all.append(raw[cut:])
-        fit_all.append(fitted)
-        exact_all.append(exact[cut:])
     estimator.correction = {k: tuple(v) for k, v in correction.items()}
-    exact_cat = torch.cat(exact_all)
-    mae_raw["all"] = float((torch.cat(raw_all) - exact_cat).abs().mean())
-    mae["all"] = float((torch.cat(fit_all) - exact_cat).abs().mean())
+    mae_raw["all"], mae["all"] = _overall(mae_raw), _overall(mae)  # every layer holds the same held-out tokens
     return {"correction": {str(k): v for k, v in correction.items()}, "mae_raw": mae_raw, "mae": mae}
+
+
+def _overall(per_layer: dict) -> float:
+    """The MAE over every layer's held-out tokens: the mean of the per-layer MAEs (equal token counts)."""
+    values = [v for k, v in per_layer.items() if k != "all"]
+    return sum(values) / len(values)
+
+
+def grown(data: dict, names: Sequence[str], probe_layers: Sequence[int]) -> dict[str, dict]:
+    """The fitted estimators ``names`` of a model grown by idle layers (:mod:`emad.engine.idle`) at
+    ``probe_layers``, from its base model's estimators file ``data`` fitted on the same tokens: below the base's L
+    the grown model's states are the base model's and from there on every state is the final one, bit for bit, so
+    each probe below takes the base's correction and held-out errors there and each probe from the base's L on the
+    base's final layer's (the shortlist is the same: the same final argmaxes).
+
+    Raises:
+        ValueError: a probe below the base's L, or an estimator, that the base file has not fitted.
+    """
+    n = int(data["model"]["n_layers"])
+    have = [int(p) for p in data["probe_layers"]]
+    missing = [p for p in probe_layers if p < n and p not in have]
+    stray = [name for name in names if name not in data["estimators"]]
+    if missing or stray:
+        raise ValueError(f"the base estimators file lacks probes {missing} or estimators {stray} (probes {have}, "
+                         f"estimators {sorted(data['estimators'])}): fit both with the same settings")
+    out = {}
+    for name in names:
+        entry = data["estimators"][name]
+        pick = {str(p): str(min(p, n)) for p in probe_layers}
+        errors = {key: {p: entry[key][q] for p, q in pick.items()} for key in ("mae_raw", "mae")}
+        out[name] = {"options": entry["options"], "correction": {p: entry["correction"][q] for p, q in pick.items()},
+                     **{key: {**per, "all": _overall(per)} for key, per in errors.items()}}
+    return out
 
 
 def build(name: str, options: dict, stack: LayerStack, sample: dict) -> Estimator:
@@ -94,10 +122,12 @@ def build(name: str, options: dict, stack: LayerStack, sample: dict) -> Estimato
     return ESTIMATORS.get(name).from_sample(stack, sample, **options)
 
 
-def save(path: str | Path, fitted: dict[str, dict], model: dict, probe_layers: list[int]) -> None:
-    """Write fitted estimators (``{name: {"options", "correction", "mae_raw", "mae"}}``) atomically."""
+def save(path: str | Path, fitted: dict[str, dict], model: dict, probe_layers: list[int], corpus: str = "",
+         settings: dict | None = None) -> None:
+    """Write fitted estimators (``{name: {"options", "correction", "mae_raw", "mae"}}``) atomically, with the
+    calibration corpus's manifest hash and the estimators settings they were fitted with."""
     atomic_write_json(path, {"format": FORMAT, "version": VERSION, "model": model, "probe_layers": probe_layers,
-                             "estimators": fitted})
+                             "corpus": corpus, "settings": settings or {}, "estimators": fitted})
 
 
 def load(path: str | Path, name: str, model: dict | None = None, probe_layers: list[int] | None = None

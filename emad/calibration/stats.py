@@ -124,6 +124,32 @@ class CalibrationStats:
         out.agree, out.oracle = self.agree.clone(), self.oracle.clone()
         return out
 
+    def grown(self, probe_layers: list[int], model: dict) -> CalibrationStats:
+        """The statistics of a model grown from this one's by idle layers (:mod:`emad.engine.idle`), on the same
+        tokens, at ``probe_layers`` (ending at the grown L): below this model's L its states are this model's, and
+        from there on every state is the final one, bit for bit — so each probe below reads as this model's probe
+        there, and each probe from this model's L on as its final layer (every token agrees with the final argmax;
+        the tokens whose oracle depth is this model's L have it at the grown model's first probe from there).
+
+        Raises:
+            ValueError: a probe below this model's L that it has no statistics for.
+        """
+        n = self.probe_layers[-1]
+        missing = [p for p in probe_layers if p < n and p not in self.probe_layers]
+        if missing:
+            raise ValueError(f"the base statistics have no probes {missing} (probes {self.probe_layers}): calibrate "
+                             f"both with the same calibrate.probe_layers")
+        cols = [self.probe_layers.index(min(p, n)) for p in probe_layers]
+        out = CalibrationStats(list(probe_layers), self.strata, self.vocab_size, self.hist_bins, model, self.corpus,
+                               self.readout)
+        for name in ("count", "sum", "sumsq", "hist"):
+            setattr(out, name, getattr(self, name)[:, cols].clone())
+        out.agree = self.agree[cols].clone()
+        first = next(i for i, p in enumerate(probe_layers) if p >= n)  # the grown model's first probe from L on
+        out.oracle[:first] = self.oracle[cols[:first]]
+        out.oracle[first] = self.oracle[-1]
+        return out
+
     def arrays(self) -> list[torch.Tensor]:
         """The accumulator tensors (for all-reduce)."""
         return [getattr(self, name) for name in _ARRAYS]

@@ -71,3 +71,15 @@ def append_idle_layers(model: torch.nn.Module, n: int) -> torch.nn.Module:
                 weight.zero_()
     grown.generation_config = model.generation_config
     return grown.to(param.device).eval()
+
+
+def check_grown(spec: str, fingerprint: dict, base: dict, flag: str = "--grown-from") -> None:
+    """Refuse a model (its spec and ``fingerprint``) that is not a model of ``base`` (a fingerprint) grown by idle
+    layers: ``spec`` is ``<base spec>+idle<N>`` and the model has N more layers, the same type, width, vocabulary and
+    tokenizer (which model of that shape the base is, the params check of ``control.base`` makes sure)."""
+    parsed = parse_idle_spec(spec)
+    same = ("model_type", "hidden_size", "vocab_size", "tokenizer_sha256")
+    if (parsed is None or any(fingerprint.get(k) != base.get(k) for k in same)
+            or fingerprint.get("n_layers") != base.get("n_layers", 0) + parsed[1]):
+        raise ValueError(f"{flag}: this model ({spec}) is not the base's model ({base.get('spec')}, "
+                         f"{base.get('n_layers')} layers) grown by idle layers: compute it instead (drop {flag})")

@@ -302,6 +302,16 @@ def _package_dir(alias: str, entry: EmbeddedModel, module: str) -> Path:
     return Path(spec.submodule_search_locations[0])
 
 
+def prepared_spec(model_dir: str | Path) -> str:
+    """The spec a prepared model folder was made from (its SOURCE_FILE: ``spec``, or the embedded ``alias``); the
+    folder's path when it records none (or ``model_dir`` is not a folder)."""
+    try:
+        source = json.loads((Path(model_dir) / SOURCE_FILE).read_text())
+        return str(source.get("spec") or source["alias"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return str(model_dir)
+
+
 def _source_alias(folder: Path) -> str | None:
     """Returns the alias recorded in a complete converted folder, else None."""
     try:

@@ -293,7 +293,7 @@ class Decoder:
                 speeds[job.label] = speed
                 if decides and self._passes_c2(domain, result, full, speed, floor):
                     why = f"C2 decided for {job.point.family} by {job.label}"
-                    for later, res, limit in queues.pop(job.point.family):
+                    for later, res, limit in queues.pop(job.point.family, []):  # none left: timed together
                         speeds[later.label] = self._speed(later, prepared, res, limit, why)
         return speeds
 
