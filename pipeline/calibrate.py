@@ -89,7 +89,7 @@ def _calibrate(args, cfg: CalibrateConfig, loaded, texts, corpus_hash: str, name
     """One readout's statistics (``grown``: given, from the base model's), written to ``out``, and its MLflow
     run."""
     params = {"calibrate": cfg.model_dump(), "model": args.model_dir, "corpus": str(args.corpus), "world_size": world,
-              "readout": name}
+              "readout": name, "grown_from": args.grown_from if grown is not None else None}
     run_name = tracking.run_name("calibrate", tracking.label(args.model_dir), tracking.label(args.corpus), name)
     with tracking.stage_run("calibrate", params, {"corpus_manifest": corpus_hash}, run_name=run_name,
                             enabled=rank == 0) as run:
@@ -102,7 +102,6 @@ def _calibrate(args, cfg: CalibrateConfig, loaded, texts, corpus_hash: str, name
                                     readout=readout)
         else:
             stats = grown
-            run.set_tags({"grown_from": str(args.grown_from)})
         bar.close()
         probes = stats.probe_layers
         elapsed = time.perf_counter() - start

@@ -222,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs = {job.label: job for job in [*call.jobs, *phases.extra]}
     check_mergeable([(f"{unit[0].domain} on {unit[0].provenance.get('worker') or 'this process'}",
                       unit[0].provenance) for unit in outcomes if unit])
+    args.artifacts.mkdir(parents=True, exist_ok=True)  # the stage's output, empty where nothing decoded free running
     for per_domain in outcomes:  # only this process writes and logs, in unit order
         for outcome in per_domain:
             _write(args, call.cfg, jobs[outcome.label], outcome)

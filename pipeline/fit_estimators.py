@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, profile in profiles.items():
         fitted = (grown(bases[name], list(chosen), profile.probe_layers) if name in bases else
                   _fitted(cfg, chosen, stacks[name], cap_tokens(windows(docs, cfg.window), cfg.tokens), profile))
-        _write(cfg, fitted, profile, paths[name], outs[name], loaded, corpus_hash)
+        _write(cfg, fitted, profile, paths[name], outs[name], loaded, corpus_hash, args.grown_from)
     return 0
 
 
@@ -108,9 +108,10 @@ def _fitted(cfg: EstimatorsConfig, chosen: dict, stack: LayerStack, token_window
 
 
 def _write(cfg: EstimatorsConfig, fitted: dict, profile: Profile, profile_path: Path, out: Path, loaded,
-           corpus_hash: str) -> None:
-    """One profile's fitted estimators, written to ``out``, and its MLflow run."""
-    params = {"estimators": cfg.model_dump(), "profile": str(profile_path)}
+           corpus_hash: str, grown_from: str | None = None) -> None:
+    """One profile's fitted estimators, written to ``out``, and its MLflow run (``grown_from``: the base model's
+    file template they were extended from)."""
+    params = {"estimators": cfg.model_dump(), "profile": str(profile_path), "grown_from": grown_from}
     name = tracking.run_name("fit_estimators", *tracking.profile_qualifiers(profile_path, profile.readout))
     with tracking.stage_run("fit_estimators", params, {"model_fingerprint": loaded.fingerprint.digest,
                                                       "corpus_manifest": corpus_hash}, run_name=name) as run:

@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     base = _base_fit(args.grown_from, corpus_hash) if args.grown_from else None
 
     device, rank, world = distributed.join(cfg.device)
-    params = {"readouts": cfg.model_dump(), "model": args.model_dir, "corpus": str(args.corpus), "world_size": world}
+    params = {"readouts": cfg.model_dump(), "model": args.model_dir, "corpus": str(args.corpus), "world_size": world,
+              "grown_from": args.grown_from and str(args.grown_from)}  # None (a fit) is not logged
     name = tracking.run_name("fit_readouts", tracking.label(args.model_dir), tracking.label(args.corpus))
     with tracking.stage_run("fit_readouts", params, {"corpus_manifest": corpus_hash}, run_name=name,
                             enabled=rank == 0) as run:
