@@ -9,6 +9,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from emad.engine.engines import CHOICES as ENGINE_CHOICES
 from emad.exits.batching import BATCH_EXITS
 from emad.exits.estimators import ESTIMATORS
 from emad.exits.policies import POLICIES
@@ -20,6 +21,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="embedded alias (e.g. smollm2-135m), local folder or hub id")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
+    p.add_argument("--engine", default="auto", choices=ENGINE_CHOICES,
+                   help="decode engine: auto (compiled on CUDA, eager on CPU), eager, compiled")
     from emad.evaluation.operating_point import method_names
 
     p.add_argument("--method", default="full", choices=method_names(), help="exit criterion or strategy")
@@ -146,6 +149,7 @@ def _read_prompts(args) -> list[str]:
 
 def _load(args):
     """Model, layer stack and method from the flags; every check happens before any decoding."""
+    from emad.engine.engines import with_engine
     from emad.engine.models import load_model
     from emad.engine.stack import LayerStack
     from emad.evaluation.operating_point import PointConfig, build_method, model_loader, point_from_options
@@ -155,7 +159,7 @@ def _load(args):
     if args.profile is not None and not args.profile.is_file():
         raise ValueError(f"--profile {args.profile}: no such file")
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
-    stack = LayerStack(loaded.model)
+    stack = with_engine(LayerStack(loaded.model), args.engine)
     method = build_method(point, stack.n_layers, loaded.fingerprint.as_dict(), args.profile, args.estimators,
                           model_loader(args.device, args.dtype), args.readouts)
     method.bind(stack, loaded.tokenizer)  # e.g. a strategy's second model must share this tokenizer

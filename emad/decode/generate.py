@@ -64,7 +64,8 @@ class Prefills:
         key = (tuple(map(tuple, prompts)), depth, cache.capacity)
         if key in self._passes:
             kept, last = self._passes[key]
-            return kept.copy(), last
+            cache.load(kept)  # into the cache made for this generation (a static one keeps its addresses)
+            return cache, last
         last = prefill_states(stack, cache, ids, real, depth)
         self._passes[key] = cache.copy(), last
         return cache, last

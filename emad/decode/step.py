@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from emad.decode.lanes import Lanes
 from emad.engine.cache import KVCache
 from emad.engine.cost import CostModel
 from emad.engine.stack import LayerStack
@@ -220,11 +221,10 @@ def step(
     estimator.begin(b)
     criterion.begin(b)
     done = 0
+    lanes = Lanes.of(stack, cache, h, pos, rows, slots)
     for k, probe in enumerate(probes):
-        cache_rows = rows[active]
-        subset = None if len(cache_rows) == cache.batch_size else cache_rows
-        policy.before_run(stack, cache, cache_rows, done, probe)
-        h = stack.run(h, done, probe, cache, pos[active], slots, subset)
+        policy.before_run(stack, cache, rows[active], done, probe)
+        h = lanes.run(done, probe, active)  # [a, 1, d] the active rows' states after layer `probe`
         done = probe
         last = torch.full_like(active, k == len(probes) - 1, dtype=torch.bool)
         capped = cap[active] <= probe
@@ -264,7 +264,8 @@ def step(
             code = torch.where(passed[leave], 0, torch.where(capped[leave], 1, 2))
             out.reasons[gone.cpu()] = torch.where(ready[leave], 3, code).cpu()
             policy.after_exit(stack, cache, rows[gone], slots.start, h[leave], pos[gone, 0], probe)
-        active, h, ready = active[~leave], h[~leave], allowed[~leave]
+        active, ready = active[~leave], allowed[~leave]
+        lanes.keep(~leave)
         if len(active) == 0:
             break
     policy.record(rows, out.depths)

@@ -96,6 +96,11 @@ class KVCache:
         out.valid, out.real, out.filled = self.valid.clone(), self.real.clone(), list(self.filled)
         return out
 
+    def load(self, other: KVCache) -> None:
+        """Become an independent copy of ``other`` (a kept prompt pass reused by a new generation)."""
+        copied = other.copy()
+        self.__dict__.update(copied.__dict__)
+
     def _ensure_capacity(self, needed: int) -> None:
         if needed <= self.capacity:
             return

@@ -40,6 +40,9 @@ class LayerStack:
         lens: the readout's translators (an :class:`emad.exits.readouts.Readout`), or None for the logit lens.
     """
 
+    engine = "eager"  # how decode steps run (emad.engine.engines); a compiled view says "compiled"
+    keeps_rows = False  # True: a decode step runs every cache row, the rows that left masked (emad.decode.lanes)
+
     def __init__(self, model: nn.Module):
         self.model = model
         self.lens = None
@@ -88,6 +91,13 @@ class LayerStack:
         view = copy.copy(self)
         view.lens = None if readout is None or not readout.layers else readout.to(self.device, self.dtype)
         return view
+
+    def compiled(self, backend: str = "inductor") -> LayerStack:
+        """A view of the same model whose decode steps run compiled segments over static caches
+        (:mod:`emad.engine.compiled`); compiled segments are kept per model for the life of the process."""
+        from emad.engine.compiled import CompiledStack
+
+        return CompiledStack(self, backend)
 
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
         """An empty cache for ``batch_size`` rows and ``capacity`` slots."""

@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from emad.config import Section, validate_section
+from emad.engine.engines import check_engine
 from emad.evaluation.checks import MIN_SPEED_PROMPTS
 from emad.evaluation.operating_point import PointConfig
 from emad.evaluation.sweeps import Screen, SweepPosition, expand_table, knob_of
@@ -76,6 +77,9 @@ class DecodeConfig(Section):
     for the points its screen keeps; layer fields may be relative to the model's depth (``0.7L``)
     (:mod:`emad.evaluation.sweeps`).
         device, dtype: where and how the model runs.
+        engine: how decode steps run: ``auto`` (compiled on CUDA, eager on CPU), ``eager`` or ``compiled``
+            (segments between probes compiled over static caches, CUDA graphs on CUDA: :mod:`emad.engine.compiled`);
+            the same tokens, depths and costs either way.
     """
 
     domains: dict[str, list[str]] = Field(min_length=1)
@@ -104,6 +108,7 @@ class DecodeConfig(Section):
     workers: int | None = Field(None, ge=1)
     device: str = "auto"
     dtype: str = "auto"
+    engine: str = "auto"
 
     @model_validator(mode="before")
     @classmethod
@@ -130,6 +135,11 @@ class DecodeConfig(Section):
                 curves.update(found)
                 screens.update(screened)
         return {**data, "curves": curves, "screens": screens}
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, value: str) -> str:
+        return check_engine(value)
 
     @field_validator("speed_prompts")
     @classmethod

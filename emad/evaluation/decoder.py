@@ -21,6 +21,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from emad.engine.engines import compile_stats, with_engine
 from emad.engine.models import load_model
 from emad.engine.stack import LayerStack
 from emad.evaluation import identity
@@ -134,7 +135,7 @@ class Decoder:
         cfg, src = plan.cfg, plan.sources
         self.plan = plan
         self.loaded = load_model(src.model_dir, device=cfg.device, dtype=cfg.dtype)
-        self.stack = LayerStack(self.loaded.model)
+        self.stack = with_engine(LayerStack(self.loaded.model), cfg.engine)
         self.jobs = [Job(j.kind, j.name, j.point, j.calibration, j.position) for j in plan.jobs]
         self._scores: dict[str, dict] = {}  # domain -> job label -> its teacher-forced scores (score_all)
         self._reference: dict[str, dict] = {}  # domain -> full depth's teacher-forced task results
@@ -250,7 +251,8 @@ class Decoder:
                                     for p in prepared if p.name not in result.tasks},
                         "speed_repeats": cfg.speed_repeats, "speed_prompts": cfg.speed_prompts,
                         "speed_tokens": cfg.speed_tokens, "unserved_tokens": cfg.unserved_tokens,
-                        "device": cfg.device, "dtype": cfg.dtype}
+                        "device": cfg.device, "dtype": cfg.dtype, "engine": stack.engine,
+                        **compile_stats(stack)}
             out.append(Outcome(job.label, domain, self.loaded.fingerprint.digest, stack.n_layers,
                                job.method.describe(), job.facts, result.tasks, {**result.cost(), **speeds[job.label]},
                                result.depth_histogram(), heat, limit, settings, host, where))

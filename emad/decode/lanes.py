@@ -1,0 +1,79 @@
+"""Where a decode step's hidden states live between its probes.
+
+An eager stack runs only the rows still running: the states shrink as rows leave (:class:`RunningRows`). A stack
+that keeps rows (the compiled one, :mod:`emad.engine.compiled`) runs every cache row through each segment, the rows
+that left masked, so that a segment's shapes never change (:class:`MaskedRows`). Either way the step reads the
+states of its running rows, in order; the step itself is the same loop.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from emad.engine.cache import KVCache
+from emad.engine.stack import LayerStack
+
+
+class Lanes:
+    """The states of one step's rows.
+
+    Args:
+        stack, cache: what the step runs on.
+        h: ``[b, 1, d]`` the embedded tokens of the step's rows.
+        positions: ``[b, 1]`` their position ids.
+        rows: ``[b]`` their cache rows.
+        slots: the slot of this step's tokens.
+    """
+
+    def __init__(self, stack: LayerStack, cache: KVCache, h: torch.Tensor, positions: torch.Tensor,
+                 rows: torch.Tensor, slots: slice):
+        self.stack, self.cache, self.positions, self.rows, self.slots = stack, cache, positions, rows, slots
+
+    @staticmethod
+    def of(stack: LayerStack, cache: KVCache, h: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+           slots: slice) -> Lanes:
+        kind = MaskedRows if getattr(stack, "keeps_rows", False) else RunningRows
+        return kind(stack, cache, h, positions, rows, slots)
+
+    def run(self, start: int, stop: int, active: torch.Tensor) -> torch.Tensor:
+        """Run layers ``[start, stop)`` for the ``active`` step rows (indices into ``rows``); their states
+        ``[a, 1, d]``."""
+        raise NotImplementedError
+
+    def keep(self, staying: torch.Tensor) -> None:
+        """Of the rows active at the last :meth:`run`, only those where ``staying`` ``[a]`` is True run on."""
+
+
+class RunningRows(Lanes):
+    """Only the running rows' states ``[a, 1, d]``; rows that leave are dropped."""
+
+    def __init__(self, stack, cache, h, positions, rows, slots):
+        super().__init__(stack, cache, h, positions, rows, slots)
+        self.h = h
+
+    def run(self, start: int, stop: int, active: torch.Tensor) -> torch.Tensor:
+        cache_rows = self.rows[active]
+        subset = None if len(cache_rows) == self.cache.batch_size else cache_rows
+        self.h = self.stack.run(self.h, start, stop, self.cache, self.positions[active], self.slots, subset)
+        return self.h
+
+    def keep(self, staying: torch.Tensor) -> None:
+        self.h = self.h[staying]
+
+
+class MaskedRows(Lanes):
+    """Every cache row's state ``[B, 1, d]`` (rows outside the step hold zeros); a segment runs them all, only
+    the active rows writing K/V (:meth:`~emad.engine.compiled.CompiledStack.run_masked`)."""
+
+    def __init__(self, stack, cache, h, positions, rows, slots):
+        super().__init__(stack, cache, h, positions, rows, slots)
+        batch = cache.batch_size
+        self.h = h.new_zeros(batch, *h.shape[1:]).index_copy_(0, rows, h)  # [B, 1, d]
+        self.positions = positions.new_zeros(batch, *positions.shape[1:]).index_copy_(0, rows, positions)  # [B, 1]
+
+    def run(self, start: int, stop: int, active: torch.Tensor) -> torch.Tensor:
+        cache_rows = self.rows[active]
+        running = torch.zeros(self.cache.batch_size, dtype=torch.bool, device=self.h.device)
+        running[cache_rows] = True
+        self.h = self.stack.run_masked(self.h, start, stop, self.cache, self.positions, self.slots, running)
+        return self.h[cache_rows]

@@ -1,0 +1,261 @@
+"""The compiled layer stack: the layers between two probes as one compiled function over a static KV cache, replayed
+as a CUDA graph on CUDA.
+
+A decode step runs its token through segments of layers ``[start, stop)`` (from one probe to the next). On a
+:class:`CompiledStack` each segment is a static-shape function of every cache row — hidden states ``[B, 1, d]``,
+position ids ``[B, 1]``, the slot as a device tensor ``[1]``, a running mask ``[B]`` — compiled once with
+``torch.compile(fullgraph=True)``; rows that do not run (they exited, or finished) ride along masked: their K/V and
+validity are left as they were, so a batch never changes shape inside a step. Attention always sees the whole
+static buffer ``[B, H_kv, S, d_head]`` under a validity mask ``[B, 1, 1, S]``. On CUDA each segment is captured once
+per slab (:mod:`emad.engine.static_cache`) as a CUDA graph and replayed: inputs are copied into the graph's own
+tensors, and its output is overwritten by the next replay of the same segment (a step consumes it first).
+
+Everything else — prefill, scattered or partial-row writes (backfill, copy), scoring — runs the HF layers eagerly on
+the same static cache, so every policy, estimator and criterion works unchanged. Compiled functions are kept per
+model, segment, batch size, capacity and dtype for the life of the process (:class:`SegmentRunner`), so a stage
+compiles each layout once and every later point reuses it. Each segment is a function of its own (its own code
+object), so dynamo's per-function recompile limit is never shared between segments.
+"""
+
+from __future__ import annotations
+
+import time
+import types
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from emad.engine.cache import KVCache, Slots
+from emad.engine.stack import LayerStack
+from emad.engine.static_cache import Slab, StaticKVCache
+
+CAPACITY_STEP = 128  # static caches are made in multiples of this many slots, so prompts of similar length share
+
+
+class _MaskedView:
+    """What a compiled segment's attention modules see as their cache: the K/V of running rows written at one slot
+    (``index_copy_`` at a device-tensor slot, shape-static), the rows not running left as they were."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], slot: torch.Tensor,
+                 running: torch.Tensor, first: int):
+        self.keys, self.values, self.slot, self.running, self.first = keys, values, slot, running, first
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """HF ``Cache.update``: store ``[B, H_kv, 1, d_head]`` at the slot, return the layer's whole buffers."""
+        keep = self.running[:, None, None, None]  # [B, 1, 1, 1]
+        i = layer_idx - self.first  # the buffers are the segment's, from its first layer on
+        for buffer, new in ((self.keys[i], key_states), (self.values[i], value_states)):
+            old = buffer.index_select(2, self.slot)  # [B, H_kv, 1, d_head]
+            buffer.index_copy_(2, self.slot, torch.where(keep, new.to(buffer.dtype), old))
+        return self.keys[i], self.values[i]
+
+
+def masked_segment(stack: LayerStack, start: int, stop: int, h: torch.Tensor, positions: torch.Tensor,
+                   slot: torch.Tensor, running: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                   valid: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """Layers ``[start, stop)`` for one token of every row, writing the running rows' K/V and validity.
+
+    Args:
+        h: ``[B, 1, d]`` hidden states (rows not running: anything finite).
+        positions: ``[B, 1]`` position ids.
+        slot: ``[1]`` the slot of this token (a device tensor: a new slot needs no new function).
+        running: ``[B]`` bool, the rows whose token runs these layers.
+        keys, values: the segment's layers' buffers, each ``[B, H_kv, S, d_head]``.
+        valid: ``[stop - start, B, S]`` the segment's layers' validity; real: ``[B, S]`` (the cache's).
+
+    Only the segment's own buffers come in, so segments of equal layers compile to the same graph (the compiler's
+    cache serves the second).
+
+    Returns:
+        ``[B, 1, d]`` the states after layer ``stop`` (meaningful for running rows).
+    """
+    k_pos = torch.arange(valid.shape[-1], device=h.device)[None, :]  # [1, S]
+    here = k_pos == slot[:, None]  # [1, S] the token's own slot: visible to every row (no row attends to nothing)
+    before = k_pos <= slot[:, None]  # [1, S]
+    real_here = real.index_select(1, slot)  # [B, 1]
+    view = _MaskedView(keys, values, slot, running, start)
+    rotary: dict = {}
+    for i, idx in enumerate(range(start, stop)):
+        visible = (valid[i] | here) & before  # [B, S]
+        window = stack.windows[idx]
+        if window is not None:
+            visible = visible & (k_pos > slot[:, None] - window)
+        kwargs = {stack.adapter.cache_kwarg: view, "use_cache": True, "position_ids": positions,
+                  "attention_mask": visible[:, None, None, :]}
+        if stack.adapter.rotary is not None:
+            kwargs["position_embeddings"] = stack._rotary(h, positions, idx, rotary)
+        h = stack.layers[idx](h, **kwargs)
+        if isinstance(h, tuple):
+            h = h[0]
+        written = torch.where(running[:, None], real_here, valid[i].index_select(1, slot))  # [B, 1]
+        valid[i].index_copy_(1, slot, written)
+    return h
+
+
+def _segment_function(stack: LayerStack, start: int, stop: int, name: str):
+    """``masked_segment`` for layers ``[start, stop)`` as a function with a code object of its own (``name``), so
+    that dynamo caches and counts its compilations apart from every other segment's."""
+
+    def segment(h, positions, slot, running, keys, values, valid, real):
+        return masked_segment(stack, start, stop, h, positions, slot, running, keys, values, valid, real)
+
+    code = segment.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, segment.__globals__, name, segment.__defaults__, segment.__closure__)
+
+
+class _Graph:
+    """One segment captured as a CUDA graph on one slab: replays copy the inputs into the graph's own tensors."""
+
+    def __init__(self, fn, inputs: tuple[torch.Tensor, ...], cache_tensors: tuple, pool):
+        self.inputs = tuple(x.clone() for x in inputs)  # h, positions, slot, running
+        self.cache_tensors = cache_tensors  # the slab's lists and tensors: fixed addresses
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up (lazy initialisation); its writes are the replay's own
+            for _ in range(2):
+                fn(*self.inputs, *cache_tensors)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.output = fn(*self.inputs, *cache_tensors)
+
+    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
+        for mine, given in zip(self.inputs, inputs):
+            mine.copy_(given)
+        self.graph.replay()
+        return self.output
+
+
+@dataclass
+class CompileStats:
+    """What compiling cost in this process: functions compiled, graphs captured and the seconds of both."""
+
+    compilations: int = 0
+    graphs: int = 0
+    seconds: float = 0.0
+    layouts: list[tuple[int, int, int, int]] = field(default_factory=list)  # (start, stop, B, S) compiled
+
+    def as_dict(self) -> dict:
+        return {"compilations": self.compilations, "graphs": self.graphs, "compile_seconds": round(self.seconds, 3)}
+
+
+class SegmentRunner:
+    """The compiled segments of one model (shared by every view of its stack), made on first use and kept.
+
+    Args:
+        stack: a view of the model (its layers, adapter and rotary tables are the model's).
+        backend: ``torch.compile`` backend (``inductor``).
+        graphs: capture CUDA graphs (default: on CUDA).
+    """
+
+    def __init__(self, stack: LayerStack, backend: str = "inductor", graphs: bool | None = None):
+        self.stack = stack
+        self.backend = backend
+        self.graphs = stack.device.type == "cuda" if graphs is None else graphs
+        self.functions: dict[tuple, object] = {}
+        self.captured: dict[tuple, _Graph] = {}
+        self.slabs: dict[tuple[int, int], Slab] = {}
+        self.stats = CompileStats()
+        self._pool = None
+
+    def slab(self, batch_size: int, capacity: int) -> Slab | None:
+        """The slab for (rows, slots) when no live cache holds it (made on first use), else None."""
+        key = (batch_size, capacity)
+        if key not in self.slabs:
+            self.slabs[key] = Slab.empty(self.stack.n_layers, batch_size, capacity, self.stack.device)
+        return self.slabs[key] if self.slabs[key].free else None
+
+    def run(self, start: int, stop: int, h: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor,
+            running: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+        """:func:`masked_segment` of layers ``[start, stop)``, compiled (and replayed as a graph on a slab)."""
+        batch, capacity = cache.batch_size, cache.capacity
+        key = (start, stop, batch, capacity, h.dtype)
+        tensors = (cache.keys[start:stop], cache.values[start:stop], cache.valid[start:stop], cache.real)
+        inputs = (h, positions, slot, running)
+        fn = self.functions.get(key)
+        if fn is None:
+            name = f"emad_segment_{start}_{stop}_b{batch}_s{capacity}_{str(h.dtype).split('.')[-1]}"
+            fn = torch.compile(_segment_function(self.stack, start, stop, name), fullgraph=True, dynamic=False,
+                               backend=self.backend)
+            self.functions[key] = fn
+            began = time.perf_counter()
+            out = fn(*inputs, *tensors)  # the first call compiles
+            self._count(began, key[:4], compiled=True)
+            return out
+        if not self.graphs or not any(cache.slab is s for s in self.slabs.values()):  # graphs on own slabs only
+            with torch.compiler.set_stance("fail_on_recompile"):
+                return fn(*inputs, *tensors)
+        graph_key = (id(cache.slab), *key)
+        graph = self.captured.get(graph_key)
+        if graph is None:
+            began = time.perf_counter()
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            with torch.compiler.set_stance("fail_on_recompile"):
+                graph = self.captured[graph_key] = _Graph(fn, inputs, tensors, self._pool)
+            self._count(began, key[:4], compiled=False)
+        return graph(*inputs)
+
+    def _count(self, began: float, layout: tuple, compiled: bool) -> None:
+        if self.stack.device.type == "cuda":
+            torch.cuda.synchronize(self.stack.device)
+        self.stats.seconds += time.perf_counter() - began
+        if compiled:
+            self.stats.compilations += 1
+            self.stats.layouts.append(layout)
+        else:
+            self.stats.graphs += 1
+
+
+_RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its SegmentRunner
+
+
+def runner_for(stack: LayerStack, backend: str = "inductor") -> SegmentRunner:
+    """The process-wide :class:`SegmentRunner` of ``stack``'s model (one per model and backend)."""
+    per_model = _RUNNERS.setdefault(stack.model, {})
+    if backend not in per_model:
+        per_model[backend] = SegmentRunner(stack, backend)
+    return per_model[backend]
+
+
+class CompiledStack(LayerStack):
+    """A view of a :class:`LayerStack` whose decode steps run compiled segments over static caches.
+
+    ``run`` of one token per row, every row, one slot (a decode step) goes through the model's
+    :class:`SegmentRunner`; any other call (prefill, backfill, scoring) runs eagerly on the same cache. Views made
+    from it (``with_readout``) stay compiled and share its compiled segments.
+    """
+
+    engine = "compiled"
+    keeps_rows = True
+
+    def __init__(self, stack: LayerStack, backend: str = "inductor"):  # noqa: D107 - a view, not a new stack
+        self.__dict__.update(stack.__dict__)
+        self.runner = runner_for(stack, backend)
+
+    def new_cache(self, batch_size: int, capacity: int) -> KVCache:
+        """A static cache of at least ``capacity`` slots (a multiple of :data:`CAPACITY_STEP`), on the model's slab
+        for that shape when it is free."""
+        capacity = -(-max(1, capacity) // CAPACITY_STEP) * CAPACITY_STEP
+        slab = self.runner.slab(batch_size, capacity)
+        return StaticKVCache(self.n_layers, batch_size, capacity, self.device, slab)
+
+    def run(self, h: torch.Tensor, start: int, stop: int, cache: KVCache, positions: torch.Tensor, slots: Slots,
+            rows: torch.Tensor | None = None) -> torch.Tensor:
+        one_token = (isinstance(cache, StaticKVCache) and rows is None and isinstance(slots, slice)
+                     and h.shape[1] == 1 and slots.stop == slots.start + 1)
+        if not one_token or start == stop:
+            return super().run(h, start, stop, cache, positions, slots, rows)
+        running = torch.ones(cache.batch_size, dtype=torch.bool, device=h.device)
+        return self.run_masked(h, start, stop, cache, positions, slots, running)
+
+    def run_masked(self, h: torch.Tensor, start: int, stop: int, cache: KVCache, positions: torch.Tensor,
+                   slots: slice, running: torch.Tensor) -> torch.Tensor:
+        """Layers ``[start, stop)`` for one token of every cache row ``h`` ``[B, 1, d]`` at ``positions``
+        ``[B, 1]`` in slot ``slots``; only rows where ``running`` ``[B]`` is True write K/V and validity."""
+        if start == stop:
+            return h
+        if not isinstance(cache, StaticKVCache):
+            raise TypeError("a compiled stack decodes on its own static caches (make them with new_cache)")
+        return self.runner.run(start, stop, h, positions, cache.slot_tensor(slots.start), running, cache)

@@ -1,0 +1,142 @@
+"""The compiled engine (segments between probes compiled over static caches, :mod:`emad.engine.compiled`) equals
+the eager engine token for token, in depths and in FLOPs, for every exit family, estimator, readout, KV policy and
+batch exit rule, at batch 1 and 4; full depth on it equals HF greedy; segments are compiled once per layout; bad
+engine names are refused naming the valid ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from emad.calibration.calibrate import calibrate, windows
+from emad.calibration.profile import smooth
+from emad.decode import Method, Prefills, generate
+from emad.engine.engines import check_engine, resolve_engine, with_engine
+from emad.engine.stack import LayerStack
+from emad.engine.static_cache import CacheFullError, StaticKVCache
+from emad.exits.criteria import Confidence, Emad, Fixed, Full, SoftmaxResponse
+from emad.exits.estimators import LowRank, TopK
+from emad.exits.strata import Strata
+from tests.test_decode import _hf_greedy
+from tests.test_readouts import random_lens
+from tests.tiny import TinyTokenizer, random_prompts, tiny_model
+
+TOK = TinyTokenizer()
+NEW = 10
+
+
+@pytest.fixture(scope="module")
+def eager():
+    return LayerStack(tiny_model("llama"))
+
+
+@pytest.fixture(scope="module")
+def compiled(eager):
+    return eager.compiled()
+
+
+@pytest.fixture(scope="module")
+def profile(eager):
+    stats = calibrate(eager, windows(random_prompts(12, [24], seed=11), 24), [1, 2, 3, 4], Strata(), batch_size=4)
+    return smooth(stats, min_count=5)
+
+
+def _methods(profile) -> dict:
+    lens = random_lens()
+    return {
+        "full": lambda: Method(Full()),
+        "fixed": lambda: Method(Fixed(2)),
+        "confidence": lambda: Method(Confidence(3.0, probe_every=1)),
+        "emad-exact": lambda: Method(Emad(profile, 0.0)),
+        "emad-topk": lambda: Method(Emad(profile, 0.0), "monotone", TopK(48)),
+        "emad-lowrank": lambda: Method(Emad(profile, 0.0), "monotone", LowRank(32)),
+        "emad-tuned": lambda: Method(Emad(profile, 0.0), readout=lens),
+        "softmax": lambda: Method(SoftmaxResponse(0.1, probe_every=1)),
+        "confidence-copy": lambda: Method(Confidence(3.0, probe_every=1), "copy"),
+        "confidence-copy-translated": lambda: Method(Confidence(3.0, probe_every=1), "copy-translated",
+                                                     readout=lens),
+        "confidence-backfill": lambda: Method(Confidence(3.0, probe_every=1), "backfill"),
+        "confidence-sync": lambda: Method(Confidence(3.6, probe_every=1), batch_exit="sync"),
+    }
+
+
+NAMES = list(_methods(None))
+
+
+def _same(a, b) -> None:
+    assert a.token_ids == b.token_ids
+    assert a.depths == b.depths
+    assert a.flops == b.flops and a.full_flops == b.full_flops
+    assert [[t.reason for t in row] for row in a.traces] == [[t.reason for t in row] for row in b.traces]
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("name", NAMES)
+def test_compiled_equals_eager_in_tokens_depths_and_flops(eager, compiled, profile, name, batch):
+    prompts = random_prompts(4, [5, 9, 7, 12], seed=3)[-batch:]  # the last row exits under every family
+    method = _methods(profile)[name]
+    a = generate(eager, TOK, prompts, method(), NEW)
+    b = generate(compiled, TOK, prompts, method(), NEW)
+    _same(a, b)
+    if name not in ("full", "fixed"):  # the comparison covers exits, not only full-depth tokens
+        assert any(d < 4 for row in a.depths for d in row[1:]), f"{name} never exited: the test would prove little"
+
+
+def test_full_depth_on_the_compiled_engine_equals_hf_greedy(eager, compiled):
+    prompts = random_prompts(4, [4, 11, 8, 6], seed=7)
+    out = generate(compiled, TOK, prompts, Full(), NEW)
+    assert out.token_ids == _hf_greedy(eager.model, prompts, NEW)
+
+
+def test_a_reused_prompt_pass_on_the_compiled_engine_gives_the_same_generation(compiled, profile):
+    prompts = random_prompts(2, [6, 9], seed=5)
+    method = _methods(profile)["emad-exact"]
+    fresh = generate(compiled, TOK, prompts, method(), NEW)
+    shared = Prefills()
+    first = generate(compiled, TOK, prompts, method(), NEW, prefills=shared)
+    again = generate(compiled, TOK, prompts, method(), NEW, prefills=shared)
+    _same(fresh, first)
+    _same(fresh, again)
+
+
+def test_a_layout_seen_before_compiles_nothing_again(compiled, profile):
+    prompts = random_prompts(1, [7], seed=9)
+    methods = _methods(profile)
+    generate(compiled, TOK, prompts, methods["confidence"](), NEW)
+    generate(compiled, TOK, prompts, methods["fixed"](), NEW)
+    stats = compiled.runner.stats
+    before = stats.compilations
+    for name in ("confidence", "fixed", "emad-exact", "softmax"):  # layouts already compiled: [1, 2, 3, 4], [2]
+        generate(compiled, TOK, random_prompts(1, [11], seed=2), methods[name](), NEW)
+    assert stats.compilations == before
+    assert len(set(stats.layouts)) == len(stats.layouts)  # each (segment, batch, capacity) compiled once
+    generate(compiled, TOK, prompts, Fixed(3), NEW)  # a new layout: one new segment, [0, 3)
+    assert stats.compilations == before + 1
+    assert stats.seconds > 0
+
+
+def test_static_caches_share_a_slab_one_generation_at_a_time(compiled):
+    first = compiled.new_cache(2, 20)
+    assert isinstance(first, StaticKVCache) and first.capacity % 128 == 0
+    second = compiled.new_cache(2, 20)  # the slab is lent to `first`: `second` gets tensors of its own
+    assert second.slab is not first.slab
+    slab = first.slab
+    del first
+    assert compiled.new_cache(2, 20).slab is slab
+    with pytest.raises(CacheFullError, match="holds 128 slots"):
+        second.allocate(torch.ones(2, 129, dtype=torch.bool))
+
+
+def test_engine_names_are_checked_and_auto_picks_by_device(eager):
+    with pytest.raises(ValueError, match="decode.engine must be one of auto, eager, compiled; got 'jit'"):
+        check_engine("jit")
+    assert resolve_engine("auto", "cuda") == "compiled" and resolve_engine("auto", "cpu") == "eager"
+    assert with_engine(eager, "eager") is eager
+    assert with_engine(eager, "compiled").engine == "compiled"
+
+
+def test_a_bad_decode_engine_in_params_names_the_valid_values():
+    from emad.evaluation.config import DecodeConfig
+
+    with pytest.raises(ValueError, match="decode.engine must be one of auto, eager, compiled"):
+        DecodeConfig(domains={"d": ["perplexity"]}, engine="fast")
