@@ -15,7 +15,7 @@ export MLFLOW_DISABLE_TELEMETRY ?= true
 export TOKENIZERS_PARALLELISM ?= false
 export DVC_NO_ANALYTICS ?= 1
 
-.PHONY: setup test test-heavy repro lint bench mlflow tracking-server clean-venv
+.PHONY: setup test test-heavy repro lint bench bench-gpu mlflow tracking-server clean-venv
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -58,6 +58,10 @@ bench: $(STAMP)
 	  [ -e "$$f" ] || continue; \
 	  echo "== $$f"; $(BIN)/python "$$f"; \
 	done
+
+# Per-token decode time of HF generate and our eager and compiled engines on a GPU (bf16): reports/bench/gpu_decode-*.
+bench-gpu: $(STAMP)
+	$(BIN)/python benchmarks/bench_gpu_decode.py --device cuda --dtype bfloat16
 
 clean-venv:
 	rm -rf $(VENV)

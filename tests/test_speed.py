@@ -133,3 +133,53 @@ def test_the_cheap_measure_sets_the_task_generation_against_a_reference_made_onc
                               None, 1, reference=reference)
     assert calls == ["method"] and asked == [(1, NEW)]
     assert out["speed_pairs"] == [[NEW / 0.55, 40.0]] and out["speedup"] == pytest.approx(NEW / 0.55 / 40)
+
+
+def test_on_a_gpu_the_faster_of_our_full_depth_and_hf_static_generate_is_the_reference(monkeypatch):
+    """Where HF's static-cache generate compiles (CUDA), it is timed in every block beside our full depth; the faster
+    of the two is C2's reference, and each point's speed-up against both is kept."""
+    calls = _stub(monkeypatch, lambda i, full: 1.0 if full else 0.5)
+    hf = []
+
+    def hf_static(stack, tokenizer, prompt, new_tokens):
+        hf.append((PROMPTS.index(prompt), new_tokens))
+        return new_tokens / 0.25  # four times our full depth's speed
+
+    monkeypatch.setattr(speed, "hf_static_generate", hf_static)
+    gpu = SimpleNamespace(device=SimpleNamespace(type="cuda"))
+    out = speed.time_prompts(gpu, None, [object()], PROMPTS, NEW)[0]
+    assert hf[0] == (PROMPTS.index(max(PROMPTS, key=len)), NEW)  # warmed up on the longest prompt, all tokens
+    assert [p for p, _ in hf[1:]] == list(range(8)) and len(calls) == 2 + 16
+    assert out["speed_reference"] == speed.HF_STATIC
+    assert out["speedup"] == pytest.approx(0.5) and out["reference_tokens_per_s"] == pytest.approx(NEW / 0.25)
+    assert out["speedup_by_reference"] == pytest.approx({speed.FULL_DEPTH: 2.0, speed.HF_STATIC: 0.5})
+    assert [b for _, b in out["speed_pairs"]] == pytest.approx([NEW / 0.25] * 8)
+    cpu = speed.time_prompts(SimpleNamespace(device=SimpleNamespace(type="cpu")), None, [object()], PROMPTS, NEW)[0]
+    assert cpu["speed_reference"] == speed.FULL_DEPTH and set(cpu["speedup_by_reference"]) == {speed.FULL_DEPTH}
+
+
+def test_hf_static_generate_runs_and_counts_the_tokens_our_full_depth_makes():
+    from emad.decode import generate
+    from emad.engine.stack import LayerStack
+    from tests.tiny import TinyTokenizer, tiny_model
+
+    stack = LayerStack(tiny_model("llama"))
+    prompt = [5, 7, 9, 11]
+    assert speed.hf_static_generate(stack, TinyTokenizer(), prompt, 6) > 0
+    ours = generate(stack, TinyTokenizer(), [prompt], Full(), 6)
+    hf = stack.model.generate(__import__("torch").tensor([prompt]), max_new_tokens=6, do_sample=False,
+                              cache_implementation="static", pad_token_id=0)
+    assert hf[0, len(prompt):].tolist() == ours.token_ids[0]
+
+
+def test_the_verdict_names_the_speed_reference_and_the_speed_up_against_each_decoder_timed():
+    from emad.report.verdict import PointAssessment, _references
+
+    runs = [{"cost": {"speed_reference": speed.HF_STATIC,
+                      "speedup_by_reference": {speed.FULL_DEPTH: 2.0, speed.HF_STATIC: 0.5}}}]
+    reference, by_ref = _references(runs)
+    point = PointAssessment("p", "p", None, "fixed", ["d"], ["r"], [], 0.5, 0.5,
+                            speed=ratio_interval([0.5] * 8), speed_reference=reference, speedup_by_reference=by_ref)
+    text = point.speed_text()
+    assert text.startswith(f"0.50× vs {speed.HF_STATIC} (95% CI 0.50 to 0.50, 8 prompts")
+    assert f"vs {speed.FULL_DEPTH} 2.00×" in text

@@ -23,10 +23,12 @@ from __future__ import annotations
 import math
 import os
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from emad.decode import Generation, generate
+from emad.decode.step import elapsed
 from emad.exits.criteria import Full
 
 
@@ -62,46 +64,93 @@ def speed_prompts_of(prepared: Sequence, result, prompts: int) -> list | None:
     return [list(x) for x in have[:prompts]]
 
 
+FULL_DEPTH = "emad full depth"  # our own full-depth generation: the reference on every device
+HF_STATIC = "HF generate, static cache"  # the fastest full-depth decoder a user already has where it compiles
+# Device types where HF's static-cache ``generate`` compiles its step (torch.compile, CUDA graphs) and so is the
+# full-depth decoder to beat; on a CPU it runs eagerly, and our full depth stays the reference.
+HF_STATIC_DEVICES = ("cuda",)
+
+
+def hf_static_generate(stack, tokenizer, prompt: Sequence[int], new_tokens: int) -> float:
+    """Tokens/s of HF ``generate`` with a static cache on one prompt: greedy, up to ``new_tokens``, stopping at the
+    model's EOS as our generation does (at full depth both make the same tokens)."""
+    import torch
+
+    ids = torch.tensor([list(prompt)], device=stack.device)
+    pad = tokenizer.pad_token_id if getattr(tokenizer, "pad_token_id", None) is not None else 0
+    began = time.perf_counter()
+    out = stack.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                               do_sample=False, cache_implementation="static", pad_token_id=pad)
+    seconds = elapsed(stack.device, began)
+    return (out.shape[1] - ids.shape[1]) / max(seconds, 1e-9)
+
+
+def full_depth_references(stack) -> dict[str, Callable]:
+    """The full-depth decoders C2 is timed against on ``stack``'s device, by name: ``(stack, tokenizer, prompt,
+    new_tokens) -> tokens/s``. Our full depth always; HF's static-cache ``generate`` on :data:`HF_STATIC_DEVICES`."""
+    refs = {FULL_DEPTH: lambda st, tok, prompt, new: _tokens_per_s(generate(st, tok, [list(prompt)], Full(), new))}
+    device = getattr(getattr(stack, "device", None), "type", None)
+    if device in HF_STATIC_DEVICES:
+        refs[HF_STATIC] = hf_static_generate
+    return refs
+
+
 def time_prompts(stack, tokenizer, methods: Sequence, prompts: Sequence[Sequence[int]],
                  new_tokens: int) -> list[dict[str, Any]]:
-    """C2's timing of ``methods`` on the same prompts: one timed block per prompt, in which full depth and each
-    method generate ``new_tokens`` from it back to back, after one untimed warm-up generation of each on the first
-    prompt (:data:`WARM_UP_TOKENS` new tokens). The order within a block turns by one from prompt to prompt (with
-    one method: the method first on the even-numbered prompts), so that each generation is in each place equally
-    often; a method's pair on a prompt is its tokens/s and full depth's in the same block.
+    """C2's timing of ``methods`` on the same prompts: one timed block per prompt, in which the full-depth
+    references (:func:`full_depth_references`) and each method generate ``new_tokens`` from it back to back, after
+    one untimed warm-up generation of each (:data:`WARM_UP_TOKENS` new tokens on the first prompt; an HF reference
+    warms up on the longest prompt with all its tokens, so its static cache and compiled step serve every prompt).
+    The order within a block turns by one from prompt to prompt (with one method and one reference: the method
+    first on the even-numbered prompts), so that each generation is in each place equally often.
+
+    The speed reference is the faster full-depth decoder (the higher median tokens/s over the prompts); a method's
+    pair on a prompt is its tokens/s and the reference's in the same block.
 
     Returns:
-        Per method: ``speedup`` (geometric mean of the per-prompt ratios method tokens/s ÷ full-depth tokens/s), the
-        medians ``speed_tokens_per_s`` and ``reference_tokens_per_s``, ``speed_pairs`` (per prompt ``[method
-        tokens/s, full-depth tokens/s]``), ``speed_unit`` (``prompt``), ``speed_block`` (the methods timed in the
-        blocks), ``speed_new_tokens`` and ``load_avg`` (1-minute load average, the larger of before and after).
-        Values are None without prompts.
+        Per method: ``speedup`` (geometric mean of the per-prompt ratios method tokens/s ÷ reference tokens/s), the
+        medians ``speed_tokens_per_s`` and ``reference_tokens_per_s``, ``speed_reference`` (which decoder),
+        ``speed_pairs`` (per prompt ``[method tokens/s, reference tokens/s]``), ``speedup_by_reference`` and
+        ``reference_tokens_per_s_by_reference`` (every reference timed), ``speed_unit`` (``prompt``),
+        ``speed_block`` (the methods timed in the blocks), ``speed_new_tokens`` and ``load_avg`` (1-minute load
+        average, the larger of before and after). Values are None without prompts.
     """
     if not prompts:
         return [{"speedup": None, "speed_tokens_per_s": None, "reference_tokens_per_s": None, "speed_pairs": [],
-                 "speed_unit": "prompt", "speed_block": len(methods), "speed_new_tokens": None, "load_avg": None}
-                for _ in methods]
+                 "speed_reference": None, "speed_unit": "prompt", "speed_block": len(methods),
+                 "speed_new_tokens": None, "load_avg": None} for _ in methods]
     before = os.getloadavg()[0]
-    order = [*methods, Full()]  # full depth last: index len(methods)
-    for m in order:  # warm-up: caches, allocator, lazy initialisation — not timed
-        generate(stack, tokenizer, [list(prompts[0])], m, min(new_tokens, WARM_UP_TOKENS))
-    pairs: list[list[list[float]]] = [[] for _ in methods]
+    refs = full_depth_references(stack)
+    runs = [lambda prompt, new, m=m: _tokens_per_s(generate(stack, tokenizer, [list(prompt)], m, new))
+            for m in methods]
+    runs += [lambda prompt, new, f=f: f(stack, tokenizer, prompt, new) for f in refs.values()]  # references last
+    longest = max(prompts, key=len)
+    for j, run in enumerate(runs):  # warm-up: caches, allocator, lazy initialisation, compilation — not timed
+        hf = j >= len(methods) and list(refs)[j - len(methods)] != FULL_DEPTH
+        run(longest, new_tokens) if hf else run(prompts[0], min(new_tokens, WARM_UP_TOKENS))
+    tps: list[list[float]] = [[] for _ in runs]  # per run, per prompt
     for i, prompt in enumerate(prompts):
-        turn = i % len(order)
-        tps = {j: _tokens_per_s(generate(stack, tokenizer, [list(prompt)], order[j], new_tokens))
-               for j in [*range(turn, len(order)), *range(turn)]}
-        for j in range(len(methods)):
-            pairs[j].append([tps[j], tps[len(methods)]])
+        turn = i % len(runs)
+        for j in [*range(turn, len(runs)), *range(turn)]:
+            tps[j].append(runs[j](prompt, new_tokens))
     load = max(before, os.getloadavg()[0])
+    by_ref = dict(zip(refs, tps[len(methods):]))
+    best = max(by_ref, key=lambda name: statistics.median(by_ref[name]))
     out = []
-    for own in pairs:
-        logs = [math.log(a / b) for a, b in own]
-        out.append({"speedup": math.exp(sum(logs) / len(logs)),
-                    "speed_tokens_per_s": statistics.median(a for a, _ in own),
-                    "reference_tokens_per_s": statistics.median(b for _, b in own), "speed_pairs": own,
+    for own in tps[: len(methods)]:
+        speedups = {name: _geometric_mean([a / b for a, b in zip(own, ref)]) for name, ref in by_ref.items()}
+        out.append({"speedup": speedups[best], "speed_tokens_per_s": statistics.median(own),
+                    "reference_tokens_per_s": statistics.median(by_ref[best]), "speed_reference": best,
+                    "speed_pairs": [[a, b] for a, b in zip(own, by_ref[best])],
+                    "speedup_by_reference": speedups,
+                    "reference_tokens_per_s_by_reference": {n: statistics.median(r) for n, r in by_ref.items()},
                     "speed_unit": "prompt", "speed_block": len(methods), "speed_new_tokens": new_tokens,
                     "load_avg": load})
     return out
+
+
+def _geometric_mean(ratios: Sequence[float]) -> float:
+    return math.exp(sum(math.log(r) for r in ratios) / len(ratios))
 
 
 REFERENCE_RUNS = 3  # full-depth generations whose median tokens/s is a prompt set's cheap-measure reference

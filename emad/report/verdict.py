@@ -37,6 +37,7 @@ Comparisons allow a slack of 1e-9 so that values exactly at a threshold pass.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -70,6 +71,8 @@ class PointAssessment:
     speed: Interval | None = None
     load_avg: float | None = None
     depths: dict[str, dict[str, int]] = field(default_factory=dict)  # domain -> tokens per exit depth
+    speed_reference: str | None = None  # the full-depth decoder C2's pairs are against (the faster one timed)
+    speedup_by_reference: dict[str, float] = field(default_factory=dict)  # every full-depth decoder timed
 
     @property
     def reduction(self) -> float:
@@ -102,7 +105,10 @@ class PointAssessment:
         ci = (f"95% CI {self.speed.lo:.2f} to {self.speed.hi:.2f}" if self.speed.defined
               else f"95% CI n/a: {self.speed.method.removeprefix('undefined: ')}")
         load = f", load {self.load_avg:.1f}" if self.load_avg is not None else ""
-        return f"{self.speed.value:.2f}× ({ci}, {self.speed.n} prompts{load})"
+        versus = f" vs {self.speed_reference}" if self.speed_reference else ""
+        others = "".join(f"; vs {name} {value:.2f}×" for name, value in self.speedup_by_reference.items()
+                         if name != self.speed_reference)
+        return f"{self.speed.value:.2f}×{versus} ({ci}, {self.speed.n} prompts{load}{others})"
 
     @property
     def worst(self) -> Check | None:
@@ -116,6 +122,7 @@ class PointAssessment:
                 "curve": self.curve, "knob": self.knob, "value": self.value,
                 "flops_ratio": self.flops_ratio, "flops_reduction": self.reduction, "speedup": self.speedup,
                 "speed": self.speed.to_dict() if self.speed else None, "load_avg": self.load_avg,
+                "speed_reference": self.speed_reference, "speedup_by_reference": self.speedup_by_reference,
                 "flops_by_domain": self.flops_by_domain,
                 "state": self.state, "within_tolerance": self.within_tolerance,
                 "worst": worst.describe() if worst else None,
@@ -286,7 +293,21 @@ def assess_point(runs: Sequence[dict], base: dict[tuple[str, str], dict], thr: T
                            first.get("knob"), first.get("value"), _prompt_speed(runs),
                            max((r["cost"]["load_avg"] for r in runs if finite(r.get("cost", {}).get("load_avg"))),
                                default=None),
-                           {r["domain"]: r.get("depth_histogram") or {} for r in runs})
+                           {r["domain"]: r.get("depth_histogram") or {} for r in runs},
+                           *_references(runs))
+
+
+def _references(runs: Sequence[dict]) -> tuple[str | None, dict[str, float]]:
+    """The full-depth decoder the runs' C2 pairs are against (when they agree on one) and the speed-up against every
+    decoder they were timed beside: the geometric mean over the runs' per-domain speed-ups."""
+    costs = [r.get("cost", {}) for r in runs]
+    names = {c.get("speed_reference") for c in costs}
+    reference = names.pop() if len(names) == 1 else None
+    by_ref: dict[str, list[float]] = {}
+    for c in costs:
+        for name, value in (c.get("speedup_by_reference") or {}).items():
+            by_ref.setdefault(name, []).append(value)
+    return reference, {n: math.exp(sum(map(math.log, v)) / len(v)) for n, v in by_ref.items() if len(v) == len(runs)}
 
 
 def _by_reduction(points: list[PointAssessment]) -> list[PointAssessment]:
