@@ -128,36 +128,41 @@ def generate(
         cache, last = prefills.run(stack, prompts, depth0, cache, ids, real)
         with torch.inference_mode():
             logits = stack.readout(last, depth0)  # [B, V]
-    tokens = choose(logits, sampling, generator)  # [B]
-    logps = _logprob(logits, tokens)
-    positions = real.long().sum(-1)  # next position id per row, [B]
+    tokens = choose(logits, sampling, generator)  # [B] on the device
+    chosen, logps = _to_host(tokens, logits)
+    positions = real.long().sum(-1).cpu()  # next position id per row, [B] on the host
     rows_state = [_Row() for _ in range(batch)]
-    held = cache.held().cpu()
+    helds = [cache.held()]  # per step: [B, L] keys held per row and layer, on the device (read once at the end)
     first_flops, first_bytes = cost.readout_at(depth0)
     for r in range(batch):  # the first token is read out of the prompt's last position
-        _record(rows_state[r], int(tokens[r]), float(logps[r]), depth0, held[r] * 0, int(positions[r]), first_flops,
-                first_bytes, {}, "prompt", depth0, 0)
-    alive = torch.arange(batch, device=stack.device)
+        _record(rows_state[r], int(chosen[r]), float(logps[r]), depth0, int(positions[r]), first_flops, first_bytes,
+                {}, "prompt", depth0, 0)
+    alive = torch.arange(batch)  # host
     probes = method.criterion.probes(stack.n_layers)
-    for t in range(1, max_new_tokens + 1):
-        alive = _drop_finished(rows_state, alive, tokenizer, eos, stop_strings, on_token)
-        if len(alive) == 0 or t == max_new_tokens:
-            break
-        before = policy.extra.flops.clone(), policy.extra.bytes.clone()
-        out = step(stack, cache, method, policy, cost, tokens[alive], positions[alive], alive)
-        new = choose(out.logits, sampling, generator)
-        logps = _logprob(out.logits, new)
-        tokens[alive] = new
-        positions[alive] += 1
-        held, allowed = cache.held().cpu(), out.allowed.tolist()
-        for i, r in enumerate(alive.tolist()):
-            extra_f = float(out.probe_flops[i] + policy.extra.flops[r] - before[0][r])
-            extra_b = float(out.probe_bytes[i] + policy.extra.bytes[r] - before[1][r])
-            seen = {p: float(e) for p, e in zip(probes, out.entropies[i].tolist()) if e == e}
-            _record(rows_state[r], int(new[i]), float(logps[i]), int(out.depths[i]), held[r], int(positions[r]), extra_f, extra_b,
-                    seen, EXIT_REASONS[int(out.reasons[i])], allowed[i], t)
-    for s in rows_state:
+    with stack.finite_checks_deferred():  # read once at the end: the loop syncs only for its tokens and probes
+        for t in range(1, max_new_tokens + 1):
+            alive = _drop_finished(rows_state, alive, tokenizer, eos, stop_strings, on_token)
+            if len(alive) == 0 or t == max_new_tokens:
+                break
+            before = policy.extra.flops.clone(), policy.extra.bytes.clone()
+            out = step(stack, cache, method, policy, cost, tokens[alive.to(stack.device)], positions[alive], alive)
+            new = choose(out.logits, sampling, generator)
+            chosen, logps = _to_host(new, out.logits)  # the step's one copy of its tokens to the host
+            tokens[alive.to(stack.device)] = new
+            positions[alive] += 1
+            helds.append(cache.held())
+            allowed = out.allowed.tolist()
+            for i, r in enumerate(alive.tolist()):
+                extra_f = float(out.probe_flops[i] + policy.extra.flops[r] - before[0][r])
+                extra_b = float(out.probe_bytes[i] + policy.extra.bytes[r] - before[1][r])
+                seen = {p: float(e) for p, e in zip(probes, out.entropies[i].tolist()) if e == e}
+                _record(rows_state[r], int(chosen[i]), float(logps[i]), int(out.depths[i]), int(positions[r]), extra_f,
+                        extra_b, seen, EXIT_REASONS[int(out.reasons[i])], allowed[i], t)
+    held = torch.stack(helds).cpu()  # [steps, B, L]
+    for r, s in enumerate(rows_state):
         s.finish = s.finish or "length"
+        s.n_ctx = [torch.where(torch.arange(held.shape[-1]) < d, held[t, r], 0) if t else held[0, r] * 0
+                   for t, d in zip(s.steps, s.depths)]  # per token: [L] keys attended per layer run
     out = _assemble(rows_state, tokenizer, stop_strings, cost, method, policy)
     out.seconds, out.timed = elapsed(stack.device, started), prefills is None
     return out
@@ -171,18 +176,19 @@ def default_eos_ids(stack: LayerStack, tokenizer) -> list[int]:
     return [] if ids is None else ([ids] if isinstance(ids, int) else list(ids))
 
 
-def _logprob(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Log-probability of each chosen token under its exit readout: ``[b]`` on CPU."""
-    return torch.log_softmax(logits.float(), -1).gather(-1, tokens[:, None]).squeeze(-1).cpu()
+def _to_host(tokens: torch.Tensor, logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    """The chosen tokens ``[b]`` and their log-probabilities under the exit readout ``[b, V]``, on the host in one
+    copy."""
+    logp = torch.log_softmax(logits.float(), -1).gather(-1, tokens[:, None]).squeeze(-1)  # [b]
+    host = torch.stack([tokens.double(), logp.double()]).cpu()  # [2, b]
+    return [int(x) for x in host[0].tolist()], host[1].tolist()
 
 
-def _record(row: _Row, token: int, logprob: float, depth: int, held: torch.Tensor, context: int, extra_flops: float,
+def _record(row: _Row, token: int, logprob: float, depth: int, context: int, extra_flops: float,
             extra_bytes: float, entropies: dict[int, float], reason: str, allowed: int, step_index: int) -> None:
-    layers = torch.arange(held.shape[0])
     row.ids.append(token)
     row.logprobs.append(logprob)
     row.depths.append(depth)
-    row.n_ctx.append(torch.where(layers < depth, held, 0))
     row.context.append(context)
     row.extra_flops.append(extra_flops)
     row.extra_bytes.append(extra_bytes)

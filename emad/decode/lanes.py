@@ -53,8 +53,9 @@ class RunningRows(Lanes):
 
     def run(self, start: int, stop: int, active: torch.Tensor) -> torch.Tensor:
         cache_rows = self.rows[active]
-        subset = None if len(cache_rows) == self.cache.batch_size else cache_rows
-        self.h = self.stack.run(self.h, start, stop, self.cache, self.positions[active], self.slots, subset)
+        subset = None if len(cache_rows) == self.cache.batch_size else cache_rows.to(self.h.device)
+        self.h = self.stack.run(self.h, start, stop, self.cache, self.positions[active.to(self.h.device)], self.slots,
+                                subset)
         return self.h
 
     def keep(self, staying: torch.Tensor) -> None:
@@ -68,11 +69,12 @@ class MaskedRows(Lanes):
     def __init__(self, stack, cache, h, positions, rows, slots):
         super().__init__(stack, cache, h, positions, rows, slots)
         batch = cache.batch_size
-        self.h = h.new_zeros(batch, *h.shape[1:]).index_copy_(0, rows, h)  # [B, 1, d]
-        self.positions = positions.new_zeros(batch, *positions.shape[1:]).index_copy_(0, rows, positions)  # [B, 1]
+        on_device = rows.to(h.device)
+        self.h = h.new_zeros(batch, *h.shape[1:]).index_copy_(0, on_device, h)  # [B, 1, d]
+        self.positions = positions.new_zeros(batch, *positions.shape[1:]).index_copy_(0, on_device, positions)
 
     def run(self, start: int, stop: int, active: torch.Tensor) -> torch.Tensor:
-        cache_rows = self.rows[active]
+        cache_rows = self.rows[active].to(self.h.device)
         running = torch.zeros(self.cache.batch_size, dtype=torch.bool, device=self.h.device)
         running[cache_rows] = True
         self.h = self.stack.run_masked(self.h, start, stop, self.cache, self.positions, self.slots, running)

@@ -186,23 +186,28 @@ def step(
     """Decode one token for ``rows``, each exiting where the criterion says, within the policy's depth cap; the
     method's batch exit rule decides whether rows that may exit leave at once (``per-row``) or together (``sync``).
 
+    The device runs the layers, the estimates and the criterion; the host keeps the step's bookkeeping (which rows
+    still run, their caps, depths, reasons, costs and entropies) and learns from the device once per estimated
+    probe — the criterion's decisions and the entropies, in one copy — and never otherwise.
+
     Args:
-        tokens: ``[b]`` the previous token of each row being run.
+        tokens: ``[b]`` the previous token of each row being run (on the model's device).
         positions: ``[b]`` its position id.
-        rows: cache rows being run, LongTensor ``[b]`` (all B rows or a subset).
+        rows: cache rows being run, LongTensor ``[b]`` (all B rows or a subset; best on the host).
 
     Returns:
-        A :class:`StepOutput` for the b rows, in order.
+        A :class:`StepOutput` for the b rows, in order (logits on the device, the rest on the host).
     """
     b, device = tokens.shape[0], tokens.device
+    rows = rows.cpu()  # host bookkeeping; device tensors are indexed with it directly
     real = torch.zeros(cache.batch_size, 1, dtype=torch.bool, device=device)
     real[rows] = True
-    slots = cache.allocate(real)
-    pos = positions[:, None]  # [b, 1]
+    slots = cache.allocate(real, dense=b == cache.batch_size)
+    pos = positions.to(device)[:, None]  # [b, 1]
     h = stack.embed(tokens[:, None], pos)  # [b, 1, d]
     criterion, estimator = method.criterion, method.estimator
     probes = criterion.probes(stack.n_layers)
-    cap = policy.max_depth(rows)  # [b]
+    cap = policy.max_depth(rows)  # [b] on the host
     rule = BATCH_EXITS.get(method.batch_exit)()
     if rule.shares_depth and b > 1 and bool((cap != cap[0]).any()):
         raise RuntimeError(f"batch_exit {method.batch_exit!r}: policy {method.policy!r} capped the rows of one step "
@@ -210,14 +215,14 @@ def step(
     probe_flops, probe_bytes = estimator.probe_cost(cost)
     out = StepOutput(
         logits=torch.empty(b, stack.vocab_size, dtype=stack.dtype, device=device),
-        depths=torch.zeros(b, dtype=torch.long, device=device),
+        depths=torch.zeros(b, dtype=torch.long),
         probe_flops=torch.zeros(b, dtype=torch.float64), probe_bytes=torch.zeros(b, dtype=torch.float64),
         entropies=torch.full((b, len(probes)), float("nan")), reasons=torch.zeros(b, dtype=torch.long),
-        allowed=torch.zeros(b, dtype=torch.long, device=device),
+        allowed=torch.zeros(b, dtype=torch.long),
     )
     first_conf = torch.ones(b, device=device)
-    active = torch.arange(b, device=device)  # indices into the b rows still running
-    ready = torch.zeros(b, dtype=torch.bool, device=device)  # per running row: it may exit at an earlier probe
+    active = torch.arange(b)  # host: indices into the b rows still running
+    ready = torch.zeros(b, dtype=torch.bool)  # host, per running row: it may exit at an earlier probe
     estimator.begin(b)
     criterion.begin(b)
     done = 0
@@ -234,21 +239,8 @@ def step(
         # rows carried on by the batch exit rule are not probed again
         probing = torch.ones_like(last) if criterion.reads_every_exit else ~(last | capped | ready)
         if criterion.needs_estimate and criterion.wants_estimate(k, probe) and bool(probing.any()):
-            probed = active[probing]
-            est = estimator.estimate(stack, h[probing, -1], probe, probed)
-            idx = probed.cpu()
-            spent = est.cost or (probe_flops, probe_bytes)
-            moved = cost.translation(probe)  # the readout's T_ℓ, read before the estimator's head rows
-            out.probe_flops[idx] += spent[0] + moved[0]
-            out.probe_bytes[idx] += spent[1] + moved[1]
-            out.entropies[idx, k] = est.entropy.float().cpu()
-            if k == 0:
-                first_conf[probed] = est.max_prob.float()
-            view = ProbeView(probe, est.entropy, pos[probed, 0], first_conf[probed], est.logits, probed)
-            criterion.observe(view)
-            if probe >= criterion.min_exit_layer:
-                passed[probing] = criterion.exits(view)
-            probe_logits = criterion.exit_logits(view)
+            passed[probing], probe_logits = _probe(stack, method, cost, out, h[probing.to(device), -1],
+                                                   active[probing], k, probe, pos, first_conf)
         allowed = passed | capped | last | ready
         out.allowed[active] = torch.where(allowed & ~ready, probe, out.allowed[active])  # first allowed here
         leave = rule.leaving(allowed)
@@ -257,27 +249,55 @@ def step(
             read = leave & ~probing if probe_logits is not None else leave  # rows read out afresh
             if probe_logits is not None:
                 took = leave & probing
-                out.logits[active[took]] = probe_logits[took[probing]].to(out.logits.dtype)
+                out.logits[active[took].to(device)] = probe_logits[took[probing].to(device)].to(out.logits.dtype)
             if bool(read.any()):
-                out.logits[active[read]] = _readout(stack, h[read], probe, cost, out, active[read]).to(out.logits.dtype)
+                out.logits[active[read].to(device)] = _readout(stack, h[read.to(device)], probe, cost, out,
+                                                               active[read]).to(out.logits.dtype)
             out.depths[gone] = probe
             code = torch.where(passed[leave], 0, torch.where(capped[leave], 1, 2))
-            out.reasons[gone.cpu()] = torch.where(ready[leave], 3, code).cpu()
-            policy.after_exit(stack, cache, rows[gone], slots.start, h[leave], pos[gone, 0], probe)
+            out.reasons[gone] = torch.where(ready[leave], 3, code)
+            policy.after_exit(stack, cache, rows[gone], slots.start, h[leave.to(device)], pos[gone.to(device), 0],
+                              probe)
         active, ready = active[~leave], allowed[~leave]
-        lanes.keep(~leave)
+        lanes.keep((~leave).to(device))
         if len(active) == 0:
             break
     policy.record(rows, out.depths)
     return out
 
 
+def _probe(stack: LayerStack, method: Method, cost: CostModel, out: StepOutput, h: torch.Tensor,
+           probed: torch.Tensor, k: int, probe: int, pos: torch.Tensor,
+           first_conf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The ``k``-th probe (at layer ``probe``) of the rows ``probed`` (host indices into the step's rows) with
+    states ``h`` ``[p, d]``: their estimate, charged to ``out``, seen by the criterion. The one host copy of the
+    probe brings back the criterion's decisions and the entropies.
+
+    Returns:
+        ``(passed [p] on the host, exit logits [p, V] on the device or None)``.
+    """
+    criterion, estimator, device = method.criterion, method.estimator, h.device
+    on_device = probed.to(device)
+    est = estimator.estimate(stack, h, probe, on_device)
+    spent = est.cost or estimator.probe_cost(cost)
+    moved = cost.translation(probe)  # the readout's T_ℓ, read before the estimator's head rows
+    out.probe_flops[probed] += spent[0] + moved[0]
+    out.probe_bytes[probed] += spent[1] + moved[1]
+    if k == 0:
+        first_conf[on_device] = est.max_prob.float()
+    view = ProbeView(probe, est.entropy, pos[on_device, 0], first_conf[on_device], est.logits, on_device)
+    criterion.observe(view)
+    exits = criterion.exits(view) if probe >= criterion.min_exit_layer else torch.zeros_like(est.entropy, dtype=bool)
+    host = torch.stack([exits.float(), est.entropy.float()]).cpu()  # [2, p]: the probe's one copy to the host
+    out.entropies[probed, k] = host[1]
+    return host[0].bool(), criterion.exit_logits(view)
+
+
 def _readout(stack: LayerStack, h: torch.Tensor, layer: int, cost: CostModel, out: StepOutput, gone: torch.Tensor):
     """The exit readout at ``layer`` when no estimator produced it (charged as one readout there)."""
-    idx = gone.cpu()
     flops, bytes_ = cost.readout_at(layer)
-    out.probe_flops[idx] += flops
-    out.probe_bytes[idx] += bytes_
+    out.probe_flops[gone] += flops
+    out.probe_bytes[gone] += bytes_
     return stack.readout(h[:, -1], layer)
 
 

@@ -52,11 +52,13 @@ class KVCache:
         self.filled = [0] * n_layers
 
     # ----------------------------------------------------------------- slots
-    def allocate(self, real: torch.Tensor) -> slice:
+    def allocate(self, real: torch.Tensor, dense: bool | None = None) -> slice:
         """Reserve slots for new tokens.
 
         Args:
             real: ``[B, q]`` bool, False where the slot is padding.
+            dense: whether every entry of ``real`` is True, when the caller knows (spares reading it back from
+                the device).
 
         Returns:
             The slice of slot indices the tokens occupy.
@@ -66,7 +68,7 @@ class KVCache:
         self._ensure_capacity(stop)
         self.real[:, start:stop] = real
         self.n_slots = stop
-        if not bool(real.all()):
+        if not (bool(real.all()) if dense is None else dense):
             self.padded = True
         return slice(start, stop)
 

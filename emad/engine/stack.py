@@ -11,6 +11,7 @@ gives another).
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
 from functools import cached_property
 
 import torch
@@ -188,16 +189,37 @@ class LayerStack:
         return dict(zip(states, logits.split([len(x) for x in inputs])))
 
     def _logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """Softcap the head's output, refusing NaN or inf."""
+        """Softcap the head's output, refusing NaN or inf (at once, or on leaving :meth:`finite_checks_deferred`)."""
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         # NaN or inf anywhere makes the sum non-finite (a sum of finite logits overflows only past ~1e34 each); one
         # reduction costs a twentieth of an elementwise isfinite on a CPU
-        if not bool(torch.isfinite(logits.sum())):
-            raise NonFiniteLogitsError(
-                f"the readout produced NaN or inf logits in {self.dtype}: the activations overflowed; run the model "
-                "in float32 (dtype: float32 in params.yaml, --dtype float32 on the command line)")
+        finite = torch.isfinite(logits.sum())
+        if self._unchecked is not None:
+            self._unchecked |= ~finite  # read once, on leaving the deferred block: no host sync per readout
+        elif not bool(finite):
+            self._refuse_non_finite()
         return logits
+
+    _unchecked: torch.Tensor | None = None  # inside finite_checks_deferred: a device flag, any readout non-finite
+
+    @contextmanager
+    def finite_checks_deferred(self):
+        """Inside the block, readouts are checked for NaN or inf on the device and the flag is read once on leaving
+        (a decode loop then syncs with the host only where it reads its tokens)."""
+        self._unchecked = torch.zeros((), dtype=torch.bool, device=self.device)
+        try:
+            yield self
+            unchecked = bool(self._unchecked)
+        finally:
+            self._unchecked = None
+        if unchecked:
+            self._refuse_non_finite()
+
+    def _refuse_non_finite(self):
+        raise NonFiniteLogitsError(
+            f"the readout produced NaN or inf logits in {self.dtype}: the activations overflowed; run the model "
+            "in float32 (dtype: float32 in params.yaml, --dtype float32 on the command line)")
 
     # ------------------------------------------------------------------ helpers
     def _rotary(self, h: torch.Tensor, positions: torch.Tensor, idx: int, memo: dict):
