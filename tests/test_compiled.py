@@ -82,6 +82,16 @@ def test_compiled_equals_eager_in_tokens_depths_and_flops(eager, compiled, profi
         assert any(d < 4 for row in a.depths for d in row[1:]), f"{name} never exited: the test would prove little"
 
 
+@pytest.mark.parametrize("name", ["emad-exact", "emad-topk", "emad-lowrank", "emad-tuned", "softmax"])
+def test_probes_compiled_over_every_row_equal_eager_probes(eager, profile, name):
+    """What a GPU runs: each fusable probe (readout + estimator) compiled over every cache row."""
+    fused = eager.compiled().__class__(eager, fuse_probes=True)
+    assert fused.fuses(_methods(profile)[name]().estimator)
+    prompts = random_prompts(4, [5, 9, 7, 12], seed=3)
+    method = _methods(profile)[name]
+    _same(generate(eager, TOK, prompts, method(), NEW), generate(fused, TOK, prompts, method(), NEW))
+
+
 def test_full_depth_on_the_compiled_engine_equals_hf_greedy(eager, compiled):
     prompts = random_prompts(4, [4, 11, 8, 6], seed=7)
     out = generate(compiled, TOK, prompts, Full(), NEW)

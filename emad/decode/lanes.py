@@ -12,6 +12,7 @@ import torch
 
 from emad.engine.cache import KVCache
 from emad.engine.stack import LayerStack
+from emad.exits.estimators import Estimate, Estimator
 
 
 class Lanes:
@@ -43,6 +44,11 @@ class Lanes:
     def keep(self, staying: torch.Tensor) -> None:
         """Of the rows active at the last :meth:`run`, only those where ``staying`` ``[a]`` is True run on."""
 
+    def estimate(self, estimator: Estimator, layer: int, probing: torch.Tensor, probed: torch.Tensor) -> Estimate:
+        """``estimator``'s estimate at ``layer`` of the active rows where ``probing`` ``[a]`` (host) is True, which
+        are the step rows ``probed`` ``[p]`` (on the device)."""
+        return estimator.estimate(self.stack, self.active_states[probing.to(self.h.device), -1], layer, probed)
+
 
 class RunningRows(Lanes):
     """Only the running rows' states ``[a, 1, d]``; rows that leave are dropped."""
@@ -61,6 +67,10 @@ class RunningRows(Lanes):
     def keep(self, staying: torch.Tensor) -> None:
         self.h = self.h[staying]
 
+    @property
+    def active_states(self) -> torch.Tensor:
+        return self.h
+
 
 class MaskedRows(Lanes):
     """Every cache row's state ``[B, 1, d]`` (rows outside the step hold zeros); a segment runs them all, only
@@ -78,4 +88,13 @@ class MaskedRows(Lanes):
         running = torch.zeros(self.cache.batch_size, dtype=torch.bool, device=self.h.device)
         running[cache_rows] = True
         self.h = self.stack.run_masked(self.h, start, stop, self.cache, self.positions, self.slots, running)
-        return self.h[cache_rows]
+        self.active_states = self.h[cache_rows]
+        return self.active_states
+
+    def estimate(self, estimator: Estimator, layer: int, probing: torch.Tensor, probed: torch.Tensor) -> Estimate:
+        """A fusable estimator runs compiled over every cache row (static shapes), its probed rows picked after."""
+        if not self.stack.fuses(estimator):
+            return super().estimate(estimator, layer, probing, probed)
+        entropy, max_prob, logits = self.stack.estimate_all(estimator, layer, self.h[:, -1])  # [B], [B], [B, V]
+        picked = self.rows.to(self.h.device)[probed]  # [p] the probed rows' cache rows
+        return Estimate(entropy[picked], max_prob[picked], None if logits is None else logits[picked])

@@ -239,8 +239,8 @@ def step(
         # rows carried on by the batch exit rule are not probed again
         probing = torch.ones_like(last) if criterion.reads_every_exit else ~(last | capped | ready)
         if criterion.needs_estimate and criterion.wants_estimate(k, probe) and bool(probing.any()):
-            passed[probing], probe_logits = _probe(stack, method, cost, out, h[probing.to(device), -1],
-                                                   active[probing], k, probe, pos, first_conf)
+            passed[probing], probe_logits = _probe(lanes, method, cost, out, probing, active[probing], k, probe,
+                                                   pos, first_conf)
         allowed = passed | capped | last | ready
         out.allowed[active] = torch.where(allowed & ~ready, probe, out.allowed[active])  # first allowed here
         leave = rule.leaving(allowed)
@@ -266,19 +266,19 @@ def step(
     return out
 
 
-def _probe(stack: LayerStack, method: Method, cost: CostModel, out: StepOutput, h: torch.Tensor,
+def _probe(lanes: Lanes, method: Method, cost: CostModel, out: StepOutput, probing: torch.Tensor,
            probed: torch.Tensor, k: int, probe: int, pos: torch.Tensor,
            first_conf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The ``k``-th probe (at layer ``probe``) of the rows ``probed`` (host indices into the step's rows) with
-    states ``h`` ``[p, d]``: their estimate, charged to ``out``, seen by the criterion. The one host copy of the
-    probe brings back the criterion's decisions and the entropies.
+    """The ``k``-th probe (at layer ``probe``) of the active rows where ``probing`` is True, which are the step's
+    rows ``probed`` (host indices): their estimate, charged to ``out``, seen by the criterion. The one host copy of
+    the probe brings back the criterion's decisions and the entropies.
 
     Returns:
         ``(passed [p] on the host, exit logits [p, V] on the device or None)``.
     """
-    criterion, estimator, device = method.criterion, method.estimator, h.device
+    criterion, estimator, device = method.criterion, method.estimator, pos.device
     on_device = probed.to(device)
-    est = estimator.estimate(stack, h, probe, on_device)
+    est = lanes.estimate(estimator, probe, probing, on_device)
     spent = est.cost or estimator.probe_cost(cost)
     moved = cost.translation(probe)  # the readout's T_ℓ, read before the estimator's head rows
     out.probe_flops[probed] += spent[0] + moved[0]

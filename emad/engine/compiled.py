@@ -22,6 +22,8 @@ from __future__ import annotations
 import time
 import types
 import weakref
+from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -104,21 +106,34 @@ def _segment_function(stack: LayerStack, start: int, stop: int, name: str):
     return types.FunctionType(code, segment.__globals__, name, segment.__defaults__, segment.__closure__)
 
 
+def _estimate_function(view: LayerStack, layer: int, name: str):
+    """``estimator.estimate`` at ``layer`` for every row's state ``h`` ``[B, d]`` through ``view`` (whose readout
+    defers its NaN/inf check to a device flag), as a function with a code object of its own (``name``). The
+    estimator comes in as an argument, so points with equal estimators of other values share the compilation."""
+
+    def estimate(h, estimator):
+        est = estimator.estimate(view, h, layer)
+        return est.entropy, est.max_prob, est.logits
+
+    code = estimate.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, estimate.__globals__, name, estimate.__defaults__, estimate.__closure__)
+
+
 class _Graph:
     """One segment captured as a CUDA graph on one slab: replays copy the inputs into the graph's own tensors."""
 
-    def __init__(self, fn, inputs: tuple[torch.Tensor, ...], cache_tensors: tuple, pool):
-        self.inputs = tuple(x.clone() for x in inputs)  # h, positions, slot, running
-        self.cache_tensors = cache_tensors  # the slab's lists and tensors: fixed addresses
+    def __init__(self, fn, inputs: tuple[torch.Tensor, ...], fixed: tuple):
+        self.inputs = tuple(x.clone() for x in inputs)  # copied in at every replay
+        self.fixed = fixed  # read where they lie (a slab's buffers, an estimator): their addresses never change
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up (lazy initialisation); its writes are the replay's own
             for _ in range(2):
-                fn(*self.inputs, *cache_tensors)
+                fn(*self.inputs, *fixed)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.output = fn(*self.inputs, *cache_tensors)
+        with torch.cuda.graph(self.graph):
+            self.output = fn(*self.inputs, *fixed)
 
     def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
         for mine, given in zip(self.inputs, inputs):
@@ -141,13 +156,20 @@ class CompileStats:
 
 
 class SegmentRunner:
-    """The compiled segments of one model (shared by every view of its stack), made on first use and kept.
+    """The compiled segments and probe estimates of one model (shared by every view of its stack), made on first use
+    and kept.
 
     Args:
         stack: a view of the model (its layers, adapter and rotary tables are the model's).
         backend: ``torch.compile`` backend (``inductor``).
         graphs: capture CUDA graphs (default: on CUDA).
+
+    Attributes:
+        nonfinite: a device flag set by readouts whose NaN/inf check is deferred (compiled probes, and every readout
+            of a compiled view inside :meth:`CompiledStack.finite_checks_deferred`).
     """
+
+    GRAPHS_PER_ESTIMATE = 32  # captured probe graphs kept per (estimator kind, layer, shape): the points of a block
 
     def __init__(self, stack: LayerStack, backend: str = "inductor", graphs: bool | None = None):
         self.stack = stack
@@ -155,9 +177,12 @@ class SegmentRunner:
         self.graphs = stack.device.type == "cuda" if graphs is None else graphs
         self.functions: dict[tuple, object] = {}
         self.captured: dict[tuple, _Graph] = {}
+        self.estimates: dict[tuple, OrderedDict] = {}  # probe key -> estimator id -> (estimator, graph)
         self.slabs: dict[tuple[int, int], Slab] = {}
+        self.views: dict[tuple, LayerStack] = {}
         self.stats = CompileStats()
-        self._pool = None
+        self.nonfinite = torch.zeros((), dtype=torch.bool, device=stack.device)
+        self.deferring = False
 
     def slab(self, batch_size: int, capacity: int) -> Slab | None:
         """The slab for (rows, slots) when no live cache holds it (made on first use), else None."""
@@ -176,9 +201,7 @@ class SegmentRunner:
         fn = self.functions.get(key)
         if fn is None:
             name = f"emad_segment_{start}_{stop}_b{batch}_s{capacity}_{str(h.dtype).split('.')[-1]}"
-            fn = torch.compile(_segment_function(self.stack, start, stop, name), fullgraph=True, dynamic=False,
-                               backend=self.backend)
-            self.functions[key] = fn
+            fn = self._compile(key, _segment_function(self.stack, start, stop, name))
             began = time.perf_counter()
             out = fn(*inputs, *tensors)  # the first call compiles
             self._count(began, key[:4], compiled=True)
@@ -189,15 +212,62 @@ class SegmentRunner:
         graph_key = (id(cache.slab), *key)
         graph = self.captured.get(graph_key)
         if graph is None:
-            began = time.perf_counter()
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            with torch.compiler.set_stance("fail_on_recompile"):
-                graph = self.captured[graph_key] = _Graph(fn, inputs, tensors, self._pool)
-            self._count(began, key[:4], compiled=False)
+            graph = self.captured[graph_key] = self._capture(fn, inputs, tensors)
         return graph(*inputs)
 
-    def _count(self, began: float, layout: tuple, compiled: bool) -> None:
+    def estimate(self, lens, estimator, layer: int, h: torch.Tensor) -> tuple:
+        """``estimator``'s estimate at ``layer`` of every row's state ``h`` ``[B, d]``, read out through ``lens``
+        (None: the logit lens): ``(entropy [B], max_prob [B], logits [B, V] or None)``, compiled (a graph per
+        estimator on CUDA). Its NaN/inf check goes to :attr:`nonfinite` (read at once unless deferred)."""
+        view = self._view(lens)
+        key = ("estimate", type(estimator).__name__, layer, *h.shape, h.dtype, id(view))
+        fn = self.functions.get(key)
+        if fn is None:
+            estimator.estimate(view, h[:1], layer)  # eagerly once: shortlists, factorisations made outside
+            name = f"emad_estimate_{type(estimator).__name__.lower()}_{layer}_b{h.shape[0]}_{len(self.views)}"
+            fn = self._compile(key, _estimate_function(view, layer, name))
+            began = time.perf_counter()
+            out = fn(h, estimator)
+            self._count(began, (layer, layer, h.shape[0], 0), compiled=True)
+        elif not self.graphs:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                out = fn(h, estimator)
+        else:
+            kept = self.estimates.setdefault(key, OrderedDict())
+            if id(estimator) not in kept:
+                kept[id(estimator)] = (estimator, self._capture(fn, (h,), (estimator,)))  # the estimator kept alive
+                if len(kept) > self.GRAPHS_PER_ESTIMATE:
+                    kept.popitem(last=False)
+            kept.move_to_end(id(estimator))
+            out = kept[id(estimator)][1](h)
+        if not self.deferring and bool(self.nonfinite):
+            self.nonfinite.zero_()
+            view._refuse_non_finite()
+        return out
+
+    def _view(self, lens) -> LayerStack:
+        """A plain view of the model reading out through ``lens`` whose readouts flag NaN/inf in
+        :attr:`nonfinite` (one per set of translators, so compiled probes keep finding the same one)."""
+        key = () if lens is None else tuple(id(t) for t in lens.translators.values())
+        if key not in self.views:
+            view = LayerStack.with_readout(self.stack, lens)
+            view.__class__ = LayerStack
+            view._unchecked = self.nonfinite
+            self.views[key] = view
+        return self.views[key]
+
+    def _compile(self, key: tuple, fn):
+        self.functions[key] = torch.compile(fn, fullgraph=True, dynamic=False, backend=self.backend)
+        return self.functions[key]
+
+    def _capture(self, fn, inputs: tuple, fixed: tuple) -> _Graph:
+        began = time.perf_counter()
+        with torch.compiler.set_stance("fail_on_recompile"):
+            graph = _Graph(fn, inputs, fixed)
+        self._count(began, None, compiled=False)
+        return graph
+
+    def _count(self, began: float, layout: tuple | None, compiled: bool) -> None:
         if self.stack.device.type == "cuda":
             torch.cuda.synchronize(self.stack.device)
         self.stats.seconds += time.perf_counter() - began
@@ -230,9 +300,36 @@ class CompiledStack(LayerStack):
     engine = "compiled"
     keeps_rows = True
 
-    def __init__(self, stack: LayerStack, backend: str = "inductor"):  # noqa: D107 - a view, not a new stack
+    def __init__(self, stack: LayerStack, backend: str = "inductor", fuse_probes: bool | None = None):
         self.__dict__.update(stack.__dict__)
         self.runner = runner_for(stack, backend)
+        # probes whose estimator is fusable run compiled over every row (CUDA: a graph each); on a CPU they stay
+        # eager, where compiling them costs more than it saves
+        self.fuse_probes = self.device.type == "cuda" if fuse_probes is None else fuse_probes
+
+    def fuses(self, estimator) -> bool:
+        """Whether a probe by ``estimator`` runs compiled over every row (:meth:`estimate_all`)."""
+        return self.fuse_probes and getattr(estimator, "fusable", False)
+
+    def estimate_all(self, estimator, layer: int, h: torch.Tensor) -> tuple:
+        """``estimator``'s estimate of every cache row's state ``h`` ``[B, d]`` at ``layer``, compiled
+        (:meth:`SegmentRunner.estimate`)."""
+        return self.runner.estimate(self.lens, estimator, layer, h)
+
+    @contextmanager
+    def finite_checks_deferred(self):
+        """As :meth:`LayerStack.finite_checks_deferred`, covering the compiled probes' readouts too."""
+        self.runner.nonfinite.zero_()
+        self.runner.deferring = True
+        try:
+            with super().finite_checks_deferred():
+                yield self
+            unchecked = bool(self.runner.nonfinite)
+        finally:
+            self.runner.deferring = False
+        if unchecked:
+            self.runner.nonfinite.zero_()
+            self._refuse_non_finite()
 
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
         """A static cache of at least ``capacity`` slots (a multiple of :data:`CAPACITY_STEP`), on the model's slab

@@ -46,12 +46,15 @@ class Estimator:
         needs_fit: True when the estimator is loaded from a fitted estimators file; else it is built from the
             operating point's options (its constructor arguments).
         stateful: True when a token's estimate depends on its earlier probes (then :meth:`begin` resets it).
+        fusable: True when :meth:`estimate` is a pure function of the states (no host reads, no state), so a
+            compiled engine may run it compiled over every row of a batch (:mod:`emad.engine.compiled`).
     """
 
     name: ClassVar[str]
     gives_logits: ClassVar[bool] = False
     needs_fit: ClassVar[bool] = True
     stateful: ClassVar[bool] = False
+    fusable: ClassVar[bool] = False
 
     @classmethod
     def from_sample(cls, stack, sample: dict, **options) -> Estimator:
@@ -83,6 +86,7 @@ class Exact(Estimator):
 
     gives_logits = True
     needs_fit = False
+    fusable = True
 
     def estimate(self, stack, h: torch.Tensor, layer: int, rows: torch.Tensor | None = None) -> Estimate:
         logits = stack.readout(h, layer)  # [a, V]
@@ -101,6 +105,7 @@ class _Corrected(Estimator):
     """
 
     exact_by_construction = False
+    fusable = True
 
     def __init__(self, correction: dict | None = None):
         self.correction = {int(k): tuple(v) for k, v in (correction or {}).items()}
