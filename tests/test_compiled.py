@@ -19,7 +19,7 @@ from emad.exits.estimators import LowRank, TopK
 from emad.exits.strata import Strata
 from tests.test_decode import _hf_greedy
 from tests.test_readouts import random_lens
-from tests.tiny import TinyTokenizer, random_prompts, tiny_model
+from tests.tiny import ARCHITECTURES, TinyTokenizer, random_prompts, tiny_model
 
 TOK = TinyTokenizer()
 NEW = 10
@@ -92,6 +92,16 @@ def test_probes_compiled_over_every_row_equal_eager_probes(eager, profile, name)
     _same(generate(eager, TOK, prompts, method(), NEW), generate(fused, TOK, prompts, method(), NEW))
 
 
+def test_compiled_probes_serve_later_points_with_equal_estimators_without_compiling(eager, profile):
+    fused = eager.compiled().__class__(eager, fuse_probes=True)
+    prompts = random_prompts(4, [5, 9, 7, 12], seed=3)
+    generate(fused, TOK, prompts, Method(Emad(profile, 0.0), "monotone", TopK(48)), NEW)
+    before = fused.runner.stats.compilations
+    for margin in (0.0, 0.5):  # new points: new estimator objects (shortlist rows made afresh), equal options
+        generate(fused, TOK, prompts, Method(Emad(profile, margin), "monotone", TopK(48)), NEW)
+    assert fused.runner.stats.compilations == before
+
+
 def test_full_depth_on_the_compiled_engine_equals_hf_greedy(eager, compiled):
     prompts = random_prompts(4, [4, 11, 8, 6], seed=7)
     out = generate(compiled, TOK, prompts, Full(), NEW)
@@ -150,3 +160,16 @@ def test_a_bad_decode_engine_in_params_names_the_valid_values():
 
     with pytest.raises(ValueError, match="decode.engine must be one of auto, eager, compiled"):
         DecodeConfig(domains={"d": ["perplexity"]}, engine="fast")
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_every_architecture_decodes_on_the_compiled_engine_as_on_the_eager_one(arch):
+    """Every row of the adapter table (rotary or learned positions, sliding windows, softcapping, fused QKV):
+    full depth ≡ HF greedy, and a probing method ≡ the eager engine, at batch 2."""
+    stack = LayerStack(tiny_model(arch))
+    compiled = stack.compiled()
+    prompts = random_prompts(2, [5, 9], seed=1)
+    assert generate(compiled, TOK, prompts, Full(), NEW).token_ids == _hf_greedy(stack.model, prompts, NEW)
+    method = lambda: Method(Confidence(3.0, probe_every=2))  # noqa: E731
+    _same(generate(stack, TOK, prompts, method(), NEW), generate(compiled, TOK, prompts, method(), NEW))

@@ -49,6 +49,11 @@ class Lanes:
         are the step rows ``probed`` ``[p]`` (on the device)."""
         return estimator.estimate(self.stack, self.active_states[probing.to(self.h.device), -1], layer, probed)
 
+    def readout(self, layer: int, reading: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The readout ``[r, V]`` at ``layer`` of the active rows where ``reading`` ``[a]`` (host) is True, which
+        are the step rows ``rows`` ``[r]`` (host)."""
+        return self.stack.readout(self.active_states[reading.to(self.h.device), -1], layer)
+
 
 class RunningRows(Lanes):
     """Only the running rows' states ``[a, 1, d]``; rows that leave are dropped."""
@@ -98,3 +103,9 @@ class MaskedRows(Lanes):
         entropy, max_prob, logits = self.stack.estimate_all(estimator, layer, self.h[:, -1])  # [B], [B], [B, V]
         picked = self.rows.to(self.h.device)[probed]  # [p] the probed rows' cache rows
         return Estimate(entropy[picked], max_prob[picked], None if logits is None else logits[picked])
+
+    def readout(self, layer: int, reading: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Where probes are fused, the exit readout too: compiled over every cache row, the rows picked after."""
+        if not self.stack.fuse_probes:
+            return super().readout(layer, reading, rows)
+        return self.stack.readout_all(layer, self.h[:, -1])[self.rows[rows].to(self.h.device)]

@@ -251,7 +251,7 @@ def step(
                 took = leave & probing
                 out.logits[active[took].to(device)] = probe_logits[took[probing].to(device)].to(out.logits.dtype)
             if bool(read.any()):
-                out.logits[active[read].to(device)] = _readout(stack, h[read.to(device)], probe, cost, out,
+                out.logits[active[read].to(device)] = _readout(lanes, read, probe, cost, out,
                                                                active[read]).to(out.logits.dtype)
             out.depths[gone] = probe
             code = torch.where(passed[leave], 0, torch.where(capped[leave], 1, 2))
@@ -293,12 +293,14 @@ def _probe(lanes: Lanes, method: Method, cost: CostModel, out: StepOutput, probi
     return host[0].bool(), criterion.exit_logits(view)
 
 
-def _readout(stack: LayerStack, h: torch.Tensor, layer: int, cost: CostModel, out: StepOutput, gone: torch.Tensor):
-    """The exit readout at ``layer`` when no estimator produced it (charged as one readout there)."""
+def _readout(lanes: Lanes, reading: torch.Tensor, layer: int, cost: CostModel, out: StepOutput,
+             gone: torch.Tensor) -> torch.Tensor:
+    """The exit readout ``[r, V]`` at ``layer`` of the active rows where ``reading`` is True (the step rows ``gone``)
+    when no estimator produced it (charged as one readout there)."""
     flops, bytes_ = cost.readout_at(layer)
     out.probe_flops[gone] += flops
     out.probe_bytes[gone] += bytes_
-    return stack.readout(h[:, -1], layer)
+    return lanes.readout(layer, reading, gone)
 
 
 def choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:

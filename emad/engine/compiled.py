@@ -119,6 +119,23 @@ def _estimate_function(view: LayerStack, layer: int, name: str):
     return types.FunctionType(code, estimate.__globals__, name, estimate.__defaults__, estimate.__closure__)
 
 
+def _readout_function(view: LayerStack, layer: int, name: str):
+    """``view.readout`` at ``layer`` of every row's state ``h`` ``[B, d]``, with a code object of its own."""
+
+    def readout(h):
+        return view.readout(h, layer)
+
+    code = readout.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, readout.__globals__, name, readout.__defaults__, readout.__closure__)
+
+
+def _signature(estimator) -> tuple:
+    """What a compiled estimate specialises on besides tensor shapes: the estimator's kind, options and fitted
+    corrections (points sharing them share one compiled function; their tensors are inputs)."""
+    correction = getattr(estimator, "correction", None) or {}
+    return type(estimator).__name__, repr(estimator.describe()), repr(sorted(correction.items()))
+
+
 class _Graph:
     """One segment captured as a CUDA graph on one slab: replays copy the inputs into the graph's own tensors."""
 
@@ -183,6 +200,7 @@ class SegmentRunner:
         self.stats = CompileStats()
         self.nonfinite = torch.zeros((), dtype=torch.bool, device=stack.device)
         self.deferring = False
+        self._ready: weakref.WeakSet = weakref.WeakSet()  # estimators whose lazy tensors are made
 
     def slab(self, batch_size: int, capacity: int) -> Slab | None:
         """The slab for (rows, slots) when no live cache holds it (made on first use), else None."""
@@ -220,11 +238,13 @@ class SegmentRunner:
         (None: the logit lens): ``(entropy [B], max_prob [B], logits [B, V] or None)``, compiled (a graph per
         estimator on CUDA). Its NaN/inf check goes to :attr:`nonfinite` (read at once unless deferred)."""
         view = self._view(lens)
-        key = ("estimate", type(estimator).__name__, layer, *h.shape, h.dtype, id(view))
+        if estimator not in self._ready:  # eagerly once: shortlists and factorisations are made outside the graph
+            estimator.estimate(view, h[:1], layer)
+            self._ready.add(estimator)
+        key = ("estimate", _signature(estimator), layer, *h.shape, h.dtype, id(view))
         fn = self.functions.get(key)
         if fn is None:
-            estimator.estimate(view, h[:1], layer)  # eagerly once: shortlists, factorisations made outside
-            name = f"emad_estimate_{type(estimator).__name__.lower()}_{layer}_b{h.shape[0]}_{len(self.views)}"
+            name = f"emad_estimate_{type(estimator).__name__.lower()}_{layer}_b{h.shape[0]}_{len(self.functions)}"
             fn = self._compile(key, _estimate_function(view, layer, name))
             began = time.perf_counter()
             out = fn(h, estimator)
@@ -240,6 +260,30 @@ class SegmentRunner:
                     kept.popitem(last=False)
             kept.move_to_end(id(estimator))
             out = kept[id(estimator)][1](h)
+        if not self.deferring and bool(self.nonfinite):
+            self.nonfinite.zero_()
+            view._refuse_non_finite()
+        return out
+
+    def readout(self, lens, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """The readout at ``layer`` of every row's state ``h`` ``[B, d]`` through ``lens``: ``[B, V]``, compiled
+        (a graph on CUDA), its NaN/inf check as in :meth:`estimate`."""
+        view = self._view(lens)
+        key = ("readout", layer, *h.shape, h.dtype, id(view))
+        fn = self.functions.get(key)
+        if fn is None:
+            fn = self._compile(key, _readout_function(view, layer, f"emad_readout_{layer}_b{h.shape[0]}_"
+                                                                    f"{len(self.functions)}"))
+            began = time.perf_counter()
+            out = fn(h)
+            self._count(began, (layer, layer, h.shape[0], 0), compiled=True)
+        elif not self.graphs:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                out = fn(h)
+        else:
+            if key not in self.captured:
+                self.captured[key] = self._capture(fn, (h,), ())
+            out = self.captured[key](h)
         if not self.deferring and bool(self.nonfinite):
             self.nonfinite.zero_()
             view._refuse_non_finite()
@@ -315,6 +359,11 @@ class CompiledStack(LayerStack):
         """``estimator``'s estimate of every cache row's state ``h`` ``[B, d]`` at ``layer``, compiled
         (:meth:`SegmentRunner.estimate`)."""
         return self.runner.estimate(self.lens, estimator, layer, h)
+
+    def readout_all(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """The readout at ``layer`` of every cache row's state ``h`` ``[B, d]``, compiled
+        (:meth:`SegmentRunner.readout`)."""
+        return self.runner.readout(self.lens, layer, h)
 
     @contextmanager
     def finite_checks_deferred(self):
