@@ -166,7 +166,7 @@ class CompileStats:
     compilations: int = 0
     graphs: int = 0
     seconds: float = 0.0
-    layouts: list[tuple[int, int, int, int]] = field(default_factory=list)  # (start, stop, B, S) compiled
+    layouts: list[tuple] = field(default_factory=list)  # what was compiled: segments (start, stop, B, S, dtype), probes
 
     def as_dict(self) -> dict:
         return {"compilations": self.compilations, "graphs": self.graphs, "compile_seconds": round(self.seconds, 3)}
@@ -222,7 +222,7 @@ class SegmentRunner:
             fn = self._compile(key, _segment_function(self.stack, start, stop, name))
             began = time.perf_counter()
             out = fn(*inputs, *tensors)  # the first call compiles
-            self._count(began, key[:4], compiled=True)
+            self._count(began, key, compiled=True)
             return out
         if not self.graphs or not any(cache.slab is s for s in self.slabs.values()):  # graphs on own slabs only
             with torch.compiler.set_stance("fail_on_recompile"):
@@ -248,7 +248,7 @@ class SegmentRunner:
             fn = self._compile(key, _estimate_function(view, layer, name))
             began = time.perf_counter()
             out = fn(h, estimator)
-            self._count(began, (layer, layer, h.shape[0], 0), compiled=True)
+            self._count(began, key, compiled=True)
         elif not self.graphs:
             with torch.compiler.set_stance("fail_on_recompile"):
                 out = fn(h, estimator)
@@ -276,7 +276,7 @@ class SegmentRunner:
                                                                     f"{len(self.functions)}"))
             began = time.perf_counter()
             out = fn(h)
-            self._count(began, (layer, layer, h.shape[0], 0), compiled=True)
+            self._count(began, key, compiled=True)
         elif not self.graphs:
             with torch.compiler.set_stance("fail_on_recompile"):
                 out = fn(h)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from emad.engine.compiled import CompiledStack
 from emad.engine.stack import LayerStack
 
 # device type -> the engine ``auto`` picks there. CUDA: compiled (eager pays the launch and Python overhead of every
@@ -20,7 +21,7 @@ AUTO: dict[str, str] = {"cuda": "compiled", "cpu": "eager"}
 
 ENGINES: dict[str, Callable[[LayerStack], LayerStack]] = {
     "eager": lambda stack: stack,
-    "compiled": lambda stack: stack.compiled(),
+    "compiled": CompiledStack,
 }
 CHOICES = ("auto", *ENGINES)
 

@@ -93,13 +93,6 @@ class LayerStack:
         view.lens = None if readout is None or not readout.layers else readout.to(self.device, self.dtype)
         return view
 
-    def compiled(self, backend: str = "inductor") -> LayerStack:
-        """A view of the same model whose decode steps run compiled segments over static caches
-        (:mod:`emad.engine.compiled`); compiled segments are kept per model for the life of the process."""
-        from emad.engine.compiled import CompiledStack
-
-        return CompiledStack(self, backend)
-
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
         """An empty cache for ``batch_size`` rows and ``capacity`` slots."""
         return KVCache(self.n_layers, batch_size, capacity, self.device)
