@@ -82,3 +82,11 @@ def test_calibrate_bad_override_names_the_parameter(capsys, tmp_path):
     code, _, err = _run(capsys, "calibrate", "--model", "smollm2-135m", "--text-file", str(tmp_path / "x"),
                         "--out", str(tmp_path), "--set", "calibrate.windw=3")
     assert code == 2 and "calibrate.windw" in err
+
+
+def test_an_unknown_engine_is_refused_naming_the_valid_ones(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main(["generate", "--model", "smollm2-135m", "--prompt", "x", "--engine", "jit"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert "--engine: invalid choice: 'jit'" in err and all(name in err for name in ("auto", "eager", "compiled"))
