@@ -15,8 +15,9 @@ from emad.engine.compiled import CompiledStack
 from emad.engine.stack import LayerStack
 
 # device type -> the engine ``auto`` picks there. CUDA: compiled (eager pays the launch and Python overhead of every
-# layer, ~10x HF's static-cache generate). CPU: eager, measured faster on this project's models at batch 1 and 4 with
-# a CPU build of torch (benchmarks/bench_gpu_decode.py, docs/benchmarks.md), and no compile time.
+# layer, ~10x HF's static-cache generate). CPU: eager. Compiled is faster per token there at full and fixed depth
+# (0.84x at batch 1 on SmolLM2-135M, no gain where probes run) but each process compiles every layout it meets (44 s
+# in benchmarks/bench_gpu_decode.py), more than a decode stage's short timed generations gain (docs/benchmarks.md).
 AUTO: dict[str, str] = {"cuda": "compiled", "cpu": "eager"}
 
 ENGINES: dict[str, Callable[[LayerStack], LayerStack]] = {
