@@ -163,6 +163,10 @@ def test_static_caches_share_a_slab_one_generation_at_a_time(compiled):
     slab = first.slab
     del first
     assert compiled.new_cache(2, 20).slab is slab
+    big = compiled.new_cache(2, 300)  # a longer generation: a larger slab, which shorter ones reuse from then on
+    assert big.capacity == 384 and big.slab is not slab
+    del big
+    assert compiled.new_cache(2, 20).capacity == 384
     with pytest.raises(CacheFullError, match="holds 128 slots"):
         second.allocate(torch.ones(2, 129, dtype=torch.bool))
 

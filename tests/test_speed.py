@@ -183,3 +183,18 @@ def test_the_verdict_names_the_speed_reference_and_the_speed_up_against_each_dec
     text = point.speed_text()
     assert text.startswith(f"0.50× vs {speed.HF_STATIC} (95% CI 0.50 to 0.50, 8 prompts")
     assert f"vs {speed.FULL_DEPTH} 2.00×" in text
+
+
+def test_on_a_compiled_engine_every_generation_warms_up_on_the_longest_prompt_with_all_its_tokens(monkeypatch):
+    """A compiled engine compiles per shape: warmed up on the largest one, every timed prompt reuses it."""
+    seen = []
+
+    def generate(stack, tokenizer, prompts, method, new_tokens):
+        seen.append((PROMPTS.index(prompts[0]) if prompts[0] in PROMPTS else -1, new_tokens))
+        return SimpleNamespace(token_ids=[[0] * new_tokens], seconds=1.0)
+
+    monkeypatch.setattr(speed, "generate", generate)
+    prompts = [*PROMPTS[:7], [1, 2, 3, 4, 5]]  # the last is the longest
+    compiled = SimpleNamespace(device=SimpleNamespace(type="cpu"), compiles_shapes=True)
+    speed.time_prompts(compiled, None, [object()], prompts, NEW)
+    assert seen[:2] == [(-1, NEW), (-1, NEW)]  # method and full depth: the longest prompt, all tokens

@@ -203,11 +203,15 @@ class SegmentRunner:
         self._ready: weakref.WeakSet = weakref.WeakSet()  # estimators whose lazy tensors are made
 
     def slab(self, batch_size: int, capacity: int) -> Slab | None:
-        """The slab for (rows, slots) when no live cache holds it (made on first use), else None."""
-        key = (batch_size, capacity)
-        if key not in self.slabs:
-            self.slabs[key] = Slab.empty(self.stack.n_layers, batch_size, capacity, self.stack.device)
-        return self.slabs[key] if self.slabs[key].free else None
+        """A free slab of ``batch_size`` rows and at least ``capacity`` slots: the largest there is, so that once a
+        long generation has compiled a layout every shorter one reuses it; made when none is free and fits."""
+        fits = [s for (b, c), s in self.slabs.items() if b == batch_size and c >= capacity and s.free]
+        if fits:
+            return max(fits, key=lambda s: s.valid.shape[-1])
+        if (batch_size, capacity) in self.slabs:  # the slab of this shape is lent: the cache gets tensors of its own
+            return None
+        self.slabs[(batch_size, capacity)] = Slab.empty(self.stack.n_layers, batch_size, capacity, self.stack.device)
+        return self.slabs[(batch_size, capacity)]
 
     def run(self, start: int, stop: int, h: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor,
             running: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
@@ -343,6 +347,7 @@ class CompiledStack(LayerStack):
 
     engine = "compiled"
     keeps_rows = True
+    compiles_shapes = True
 
     def __init__(self, stack: LayerStack, backend: str = "inductor", fuse_probes: bool | None = None):
         self.__dict__.update(stack.__dict__)
@@ -381,11 +386,12 @@ class CompiledStack(LayerStack):
             self._refuse_non_finite()
 
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
-        """A static cache of at least ``capacity`` slots (a multiple of :data:`CAPACITY_STEP`), on the model's slab
-        for that shape when it is free."""
+        """A static cache of at least ``capacity`` slots (a multiple of :data:`CAPACITY_STEP`) on the model's largest
+        free slab that fits (:meth:`SegmentRunner.slab`)."""
         capacity = -(-max(1, capacity) // CAPACITY_STEP) * CAPACITY_STEP
         slab = self.runner.slab(batch_size, capacity)
-        return StaticKVCache(self.n_layers, batch_size, capacity, self.device, slab)
+        return StaticKVCache(self.n_layers, batch_size, capacity if slab is None else slab.valid.shape[-1], self.device,
+                             slab)
 
     def run(self, h: torch.Tensor, start: int, stop: int, cache: KVCache, positions: torch.Tensor, slots: Slots,
             rows: torch.Tensor | None = None) -> torch.Tensor:

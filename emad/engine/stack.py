@@ -43,6 +43,7 @@ class LayerStack:
 
     engine = "eager"  # how decode steps run (emad.engine.engines); a compiled view says "compiled"
     keeps_rows = False  # True: a decode step runs every cache row, the rows that left masked (emad.decode.lanes)
+    compiles_shapes = False  # True: the first generation of a new shape compiles (warm up on the largest one)
 
     def __init__(self, model: nn.Module):
         self.model = model
