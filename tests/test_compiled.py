@@ -197,3 +197,14 @@ def test_every_architecture_decodes_on_the_compiled_engine_as_on_the_eager_one(a
     assert generate(compiled, TOK, prompts, Full(), NEW).token_ids == _hf_greedy(stack.model, prompts, NEW)
     method = lambda: Method(Confidence(3.0, probe_every=2))  # noqa: E731
     _same(generate(stack, TOK, prompts, method(), NEW), generate(compiled, TOK, prompts, method(), NEW))
+
+
+@pytest.mark.heavy
+def test_fused_probes_and_readouts_compiled_by_inductor_equal_eager(eager, profile):
+    """The path a GPU runs, compiled by inductor (graphs aside): probes and exit readouts over every row."""
+    fused = CompiledStack(eager, fuse_probes=True)
+    prompts = random_prompts(4, [5, 9, 7, 12], seed=3)
+    for name in ("emad-exact", "emad-topk", "emad-tuned", "full"):
+        method = _methods(profile)[name]
+        _same(generate(eager, TOK, prompts, method(), NEW), generate(fused, TOK, prompts, method(), NEW))
+    assert any(key[0] == "estimate" for key in fused.runner.stats.layouts)
