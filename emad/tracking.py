@@ -2,14 +2,18 @@
 
 The URI comes from ``MLFLOW_TRACKING_URI``, else an absolute ``sqlite:///<repo>/mlflow.db`` — for a stage run by
 ``dvc exp run --queue`` in a temporary copy under ``<repo>/.dvc/tmp/exps/``, ``<repo>`` is the original
-repository, so queued runs land in the same store. A tracking server or database the URI names must answer before a
-stage starts (:func:`require_store`: a clear error naming the URI); when the local SQLite store cannot be opened the
-stage still writes its files and says loudly that MLflow was skipped. Many processes (DVC's queue, several hosts)
-may open the experiment at once: it is created once (:func:`_experiment`).
+repository, so queued runs land in the same store. A tracking server or database the URI names must accept an
+authenticated call before a stage starts (:func:`require_store`: a refused login or connection is an error naming
+the store, its password redacted, and what to set), and a stage that cannot log to it fails instead of losing its
+runs. Only a local store (SQLite or files) that cannot be opened, or any store under ``EMAD_TRACKING=optional``,
+is skipped: the stage still writes its files and says loudly that MLflow was skipped. No printed URI carries a
+password (:func:`redact`). Many processes (DVC's queue, several hosts) may open the experiment at once: it is
+created once (:func:`_experiment`).
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import functools
 import hashlib
@@ -22,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -77,26 +82,122 @@ def tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{repo_root() / 'mlflow.db'}"
 
 
+def redact(uri: str) -> str:
+    """``uri`` with any password replaced by ``***`` (``postgresql://emad:***@host/db``): what may be printed."""
+    parts = urllib.parse.urlsplit(uri)
+    if parts.password is None:
+        return uri
+    user = parts.username or ""
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+OPTIONAL = "EMAD_TRACKING"  # "optional": a store that cannot be opened is skipped with a warning (NullRun)
+
+
+def local_store(uri: str | None = None) -> bool:
+    """Whether the tracking store is this machine's files (the default SQLite store, an explicit ``sqlite:`` or
+    ``file:`` URI, or a plain path): one a stage may skip with a warning when it cannot open it."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI") if uri is None else uri
+    scheme = urllib.parse.urlsplit(uri or "").scheme
+    return not uri or scheme in ("", "sqlite", "file") or len(scheme) == 1  # a Windows drive letter is a path
+
+
+def may_skip_store() -> bool:
+    """A store that cannot be opened is skipped (warning, :class:`NullRun`) only when it is local or the user asked
+    (``EMAD_TRACKING=optional``); any other is an error before any work."""
+    return local_store() or os.environ.get(OPTIONAL) == "optional"
+
+
+class TrackingStoreError(ConnectionError):
+    """The tracking store a stage must log to refused it or did not answer; the message names it (redacted)."""
+
+
 DB_PORTS = {"postgresql": 5432, "mysql": 3306, "mssql": 1433}
+SETTINGS = ("set MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) for a server, the "
+            "user and password in the URI (or ~/.pgpass) for a database; start the store with `make tracking-server`; "
+            "or unset MLFLOW_TRACKING_URI for the local SQLite store (EMAD_TRACKING=optional skips an unreachable "
+            "store with a warning)")
 
 
 def require_store(timeout: float = 10.0) -> None:
-    """Raise ConnectionError naming ``MLFLOW_TRACKING_URI`` when the tracking server (``http(s)://``: its
-    ``/health``) or database (``postgresql://`` ...: its port) it names does not answer; the local SQLite default and
-    file stores are made on demand and pass."""
+    """Before any work: an authenticated call to the tracking store ``MLFLOW_TRACKING_URI`` names — an experiments
+    search on a server (``http(s)://``, with the credentials MLflow clients send), a login to a PostgreSQL database
+    (``postgresql://``), the port of another database. A refused login (401, 403, a wrong password), a refused
+    connection or a missing database raises :class:`TrackingStoreError` naming the store (password redacted) and
+    what to set — unless ``EMAD_TRACKING=optional``, where the stage goes on and logs nothing. Local stores are made
+    on demand and pass."""
     uri = os.environ.get("MLFLOW_TRACKING_URI") or ""
+    if local_store(uri):
+        return
     parts = urllib.parse.urlsplit(uri)
     scheme = parts.scheme.split("+")[0]
     try:
         if scheme in ("http", "https"):
-            urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout).close()
+            _search_experiments(uri, timeout)
+        elif scheme == "postgresql":
+            _login_postgresql(uri, timeout)
         elif scheme in DB_PORTS:
-            socket.create_connection((parts.hostname or "127.0.0.1", parts.port or DB_PORTS[scheme]),
-                                     timeout=timeout).close()
+            try:
+                socket.create_connection((parts.hostname or "127.0.0.1", parts.port or DB_PORTS[scheme]),
+                                         timeout=timeout).close()
+            except OSError as err:
+                raise ConnectionError(f"the tracking store does not answer ({err})") from None
     except (OSError, ValueError) as err:
-        raise ConnectionError(f"MLFLOW_TRACKING_URI={uri}: the tracking store does not answer ({err}); start it "
-                              f"(`make tracking-server`), or unset MLFLOW_TRACKING_URI for the local SQLite "
-                              f"store") from err
+        if os.environ.get(OPTIONAL) == "optional":
+            print(f"WARNING: {OPTIONAL}=optional: tracking store {redact(uri)} unusable ({_redacted(err, uri)}); "
+                  f"the stage logs nothing to MLflow", file=sys.stderr)
+            return
+        raise TrackingStoreError(f"MLFLOW_TRACKING_URI={redact(uri)}: {_redacted(err, uri)}; {SETTINGS}") from None
+
+
+def _redacted(err: BaseException, uri: str) -> str:
+    """An error's text with the URI's password (if any) masked wherever it appears."""
+    text = str(err) if isinstance(err, OSError) else f"{type(err).__name__}: {err}"
+    password = urllib.parse.urlsplit(uri).password
+    return text.replace(uri, redact(uri)).replace(password, "***") if password else text
+
+
+def _search_experiments(uri: str, timeout: float) -> None:
+    """One authenticated REST call, as an MLflow client makes it (basic auth or a bearer token from the
+    environment); raises PermissionError on 401/403, ConnectionError when the server does not answer."""
+    parts = urllib.parse.urlsplit(uri)
+    bare = urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[-1]))  # no user:password@
+    request = urllib.request.Request(f"{bare.rstrip('/')}/api/2.0/mlflow/experiments/search?max_results=1")
+    user = os.environ.get("MLFLOW_TRACKING_USERNAME") or urllib.parse.unquote(parts.username or "")
+    password = os.environ.get("MLFLOW_TRACKING_PASSWORD") or urllib.parse.unquote(parts.password or "")
+    token = os.environ.get("MLFLOW_TRACKING_TOKEN")
+    if user and password:
+        request.add_header("Authorization", "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode())
+    elif token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        urllib.request.urlopen(request, timeout=timeout).close()
+    except urllib.error.HTTPError as err:
+        if err.code in (401, 403):
+            raise PermissionError(f"the tracking store refused the login ({err.code} {err.reason})") from None
+        raise ConnectionError(f"the tracking store answered {err.code} {err.reason}") from None
+    except urllib.error.URLError as err:
+        raise ConnectionError(f"the tracking store does not answer ({err.reason})") from None
+
+
+def _login_postgresql(uri: str, timeout: float) -> None:
+    """Log in to the PostgreSQL database the URI names (SQLAlchemy's ``postgresql+psycopg2://`` accepted);
+    raises PermissionError on a refused login, ConnectionError when it does not answer or the database is
+    missing."""
+    import psycopg2
+
+    parts = urllib.parse.urlsplit(uri)
+    dsn = urllib.parse.urlunsplit(parts._replace(scheme="postgresql"))
+    try:
+        psycopg2.connect(dsn, connect_timeout=max(1, int(timeout))).close()
+    except psycopg2.OperationalError as err:
+        text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if "authentication" in text or "password" in text:
+            raise PermissionError(f"the tracking store refused the login (PostgreSQL: {text})") from None
+        if "does not exist" in text:
+            raise ConnectionError(f"the tracking store's database is missing (PostgreSQL: {text})") from None
+        raise ConnectionError(f"the tracking store does not answer (PostgreSQL: {text})") from None
 
 
 @functools.cache
@@ -276,7 +377,7 @@ def _experiment(mlflow, artifact_location: str | None):
         except mlflow.exceptions.MlflowException as err:
             if err.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
-    raise RuntimeError(f"experiment {EXPERIMENT!r}: neither found nor created in {tracking_uri()}")
+    raise RuntimeError(f"experiment {EXPERIMENT!r}: neither found nor created in {redact(tracking_uri())}")
 
 
 @contextlib.contextmanager
@@ -288,9 +389,11 @@ def stage_run(stage: str, params: dict, tags: dict[str, Any] | None = None,
     SystemExit and SIGTERM (turned into SystemExit 143) included. The SIGTERM handler is installed before the run
     is created, and a SIGTERM that arrives while the run is being created, tagged or closed is held back until the
     run can be ended FAILED, so no SIGTERM leaves it RUNNING. A SIGKILL cannot be caught: the next run of the same
-    stage on this host ends such an orphan FAILED (tags ``host`` and ``pid`` tell whose it was). If the
-    store cannot be opened, a warning goes to stderr and a :class:`NullRun` is yielded, so the stage still produces
-    its files. ``enabled=False`` (e.g. ranks other than 0) yields a NullRun.
+    stage on this host ends such an orphan FAILED (tags ``host`` and ``pid`` tell whose it was). If a local
+    store (or any under ``EMAD_TRACKING=optional``) cannot be opened, a warning goes to stderr and a
+    :class:`NullRun` is yielded, so the stage still produces its files; any other store that cannot be opened
+    raises :class:`TrackingStoreError` (nothing is lost in silence). ``enabled=False`` (e.g. ranks other than 0)
+    yields a NullRun.
     """
     if not enabled:
         yield NullRun()
@@ -304,10 +407,14 @@ def stage_run(stage: str, params: dict, tags: dict[str, Any] | None = None,
                    "host": socket.gethostname(), "pid": os.getpid(), **(tags or {})}
             run_id = mlflow.start_run(run_name=run_name or stage,
                                       tags={metric_name(k): str(v) for k, v in own.items()}).info.run_id
-        except Exception as err:  # noqa: BLE001 - any store failure must not stop the stage
+        except Exception as err:  # noqa: BLE001 - a local store's failure must not stop the stage
             sigterm.release()
-            print(f"WARNING: MLflow skipped for stage {stage!r}: cannot open tracking store {tracking_uri()} "
-                  f"({type(err).__name__}: {err}). The stage's files are still written.", file=sys.stderr)
+            uri = tracking_uri()
+            if not may_skip_store():  # a shared store: its runs must not be lost in silence
+                raise TrackingStoreError(f"stage {stage!r}: cannot log to tracking store {redact(uri)} "
+                                         f"({_redacted(err, uri)}); {SETTINGS}") from None
+            print(f"WARNING: MLflow skipped for stage {stage!r}: cannot open tracking store {redact(uri)} "
+                  f"({_redacted(err, uri)}). The stage's files are still written.", file=sys.stderr)
             yield NullRun()
             return
         try:

@@ -39,7 +39,7 @@ from emad.evaluation.config import DecodeConfig
 from emad.evaluation.decoder import Job, Outcome, Plan, Sources
 from emad.evaluation.executors import EXECUTORS, executor_name
 from emad.evaluation.operating_point import profile_file, readout_path
-from emad.evaluation.provenance import check_mergeable
+from emad.evaluation.provenance import check_mergeable, record_mix
 from emad.evaluation.record import RunRecord
 from emad.evaluation.screen import ROUNDS, costly, keep, refinements, screen_record
 from emad.evaluation.sweeps import LAYER_FIELDS, SweepPosition, swept_name
@@ -220,8 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     phases = Phases(call)
     outcomes = run_units(call, [("screen", d) for d in call.domains], call.cfg.workers, then=phases)
     jobs = {job.label: job for job in [*call.jobs, *phases.extra]}
-    check_mergeable([(f"{unit[0].domain} on {unit[0].provenance.get('worker') or 'this process'}",
-                      unit[0].provenance) for unit in outcomes if unit])
+    mix = check_mergeable([(f"{unit[0].domain} on {unit[0].provenance.get('worker') or 'this process'}",
+                            unit[0].provenance) for unit in outcomes if unit])
+    record_mix([o.provenance for unit in outcomes for o in unit], mix)
     args.artifacts.mkdir(parents=True, exist_ok=True)  # the stage's output, empty where nothing decoded free running
     for per_domain in outcomes:  # only this process writes and logs, in unit order
         for outcome in per_domain:

@@ -17,7 +17,7 @@ from emad import tracking
 from emad.evaluation.executors import EXECUTORS, executor_name
 from emad.evaluation.identity import point_folder
 from emad.evaluation.operating_point import readout_path
-from emad.evaluation.provenance import check_mergeable
+from emad.evaluation.provenance import check_mergeable, record_mix
 from emad.evaluation.risk_config import RiskConfig
 from emad.evaluation.risk_search import RiskPlan, RiskWorker, SearchOutcome
 from emad.io import atomic_write_json
@@ -49,8 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     run_units = EXECUTORS.get(executor_name(cfg.executor, "risk.executor"))
     plan = RiskPlan(cfg, tuple(names), args.model_dir, args.corpus, args.profile, args.readouts)
     outcomes = run_units(plan, names, cfg.workers, actor=RiskWorker)
-    check_mergeable([(f"{o.name} on {o.provenance.get('worker') or 'this process'}", o.provenance)
-                     for o in outcomes])
+    mix = check_mergeable([(f"{o.name} on {o.provenance.get('worker') or 'this process'}", o.provenance)
+                           for o in outcomes])
+    record_mix([o.provenance for o in outcomes], mix)
     for outcome in outcomes:  # only this process writes and logs, in search order
         _write(args, cfg, outcome)
     return 0

@@ -304,3 +304,18 @@ def test_the_risk_stage_writes_the_same_on_ray_as_serial(workspace, local_ray, m
     assert outs["ray"] == outs["serial"]
     record = json.loads((workspace / "risk-ray" / "tiny--margin--cal-toy.json").read_text())
     assert record["provenance"]["ray_node"] and record["provenance"]["dtype"] == "float32"
+
+
+def test_the_ray_runtime_env_carries_an_allow_list_and_hf_token_only_when_asked(monkeypatch):
+    from emad.evaluation.executors import forwarded_env
+
+    for key, value in {"HF_HOME": "/h", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_TOKEN": "hf_secret",
+                       "HF_ENDPOINT": "https://x", "EMAD_CACHE_DIR": "/c", "MLFLOW_TRACKING_PASSWORD": "pw"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("EMAD_RAY_FORWARD_TOKEN", raising=False)
+    env = forwarded_env()
+    assert {"HF_HOME", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "EMAD_CACHE_DIR"} <= set(env)
+    assert not {"HF_TOKEN", "HF_ENDPOINT", "MLFLOW_TRACKING_PASSWORD"} & set(env)
+    assert "hf_secret" not in env.values()
+    monkeypatch.setenv("EMAD_RAY_FORWARD_TOKEN", "1")
+    assert forwarded_env()["HF_TOKEN"] == "hf_secret" and "EMAD_RAY_FORWARD_TOKEN" not in forwarded_env()

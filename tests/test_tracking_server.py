@@ -285,3 +285,73 @@ def test_a_server_with_a_login_refuses_requests_without_it_and_takes_runs_with_i
     assert run.info.run_name == "through the door" and run.info.status == "FINISHED"
     assert run.data.metrics == {"x": 1.0}
 
+
+
+class _Refusing(http.server.BaseHTTPRequestHandler):
+    """A tracking server that answers 401 to every request except its health check (as MLflow's auth app does)."""
+
+    def do_GET(self):  # noqa: N802 - the http.server protocol
+        self.send_response(200 if self.path == "/health" else 401)
+        self.end_headers()
+        self.wfile.write(b"OK" if self.path == "/health" else b"You are not authenticated.")
+
+    do_POST = do_GET  # noqa: N815
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture()
+def refusing():
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Refusing)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield httpd.server_address[1]
+    httpd.shutdown()
+
+
+def test_a_stage_against_a_server_that_refuses_the_login_exits_non_zero_naming_the_store(tmp_path, refusing):
+    secret = "s3cret-Pw"
+    uri = f"http://emad:{secret}@127.0.0.1:{refusing}"
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "MLFLOW_TRACKING_USERNAME": "emad",
+           "MLFLOW_TRACKING_PASSWORD": secret}
+    done = subprocess.run([sys.executable, "pipeline/decode.py", "--kind", "baseline", "--model", "tiny",
+                           "--model-dir", str(tmp_path / "model"), "--out", str(tmp_path / "runs"),
+                           "--artifacts", str(tmp_path / "art")], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert (f"decode: error: MLFLOW_TRACKING_URI=http://emad:***@127.0.0.1:{refusing}: the tracking store refused "
+            f"the login (401") in done.stderr
+    assert "MLFLOW_TRACKING_USERNAME" in done.stderr  # what to set
+    assert secret not in done.stderr + done.stdout
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "art").exists()
+
+
+STAGE_RUN = """
+from emad import tracking
+with tracking.stage_run("refused", {"a": 1}) as run:
+    print("active" if run.active else "null run")
+"""
+
+
+def test_a_remote_store_that_refuses_runs_fails_the_stage_unless_tracking_is_optional(refusing):
+    """Past the start check, a store that refuses the run itself is an error, not a run lost in silence."""
+    uri = f"http://127.0.0.1:{refusing}"
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
+    env.pop("EMAD_TRACKING", None)
+    done = subprocess.run([sys.executable, "-c", STAGE_RUN], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode != 0 and "TrackingStoreError" in done.stderr and "null run" not in done.stdout
+    assert f"cannot log to tracking store {uri}" in done.stderr
+    optional = subprocess.run([sys.executable, "-c", STAGE_RUN], cwd=ROOT, capture_output=True, text=True,
+                              env={**env, "EMAD_TRACKING": "optional"}, timeout=120)
+    assert optional.returncode == 0 and optional.stdout.strip() == "null run"
+    assert "WARNING: MLflow skipped" in optional.stderr
+
+
+def test_printed_tracking_uris_never_carry_a_password():
+    from emad.tracking import local_store, redact
+
+    assert redact("postgresql+psycopg2://emad:pw%2Fx@db:5432/mlflow") == "postgresql+psycopg2://emad:***@db:5432/mlflow"
+    assert redact("http://u:p@host:5000") == "http://u:***@host:5000" and redact("http://host") == "http://host"
+    assert local_store("") and local_store("sqlite:////tmp/x.db") and local_store("/tmp/mlruns")
+    assert not local_store("http://127.0.0.1:5000") and not local_store("postgresql://emad@127.0.0.1/mlflow")

@@ -187,8 +187,21 @@ def _init_ray(ray) -> None:
     """Connect to the Ray ``RAY_ADDRESS`` names (unset or ``local``: start one in this process)."""
     address = os.environ.get("RAY_ADDRESS")
     _reachable(address)
-    ray.init(address=address or "local", log_to_driver=True,
-             runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith(("HF_", "EMAD_"))}})
+    ray.init(address=address or "local", log_to_driver=True, runtime_env={"env_vars": forwarded_env()})
+
+
+FORWARDED = ("HF_HOME", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")  # and EMAD_*: what Ray's workers are given
+FORWARD_TOKEN = "EMAD_RAY_FORWARD_TOKEN"  # set to 1: HF_TOKEN goes to the workers too (Ray's dashboard shows it)
+
+
+def forwarded_env() -> dict[str, str]:
+    """The environment Ray's runtime env carries to the workers: an allow-list (:data:`FORWARDED` and ``EMAD_*``),
+    and ``HF_TOKEN`` only when ``EMAD_RAY_FORWARD_TOKEN=1`` — a runtime env is visible in Ray's dashboard and state
+    API, so no secret goes there unasked."""
+    env = {k: v for k, v in os.environ.items() if k in FORWARDED or (k.startswith("EMAD_") and k != FORWARD_TOKEN)}
+    if os.environ.get(FORWARD_TOKEN) == "1" and "HF_TOKEN" in os.environ:
+        env["HF_TOKEN"] = os.environ["HF_TOKEN"]
+    return env
 
 
 def _sigterm_as_exit(received: list[int]):

@@ -223,6 +223,14 @@ def curves_sections(family_verdicts: Mapping[str, Mapping[str, ModelVerdict]]) -
             "## Domain shift", SHIFT_NOTE, shift_curves_markdown(domain_shift_curves(per_domain))]
 
 
+def mixed_units_markdown(runs: Sequence[dict[str, Any]]) -> list[str]:
+    """A warning per distinct mix of settings the runs were merged under (``EMAD_ALLOW_MIXED_UNITS=1``): the
+    runs' numbers were computed differently, which the verdict cannot tell apart; empty when none was."""
+    mixes = sorted({m for r in runs if (m := (r.get("provenance") or {}).get("mixed"))})
+    return [f"**Mixed settings.** Units computed under different settings were merged on request "
+            f"(EMAD_ALLOW_MIXED_UNITS=1): {mix}." for mix in mixes]
+
+
 def report_markdown(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, ModelVerdict],
                     tables: Mapping[str, Any], figures_index: Sequence[dict[str, Any]], *,
                     family_verdicts: Mapping[str, Mapping[str, ModelVerdict]] | None = None,
@@ -238,8 +246,8 @@ def report_markdown(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, Model
         relative_to: folder of the report; figure links are made relative to it.
         readout_fits: ``{"model/source": metrics.json of fit_readouts}`` for the "Readouts" section.
     """
-    parts = ["# EMAD report", "## Verdict (DESIGN.md §4)", f"Uncertainty. {UNCERTAINTY_RULE}",
-             verdict_markdown(verdicts)]
+    parts = ["# EMAD report", *mixed_units_markdown(runs), "## Verdict (DESIGN.md §4)",
+             f"Uncertainty. {UNCERTAINTY_RULE}", verdict_markdown(verdicts)]
     if family_verdicts:
         parts += ["## Every family against the same criteria", baselines_markdown(family_verdicts)]
         parts += curves_sections(family_verdicts)
