@@ -22,6 +22,7 @@ import os
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -172,13 +173,22 @@ def _search_experiments(uri: str, timeout: float) -> None:
     elif token:
         request.add_header("Authorization", f"Bearer {token}")
     try:
-        urllib.request.urlopen(request, timeout=timeout).close()
+        urllib.request.urlopen(request, timeout=timeout, context=_tls_context()).close()
     except urllib.error.HTTPError as err:
         if err.code in (401, 403):
             raise PermissionError(f"the tracking store refused the login ({err.code} {err.reason})") from None
         raise ConnectionError(f"the tracking store answered {err.code} {err.reason}") from None
     except urllib.error.URLError as err:
         raise ConnectionError(f"the tracking store does not answer ({err.reason})") from None
+
+
+def _tls_context() -> ssl.SSLContext | None:
+    """The TLS settings MLflow clients read: ``MLFLOW_TRACKING_SERVER_CERT_PATH`` (a CA bundle or the server's own
+    certificate) and ``MLFLOW_TRACKING_INSECURE_TLS=true`` (no verification); None: the system's trust store."""
+    if os.environ.get("MLFLOW_TRACKING_INSECURE_TLS", "").lower() == "true":
+        return ssl._create_unverified_context()  # noqa: S323 - the user turned verification off, as MLflow allows
+    cert = os.environ.get("MLFLOW_TRACKING_SERVER_CERT_PATH")
+    return ssl.create_default_context(cafile=cert) if cert else None
 
 
 def _login_postgresql(uri: str, timeout: float) -> None:

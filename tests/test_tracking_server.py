@@ -355,3 +355,102 @@ def test_printed_tracking_uris_never_carry_a_password():
     assert redact("http://u:p@host:5000") == "http://u:***@host:5000" and redact("http://host") == "http://host"
     assert local_store("") and local_store("sqlite:////tmp/x.db") and local_store("/tmp/mlruns")
     assert not local_store("http://127.0.0.1:5000") and not local_store("postgresql://emad@127.0.0.1/mlflow")
+
+
+def _uids(pgid: int) -> set[int]:
+    """The real user ids of the processes of process group ``pgid``."""
+    uids = set()
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            text = status.read_text()
+            if int(status.with_name("stat").read_text().rsplit(")", 1)[1].split()[2]) == pgid:
+                uids.add(int(next(ln for ln in text.splitlines() if ln.startswith("Uid:")).split()[1]))
+        except (OSError, ValueError, StopIteration):
+            continue
+    return uids
+
+
+@pytest.mark.heavy
+def test_postgresql_refuses_logins_without_its_secret_and_the_server_runs_unprivileged(state):
+    import psycopg2
+
+    pg_port = free_port()
+    started = _tool("--dir", str(state), "--port", str(free_port()), "--pg-port", str(pg_port), "--detach")
+    assert started.returncode == 0, started.stderr
+    secret = state / "postgres.password"
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600 and stat.S_IMODE((state / "pgpass").stat().st_mode) == 0o600
+    password = secret.read_text().strip()
+    assert password not in started.stdout + started.stderr
+    hba = [ln.split() for ln in (state / "postgres" / "pg_hba.conf").read_text().splitlines()
+           if ln.strip() and not ln.lstrip().startswith("#")]
+    assert hba and {fields[-1] for fields in hba} == {"scram-sha-256"}  # no trust line anywhere
+    with pytest.raises(psycopg2.OperationalError, match="password"):
+        psycopg2.connect(f"postgresql://emad@127.0.0.1:{pg_port}/mlflow", connect_timeout=10)
+    with pytest.raises(psycopg2.OperationalError, match="password authentication failed"):
+        psycopg2.connect(f"postgresql://emad:wrong@127.0.0.1:{pg_port}/mlflow", connect_timeout=10)
+    psycopg2.connect(f"postgresql://emad:{password}@127.0.0.1:{pg_port}/mlflow", connect_timeout=10).close()
+    pid, _ = _serving(state)
+    uids = _uids(pid)
+    assert uids and (os.geteuid() != 0 or 0 not in uids), f"the server's processes run as {uids}"
+    if os.geteuid() == 0:
+        import pwd
+
+        from tools.tracking_server import SERVER_ACCOUNT
+
+        assert uids == {pwd.getpwnam(SERVER_ACCOUNT).pw_uid} and f"as {SERVER_ACCOUNT}" in started.stdout
+        assert (state / "artifacts").owner() == SERVER_ACCOUNT and secret.owner() == "root"
+
+
+@pytest.mark.heavy
+def test_a_folder_postgresql_trusted_is_moved_to_passwords_on_start(state):
+    import psycopg2
+
+    from tools.tracking_server import _as_owner, pg_bin
+
+    data = state / "postgres"
+    data.mkdir()
+    if os.geteuid() == 0:
+        shutil.chown(data, "postgres")
+        data.chmod(0o700)
+    subprocess.run(_as_owner([pg_bin("initdb"), "-D", str(data), "-U", "emad", "--auth=trust", "-E", "UTF8"]),
+                   check=True, capture_output=True)  # what the previous version made
+    pg_port = free_port()
+    started = _tool("--dir", str(state), "--port", str(free_port()), "--pg-port", str(pg_port), "--detach")
+    assert started.returncode == 0, started.stderr
+    assert "trust logins replaced by scram-sha-256" in started.stdout
+    assert "trust" not in [ln.split()[-1] for ln in (data / "pg_hba.conf").read_text().splitlines()
+                           if ln.strip() and not ln.lstrip().startswith("#")]
+    with pytest.raises(psycopg2.OperationalError, match="password"):
+        psycopg2.connect(f"postgresql://emad@127.0.0.1:{pg_port}/mlflow", connect_timeout=10)
+
+
+@pytest.mark.heavy
+def test_tls_serves_https_that_clients_verify_and_other_hosts_without_it_are_warned_of(state, tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    port = free_port()
+    started = _tool("--dir", str(state), "--port", str(port), "--pg-port", str(free_port()), "--detach",
+                    "--tls-cert", str(cert), "--tls-key", str(key), "--host", "0.0.0.0",
+                    environ={**_without_login(), **LOGIN})
+    assert started.returncode == 0, started.stderr
+    assert f"export MLFLOW_TRACKING_URI=https://127.0.0.1:{port}" in started.stdout
+    assert "clear text" not in started.stderr
+    import ssl
+
+    urllib.request.urlopen(f"https://127.0.0.1:{port}/health", timeout=30,
+                           context=ssl.create_default_context(cafile=str(cert))).close()
+    with pytest.raises(urllib.error.URLError):  # an unverified certificate is refused by default
+        urllib.request.urlopen(f"https://127.0.0.1:{port}/health", timeout=30)
+    client = {**_without_login(), **LOGIN, "MLFLOW_TRACKING_URI": f"https://127.0.0.1:{port}",
+              "MLFLOW_TRACKING_SERVER_CERT_PATH": str(cert)}
+    checked = subprocess.run([sys.executable, "-c", "from emad import tracking; tracking.require_store()"],
+                             cwd=ROOT, env=client, capture_output=True, text=True, timeout=120)
+    assert checked.returncode == 0, checked.stderr
+    _tool("--dir", str(state), "--stop", timeout=120)
+    clear = _tool("--dir", str(state), "--port", str(free_port()), "--pg-port", str(free_port()), "--detach",
+                  "--host", "0.0.0.0", environ={**_without_login(), **LOGIN})
+    assert clear.returncode == 0, clear.stderr
+    warning = [ln for ln in clear.stderr.splitlines() if "clear text" in ln]
+    assert len(warning) == 1 and "--tls-cert" in warning[0] and "TLS proxy" in warning[0]

@@ -51,7 +51,7 @@ def params(model_dir: Path) -> dict:
             "ablation_calibration": "stdlib-prose",
             "related": {"ead-k2": {"method": "ead", "small_layers": 2, "tau": 3.0, "window": 2, "d_min": 2}},
             "related_domains": ["stdlib-prose"], "related_tasks": None,
-            "heatmap_texts": 1, "device": "cpu", "dtype": "float32",
+            "heatmap_texts": 1, "device": "cpu", "dtype": "float32", "engine": "auto",
         },
         "risk": {"domain": "stdlib-prose", "calibration": "stdlib-prose", "prompts": 4, "fresh_prompts": 2,
                  "prompt_tokens": 8, "new_tokens": 4, "delta": 0.3, "epsilon": 0.3, "loss": "agreement",

@@ -29,10 +29,12 @@ import base64
 import glob
 import ipaddress
 import os
+import pwd
 import secrets
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -75,16 +77,83 @@ def postgres_running(data: Path) -> bool:
     return subprocess.run(_as_owner([pg_bin("pg_ctl"), "-D", str(data), "status"]), capture_output=True).returncode == 0
 
 
-def start_postgres(data: Path, port: int) -> str:
+PASSWORD_FILE = "postgres.password"  # under the server's folder: PostgreSQL's password for the user emad, 0600
+PGPASS_FILE = "pgpass"  # under the server's folder: libpq's password file for the MLflow server, 0600
+
+
+def _write_secret(path: Path, text: str, owner: str | None = None) -> None:
+    """Write ``text`` to ``path`` with mode 0600 from the start (owned by ``owner`` when given, as root)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(fd, 0o600)  # an older file of wider mode, too
+        f.write(text)
+    if owner is not None:
+        shutil.chown(path, owner)
+
+
+def pg_password(state: Path) -> str:
+    """PostgreSQL's password, generated on first start and kept in ``state/postgres.password`` (mode 0600, readable
+    by this account only); a file others could read is refused."""
+    path = state / PASSWORD_FILE
+    if not path.exists():
+        _write_secret(path, secrets.token_urlsafe(32) + "\n")
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o077:
+        raise ServerError(f"{path} has mode {mode:o}: other accounts can read PostgreSQL's password; "
+                          f"`chmod 600 {path}`, or delete it to make a new one (the database must be made anew)")
+    return path.read_text().strip()
+
+
+def _trusting(data: Path) -> bool:
+    """Whether ``data``'s pg_hba.conf lets anyone in without a password (a ``trust`` line)."""
+    hba = data / "pg_hba.conf"
+    lines = [ln.split("#", 1)[0].split() for ln in hba.read_text().splitlines()] if hba.exists() else []
+    return any(fields and fields[-1] == "trust" for fields in lines)
+
+
+def _psql(port: int, password: str, sql: str, database: str = "postgres") -> str:
+    """Run ``sql`` as the user emad over TCP with the password (passed in the environment, never on a command
+    line); its output."""
+    cmd = _as_owner([pg_bin("psql"), "-h", "127.0.0.1", "-p", str(port), "-U", "emad", "-d", database, "-tAc", sql])
+    return subprocess.run(cmd, capture_output=True, text=True, check=True,
+                          env={**os.environ, "PGPASSWORD": password}).stdout.strip()
+
+
+def _migrate_from_trust(data: Path, port: int, password: str) -> None:
+    """A data directory made by an older version with ``trust``: set the password, make every line
+    ``scram-sha-256`` and reload, so no account connects without the secret from now on."""
+    subprocess.run(_as_owner([pg_bin("psql"), "-h", str(data), "-p", str(port), "-U", "emad", "-d", "postgres",
+                              "-tAc", "SET password_encryption = 'scram-sha-256'; "
+                                      f"ALTER USER emad PASSWORD '{password}'"]),
+                   check=True, stdout=subprocess.DEVNULL)
+    hba = data / "pg_hba.conf"
+    lines = []
+    for line in hba.read_text().splitlines():
+        fields = line.split("#", 1)[0].split()
+        lines.append(line.replace("trust", "scram-sha-256") if fields and fields[-1] == "trust" else line)
+    hba.write_text("\n".join(lines) + "\n")
+    subprocess.run(_as_owner([pg_bin("pg_ctl"), "-D", str(data), "reload"]), check=True, stdout=subprocess.DEVNULL)
+    print(f"tracking-server: {data}: PostgreSQL's trust logins replaced by scram-sha-256 with the password in "
+          f"{data.parent / PASSWORD_FILE}", flush=True)
+
+
+def start_postgres(data: Path, port: int, password: str) -> str:
     """PostgreSQL on ``data`` (initialised on first use) listening on 127.0.0.1:``port`` with a database
-    ``mlflow``; returns its SQLAlchemy URI. Raises ServerError when ``port`` is taken by another program."""
+    ``mlflow``, every login by ``scram-sha-256`` with ``password`` (an older ``trust`` folder is migrated); returns
+    its SQLAlchemy URI (no password in it: the server reads it from a pgpass file, :func:`pgpass_for`). Raises
+    ServerError when ``port`` is taken by another program."""
     data.mkdir(parents=True, exist_ok=True)
     if os.geteuid() == 0:
         shutil.chown(data, "postgres")
         data.chmod(0o700)
     if not (data / "PG_VERSION").exists():
-        subprocess.run(_as_owner([pg_bin("initdb"), "-D", str(data), "-U", "emad", "--auth=trust", "-E", "UTF8"]),
-                       check=True, stdout=subprocess.DEVNULL)
+        pwfile = data.parent / ".initdb-password"  # initdb reads the superuser's password from a file
+        _write_secret(pwfile, password + "\n", "postgres" if os.geteuid() == 0 else None)
+        try:
+            subprocess.run(_as_owner([pg_bin("initdb"), "-D", str(data), "-U", "emad", "--auth=scram-sha-256",
+                                      f"--pwfile={pwfile}", "-E", "UTF8"]), check=True, stdout=subprocess.DEVNULL)
+        finally:
+            pwfile.unlink(missing_ok=True)
     if not postgres_running(data):
         if port_taken("127.0.0.1", port):
             raise ServerError(f"PostgreSQL's port {port} on 127.0.0.1 is taken by another program; choose another "
@@ -92,12 +161,19 @@ def start_postgres(data: Path, port: int) -> str:
         options = f"-p {port} -k {data} -c listen_addresses=127.0.0.1"
         subprocess.run(_as_owner([pg_bin("pg_ctl"), "-D", str(data), "-o", options, "-l", str(data / "server.log"),
                                   "-w", "start"]), check=True, stdout=subprocess.DEVNULL)
-    psql = _as_owner([pg_bin("psql"), "-h", "127.0.0.1", "-p", str(port), "-U", "emad", "-d", "postgres", "-tAc"])
-    exists = subprocess.run([*psql, "SELECT 1 FROM pg_database WHERE datname = 'mlflow'"], capture_output=True,
-                            text=True, check=True).stdout.strip()
-    if exists != "1":
-        subprocess.run([*psql, "CREATE DATABASE mlflow"], check=True, stdout=subprocess.DEVNULL)
+    if _trusting(data):
+        _migrate_from_trust(data, port, password)
+    if _psql(port, password, "SELECT 1 FROM pg_database WHERE datname = 'mlflow'") != "1":
+        _psql(port, password, "CREATE DATABASE mlflow")
     return f"postgresql+psycopg2://emad@127.0.0.1:{port}/mlflow"  # the driver the project installs
+
+
+def pgpass_for(state: Path, port: int, password: str, owner: str | None) -> Path:
+    """libpq's password file for the MLflow server (``PGPASSFILE``: the password on no command line), 0600 and
+    owned by the server's account."""
+    path = state / PGPASS_FILE
+    _write_secret(path, f"127.0.0.1:{port}:mlflow:emad:{password}\n", owner)
+    return path
 
 
 def stop_postgres(data: Path) -> bool:
@@ -232,15 +308,110 @@ def stop_group(pgid: int, child: subprocess.Popen | None = None, timeout: float 
         child.wait(timeout=10)
 
 
-def server_command(store: str, artifacts: Path, host: str, port: int, workers: int, auth: bool) -> list[str]:
-    """``mlflow server`` on the PostgreSQL store, serving its artifacts (other hosts upload through it)."""
-    mlflow = str(Path(sys.executable).with_name("mlflow"))
-    return [mlflow, "server", "--backend-store-uri", store, "--artifacts-destination", str(artifacts),
+def server_command(store: str, artifacts: Path, host: str, port: int, workers: int, auth: bool,
+                   tls: tuple[Path, Path] | None = None, python: str = sys.executable) -> list[str]:
+    """``mlflow server`` (run by ``python``) on the PostgreSQL store, serving its artifacts (other hosts upload
+    through it), over HTTPS with ``tls`` = (certificate, key)."""
+    return [python, "-m", "mlflow", "server", "--backend-store-uri", store, "--artifacts-destination", str(artifacts),
             "--serve-artifacts", "--host", host, "--port", str(port), "--workers", str(workers),
-            *(["--app-name", "basic-auth"] if auth else [])]
+            *(["--app-name", "basic-auth"] if auth else []),
+            *(["--uvicorn-opts", f"--ssl-certfile {tls[0]} --ssl-keyfile {tls[1]}"] if tls else [])]
 
 
-def wait_healthy(uri: str, server: subprocess.Popen, log: Path | None, timeout: float = 180.0) -> None:
+SERVER_ACCOUNT = "emad-tracking"  # the unprivileged account the MLflow server runs as when started as root
+
+
+def server_account() -> str | None:
+    """The account the MLflow server runs as: :data:`SERVER_ACCOUNT` when this is root (a system account without a
+    login, made on first use), else None (this account)."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        pwd.getpwnam(SERVER_ACCOUNT)
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", SERVER_ACCOUNT],
+                       check=True, stdout=subprocess.DEVNULL)
+    return SERVER_ACCOUNT
+
+
+def _runs_python(account: str, python: str, env: dict[str, str]) -> bool:
+    """Whether ``account`` can start ``python`` and import MLflow with ``env``."""
+    try:
+        done = subprocess.run([python, "-c", "import mlflow.server"], env=env, user=account, group=account,
+                              extra_groups=[], cwd="/", capture_output=True)
+    except PermissionError:  # the interpreter itself cannot be executed by the account
+        return False
+    return done.returncode == 0
+
+
+def server_python(account: str | None) -> tuple[str, dict[str, str]]:
+    """The interpreter the MLflow server runs on and what its environment adds: this process's, unless ``account``
+    cannot run it (it lives in a folder private to root, as pyenv's under /root does) — then the system's
+    interpreter of the same version (``/usr/bin/python3.X``) with this environment's packages on ``PYTHONPATH``.
+
+    Raises:
+        ServerError: ``account`` can run neither (names both, and what to do).
+    """
+    if account is None or _runs_python(account, sys.executable, dict(os.environ)):
+        return sys.executable, {}
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    system = next((p for p in (f"/usr/bin/{version}", f"/usr/local/bin/{version}") if os.access(p, os.X_OK)), None)
+    extra = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p.endswith("site-packages"))}
+    if system and _runs_python(account, system, {**os.environ, **extra}):
+        return system, extra
+    raise ServerError(f"started as root, the MLflow server runs as the account {account}, which can run neither "
+                      f"{sys.executable} nor a system {version} with this project's packages: make the project's "
+                      f"Python readable by other accounts (a virtual environment from /usr/bin/{version}), or start "
+                      f"the server as an unprivileged user")
+
+
+def own(account: str | None, *paths: Path) -> None:
+    """Hand ``paths`` (folders: with what is in them) to ``account`` (nothing to do without one)."""
+    if account is None:
+        return
+    for path in paths:
+        for item in [path, *(path.rglob("*") if path.is_dir() else [])]:
+            shutil.chown(item, account, account)
+
+
+def tls_files(state: Path, cert: Path | None, key: Path | None, account: str | None) -> tuple[Path, Path] | None:
+    """Copies of the certificate and key under ``state/tls`` (the key 0600), owned by the server's account, or
+    None without TLS.
+
+    Raises:
+        ServerError: only one of them is given, or one cannot be read.
+    """
+    if cert is None and key is None:
+        return None
+    if cert is None or key is None:
+        raise ServerError("--tls-cert and --tls-key go together: give the certificate (PEM) and its private key")
+    folder = state / "tls"
+    folder.mkdir(parents=True, exist_ok=True)
+    folder.chmod(0o700)
+    out = []
+    for given, name in ((cert, "cert.pem"), (key, "key.pem")):
+        try:
+            text = given.read_text()
+        except OSError as err:
+            raise ServerError(f"--tls-{name.split('.')[0]} {given}: {err.strerror}") from None
+        _write_secret(folder / name, text)
+        out.append(folder / name)
+    own(account, folder)
+    return out[0], out[1]
+
+
+def tls_context(tls: tuple[Path, Path] | None) -> ssl.SSLContext | None:
+    """How this tool checks its own server: trusting exactly its certificate (at 127.0.0.1, whatever names it
+    carries)."""
+    if tls is None:
+        return None
+    context = ssl.create_default_context(cafile=str(tls[0]))
+    context.check_hostname = False
+    return context
+
+
+def wait_healthy(uri: str, server: subprocess.Popen, log: Path | None, timeout: float = 180.0,
+                 context: ssl.SSLContext | None = None) -> None:
     """Until ``<uri>/health`` answers while ``server`` is alive (the server migrates a new database first).
 
     Raises:
@@ -253,7 +424,7 @@ def wait_healthy(uri: str, server: subprocess.Popen, log: Path | None, timeout: 
             raise ServerError(f"mlflow server exited with code {server.returncode} before answering at {uri}"
                               + (f"; the end of {log}:\n{tail}" if tail else ""))
         try:
-            urllib.request.urlopen(f"{uri}/health", timeout=5).close()
+            urllib.request.urlopen(f"{uri}/health", timeout=5, context=context).close()
             if server.poll() is None:
                 return
         except OSError:
@@ -263,13 +434,13 @@ def wait_healthy(uri: str, server: subprocess.Popen, log: Path | None, timeout: 
         time.sleep(0.5)
 
 
-def check_login(uri: str, user: str, password: str) -> None:
+def check_login(uri: str, user: str, password: str, context: ssl.SSLContext | None = None) -> None:
     """Raise ServerError when the server refuses the admin credentials (its user store has another password)."""
     token = base64.b64encode(f"{user}:{password}".encode()).decode()
     request = urllib.request.Request(f"{uri}/api/2.0/mlflow/experiments/search?max_results=1",
                                      headers={"Authorization": f"Basic {token}"})
     try:
-        urllib.request.urlopen(request, timeout=30).close()
+        urllib.request.urlopen(request, timeout=30, context=context).close()
     except urllib.error.HTTPError as err:
         raise ServerError(f"the server refuses {USER}={user} with {PASSWORD} (HTTP {err.code}): the admin user "
                           f"exists in its user store with another password; use that one, or change it with "
@@ -318,25 +489,43 @@ def serve(args: argparse.Namespace, state: Path) -> int:
         raise ServerError(f"port {args.port} on {args.host} is taken by another program; choose another with --port")
     pg_bin("initdb")  # missing binaries: FileNotFoundError with the install instruction
     state.mkdir(parents=True, exist_ok=True)
+    state.chmod(0o755)  # traversable by PostgreSQL's and the server's accounts; the secrets inside are 0600
+    password = pg_password(state)
+    account = server_account()
+    tls = tls_files(state, args.tls_cert, args.tls_key, account)
+    if tls is None and not is_loopback(args.host):
+        print(f"tracking-server: warning: --host {args.host} without --tls-cert/--tls-key: logins and runs cross the "
+              f"network in clear text; give a certificate or put a TLS proxy in front (docs/scaling.md)",
+              file=sys.stderr, flush=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_AUTH_ADMIN_")}  # the ini file decides
     env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"
     if login:
         env["MLFLOW_AUTH_CONFIG_PATH"] = str(write_auth_config(state, *login))
         env.setdefault("MLFLOW_FLASK_SERVER_SECRET_KEY", secrets.token_hex(32))  # the sign-up form's CSRF key
+    python, extra = server_python(account)
+    env.update(extra)
+    if account is not None:  # the server's own folders, and a home of its own (caches)
+        for folder in ("artifacts", "home"):
+            (state / folder).mkdir(exist_ok=True)
+        own(account, state / "artifacts", state / "home", *([state / "auth"] if login else []))
+        env["HOME"] = str(state / "home")
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host.strip("[]")
-    uri = f"http://{f'[{host}]' if ':' in host else host}:{args.port}"
+    uri = f"{'https' if tls else 'http'}://{f'[{host}]' if ':' in host else host}:{args.port}"
+    context = tls_context(tls)
     log = state / "server.log" if args.detach else None
     server, serving = None, False
     previous = {sig: signal.signal(sig, _on_stop) for sig in STOP_SIGNALS}
     try:
-        store = start_postgres(data, args.pg_port)
-        cmd = server_command(store, state / "artifacts", args.host, args.port, args.workers, bool(login))
+        store = start_postgres(data, args.pg_port, password)
+        env["PGPASSFILE"] = str(pgpass_for(state, args.pg_port, password, account))
+        cmd = server_command(store, state / "artifacts", args.host, args.port, args.workers, bool(login), tls, python)
         out = log.open("ab") if log else None
         _held.clear()
         _held.append(None)  # a stop signal now waits until the server is started and recorded
         try:
+            as_account = {} if account is None else {"user": account, "group": account, "extra_groups": []}
             server = subprocess.Popen(cmd, env=env, start_new_session=True, stdin=subprocess.DEVNULL, stdout=out,
-                                      stderr=subprocess.STDOUT)
+                                      stderr=subprocess.STDOUT, cwd=state, **as_account)
             pid_file.write_text(f"{server.pid} {args.port}\n")
         finally:
             if out:
@@ -345,11 +534,13 @@ def serve(args: argparse.Namespace, state: Path) -> int:
             _held.clear()
         if pending:
             raise Stop(pending[0])
-        wait_healthy(uri, server, log)
+        wait_healthy(uri, server, log, context=context)
         if login:
-            check_login(uri, *login)
-        print(f"MLflow on PostgreSQL ({store}) serving at {uri}{' (login required)' if login else ''}\n"
-              f"  export MLFLOW_TRACKING_URI={uri}", flush=True)
+            check_login(uri, *login, context=context)
+        runs_as = f", as {account}" if account else ""
+        print(f"MLflow on PostgreSQL ({store}, password in {state / PASSWORD_FILE}) serving at {uri}"
+              f"{' (login required)' if login else ''}{runs_as}\n  export MLFLOW_TRACKING_URI={uri}"
+              + (f"\n  export MLFLOW_TRACKING_SERVER_CERT_PATH={tls[0]}" if tls else ""), flush=True)
         if args.detach:
             serving = True
             return 0
@@ -381,6 +572,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                         help="the server's worker processes (default: half the cores)")
     parser.add_argument("--auth", action="store_true", help="require a login on loopback too")
+    parser.add_argument("--tls-cert", type=Path, help="serve HTTPS with this certificate (PEM; with --tls-key)")
+    parser.add_argument("--tls-key", type=Path, help="the certificate's private key (PEM)")
     parser.add_argument("--detach", action="store_true", help="start in the background and return")
     parser.add_argument("--stop", action="store_true", help="stop the server and PostgreSQL")
     args = parser.parse_args(argv)
