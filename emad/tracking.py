@@ -165,8 +165,9 @@ def _search_experiments(uri: str, timeout: float) -> None:
     parts = urllib.parse.urlsplit(uri)
     bare = urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[-1]))  # no user:password@
     request = urllib.request.Request(f"{bare.rstrip('/')}/api/2.0/mlflow/experiments/search?max_results=1")
-    user = os.environ.get("MLFLOW_TRACKING_USERNAME") or urllib.parse.unquote(parts.username or "")
-    password = os.environ.get("MLFLOW_TRACKING_PASSWORD") or urllib.parse.unquote(parts.password or "")
+    saved = _saved_login()
+    user = os.environ.get("MLFLOW_TRACKING_USERNAME") or urllib.parse.unquote(parts.username or "") or saved[0]
+    password = os.environ.get("MLFLOW_TRACKING_PASSWORD") or urllib.parse.unquote(parts.password or "") or saved[1]
     token = os.environ.get("MLFLOW_TRACKING_TOKEN")
     if user and password:
         request.add_header("Authorization", "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode())
@@ -180,6 +181,17 @@ def _search_experiments(uri: str, timeout: float) -> None:
         raise ConnectionError(f"the tracking store answered {err.code} {err.reason}") from None
     except urllib.error.URLError as err:
         raise ConnectionError(f"the tracking store does not answer ({err.reason})") from None
+
+
+def _saved_login() -> tuple[str, str]:
+    """The login of MLflow's credentials file (``~/.mlflow/credentials``, section ``[mlflow]``), which MLflow
+    clients read when the variables are unset; empty strings when there is none."""
+    import configparser
+
+    parser = configparser.ConfigParser()
+    parser.read(Path.home() / ".mlflow" / "credentials")
+    section = parser["mlflow"] if parser.has_section("mlflow") else {}
+    return section.get("mlflow_tracking_username", ""), section.get("mlflow_tracking_password", "")
 
 
 def _tls_context() -> ssl.SSLContext | None:

@@ -5,8 +5,9 @@ any work.
 
 The server's lifecycle: SIGTERM, SIGINT or SIGHUP stop the server (its process group) and PostgreSQL and free the
 port; a taken port is an error naming it (and our server's pid) before anything starts; `--stop` stops what
-`--detach` started. No open door: a host other than loopback needs credentials before anything starts, and a
-server with a login answers 401 without it and takes runs from a client that has it."""
+`--detach` started. No open door: a host other than loopback needs credentials before anything starts, a loopback
+server makes its own login, and a server with a login answers 401 without it and takes runs from a client that has
+it; PostgreSQL wants its password; the server runs unprivileged; TLS serves HTTPS."""
 
 from __future__ import annotations
 
@@ -49,11 +50,17 @@ def server():
     port, pg_port = free_port(), free_port()
     cmd = [sys.executable, "tools/tracking_server.py", "--dir", str(folder), "--port", str(port),
            "--pg-port", str(pg_port)]
-    started = subprocess.run([*cmd, "--detach"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    started = subprocess.run([*cmd, "--detach"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                             env=_without_login())
     assert started.returncode == 0, started.stderr
     uri = f"http://127.0.0.1:{port}"
     assert f"export MLFLOW_TRACKING_URI={uri}" in started.stdout
+    login = dict(line.split("=", 1) for line in (folder / "login.env").read_text().splitlines())  # the one it made
+    saved = {k: os.environ.get(k) for k in login}
+    os.environ.update(login)  # what `set -a; . login.env` does: the tests' clients log in
     yield uri
+    for key, value in saved.items():
+        os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
     subprocess.run([*cmd, "--stop"], cwd=ROOT, capture_output=True, timeout=120)
     shutil.rmtree(folder, ignore_errors=True)
 
@@ -454,3 +461,31 @@ def test_tls_serves_https_that_clients_verify_and_other_hosts_without_it_are_war
     assert clear.returncode == 0, clear.stderr
     warning = [ln for ln in clear.stderr.splitlines() if "clear text" in ln]
     assert len(warning) == 1 and "--tls-cert" in warning[0] and "TLS proxy" in warning[0]
+
+
+def test_no_login_is_for_loopback_only_and_refused_for_other_hosts(tmp_path):
+    refused = _tool("--dir", str(tmp_path), "--host", "0.0.0.0", "--no-auth", timeout=60)
+    assert refused.returncode == 1 and "--no-auth serves loopback only" in refused.stderr
+    assert not (tmp_path / "postgres").exists()  # refused before anything started
+
+
+@pytest.mark.heavy
+def test_a_loopback_server_makes_its_own_login_and_refuses_anonymous_requests(state):
+    port = free_port()
+    started = _tool("--dir", str(state), "--port", str(port), "--pg-port", str(free_port()), "--detach")
+    assert started.returncode == 0, started.stderr
+    login = state / "login.env"
+    assert stat.S_IMODE(login.stat().st_mode) == 0o600 and f". {login}; set +a" in started.stdout
+    password = dict(ln.split("=", 1) for ln in login.read_text().splitlines())["MLFLOW_TRACKING_PASSWORD"]
+    assert password not in started.stdout + started.stderr
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/api/2.0/mlflow/experiments/search?max_results=1", timeout=30)
+    assert refused.value.code == 401
+    env = {**_without_login(), "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}", "HOME": str(state)}
+    anonymous = subprocess.run([sys.executable, "-c", "from emad import tracking; tracking.require_store()"],
+                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert anonymous.returncode != 0 and "refused the login (401" in anonymous.stderr
+    logged = subprocess.run(["bash", "-c", f"set -a; . {login}; set +a; {sys.executable} -c "
+                                           "'from emad import tracking; tracking.require_store()'"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert logged.returncode == 0, logged.stderr

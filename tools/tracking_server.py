@@ -13,9 +13,13 @@ In the foreground, Ctrl-C, SIGTERM and SIGHUP stop the server (its whole process
 that is taken is an error before anything starts. ``--detach`` returns once its own server process is alive and
 answers ``/health``; ``--stop`` stops the server the pid file (``.tracking/server.pid``) names and PostgreSQL.
 
-A server bound to anything but loopback (``--host 0.0.0.0``: other hosts) requires authentication: MLflow's
-``basic-auth`` app, with the admin user ``MLFLOW_TRACKING_USERNAME`` / ``MLFLOW_TRACKING_PASSWORD`` (the variables
-MLflow clients read); without them it refuses to start. ``--auth`` asks for the same on loopback.
+Every server requires a login: MLflow's ``basic-auth`` app. Bound to anything but loopback (``--host 0.0.0.0``:
+other hosts), the admin user is ``MLFLOW_TRACKING_USERNAME`` / ``MLFLOW_TRACKING_PASSWORD`` (the variables MLflow
+clients read); without them it refuses to start (``--auth`` asks for them on loopback too). On loopback without
+them, a login is made on the first start and kept in ``login.env`` (mode 0600) under the server's folder;
+``--no-auth`` (loopback only) opts out, with a warning. PostgreSQL wants a password generated on the first start
+(``postgres.password``, 0600), and started as root the server runs as an unprivileged account; ``--tls-cert`` /
+``--tls-key`` serve HTTPS (docs/scaling.md).
 
 PostgreSQL's server binaries are a system package (Debian/Ubuntu: ``apt-get install postgresql``; they land in
 ``/usr/lib/postgresql/<version>/bin``); without them this says so and exits 1. Standard library only (the server,
@@ -195,17 +199,34 @@ def is_loopback(host: str) -> bool:
         return False  # a name: whatever it resolves to, other hosts may reach it
 
 
-def credentials(host: str, forced: bool) -> tuple[str, str] | None:
-    """The admin user and password the server requires, or None for an open server on loopback.
+LOGIN_FILE = "login.env"  # under the server's folder: the admin login made for a loopback server, 0600
+
+
+MADE = ("", "")  # credentials(): a login to make (made_login) once nothing else can refuse the start
+
+
+def credentials(host: str, forced: bool, open_door: bool = False) -> tuple[str, str] | None:
+    """The admin user and password the server requires, :data:`MADE` for one to make, None only for ``open_door``
+    on loopback.
+
+    On loopback without ``MLFLOW_TRACKING_USERNAME`` / ``MLFLOW_TRACKING_PASSWORD``, a login is made on the first
+    start and kept in ``login.env`` under the server's folder (mode 0600: this account's; :func:`made_login`), so
+    that no other account on the host reaches a run without it. A host other than loopback (or ``forced``) needs
+    the variables given: the admin chooses the login every other host will use.
 
     Raises:
-        ServerError: authentication is required (``host`` is not loopback, or ``forced``) and
-            ``MLFLOW_TRACKING_USERNAME`` / ``MLFLOW_TRACKING_PASSWORD`` are not both set, or the password is
-            shorter than MLflow accepts.
+        ServerError: ``open_door`` off loopback; authentication needs the variables and they are not both set; or
+            the password is shorter than MLflow accepts.
     """
-    if not forced and is_loopback(host):
+    if open_door:
+        if not is_loopback(host):
+            raise ServerError(f"--no-auth serves loopback only: --host {host} lets other hosts in without a login")
+        print("tracking-server: warning: --no-auth: every account on this host can read and change the runs",
+              file=sys.stderr, flush=True)
         return None
     user, password = os.environ.get(USER, ""), os.environ.get(PASSWORD, "")
+    if not user and not password and not forced and is_loopback(host):
+        return MADE
     why = "--auth" if forced else f"--host {host} lets other hosts in, so the server requires authentication"
     if not user or not password:
         raise ServerError(f"{why}: set {USER} and {PASSWORD} (the admin user the server creates on its first start "
@@ -213,6 +234,16 @@ def credentials(host: str, forced: bool) -> tuple[str, str] | None:
     if len(password) < 12 or "\n" in password:
         raise ServerError(f"{PASSWORD}: MLflow wants at least 12 characters on one line")
     return user, password
+
+
+def made_login(state: Path) -> tuple[str, str]:
+    """The admin login of ``state/login.env``, made (user ``emad-admin``, a random password) when missing."""
+    path = state / LOGIN_FILE
+    if not path.exists():
+        state.mkdir(parents=True, exist_ok=True)
+        _write_secret(path, f"{USER}=emad-admin\n{PASSWORD}={secrets.token_urlsafe(24)}\n")
+    values = dict(line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
+    return values[USER], values[PASSWORD]
 
 
 def write_auth_config(state: Path, user: str, password: str) -> Path:
@@ -479,7 +510,7 @@ def stop(state: Path) -> int:
 def serve(args: argparse.Namespace, state: Path) -> int:
     """Start PostgreSQL and the server; in the foreground serve until a stop signal, then stop both."""
     pid_file, data = state / "server.pid", state / "postgres"
-    login = credentials(args.host, args.auth)  # every refusal comes before anything starts
+    login = credentials(args.host, args.auth, args.no_auth)  # every refusal comes before anything starts
     if running := read_pid_file(pid_file):
         pid, port = running
         raise ServerError(f"port {port} is taken by the MLflow server of {state} (pid {pid}); `--stop` stops it"
@@ -490,6 +521,8 @@ def serve(args: argparse.Namespace, state: Path) -> int:
     pg_bin("initdb")  # missing binaries: FileNotFoundError with the install instruction
     state.mkdir(parents=True, exist_ok=True)
     state.chmod(0o755)  # traversable by PostgreSQL's and the server's accounts; the secrets inside are 0600
+    if login is MADE:
+        login = made_login(state)
     password = pg_password(state)
     account = server_account()
     tls = tls_files(state, args.tls_cert, args.tls_key, account)
@@ -538,9 +571,12 @@ def serve(args: argparse.Namespace, state: Path) -> int:
         if login:
             check_login(uri, *login, context=context)
         runs_as = f", as {account}" if account else ""
+        made = login is not None and not os.environ.get(USER) and (state / LOGIN_FILE).exists()
         print(f"MLflow on PostgreSQL ({store}, password in {state / PASSWORD_FILE}) serving at {uri}"
               f"{' (login required)' if login else ''}{runs_as}\n  export MLFLOW_TRACKING_URI={uri}"
-              + (f"\n  export MLFLOW_TRACKING_SERVER_CERT_PATH={tls[0]}" if tls else ""), flush=True)
+              + (f"\n  export MLFLOW_TRACKING_SERVER_CERT_PATH={tls[0]}" if tls else "")
+              + (f"\n  set -a; . {state / LOGIN_FILE}; set +a    # the login (kept there, mode 0600)" if made else ""),
+              flush=True)
         if args.detach:
             serving = True
             return 0
@@ -571,7 +607,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pg-port", type=int, default=5433, help="PostgreSQL's port (127.0.0.1 only)")
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                         help="the server's worker processes (default: half the cores)")
-    parser.add_argument("--auth", action="store_true", help="require a login on loopback too")
+    parser.add_argument("--auth", action="store_true", help=f"require {USER} / {PASSWORD} on loopback too (without "
+                                                            f"them a loopback server makes its own login)")
+    parser.add_argument("--no-auth", action="store_true", help="loopback only: no login (every local account can "
+                                                               "read and change the runs)")
     parser.add_argument("--tls-cert", type=Path, help="serve HTTPS with this certificate (PEM; with --tls-key)")
     parser.add_argument("--tls-key", type=Path, help="the certificate's private key (PEM)")
     parser.add_argument("--detach", action="store_true", help="start in the background and return")
