@@ -20,7 +20,6 @@ object), so dynamo's per-function recompile limit is never shared between segmen
 from __future__ import annotations
 
 import time
-import types
 import weakref
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -29,111 +28,11 @@ from dataclasses import dataclass, field
 import torch
 
 from emad.engine.cache import KVCache, Slots
+from emad.engine.segments import estimate_function, estimator_signature, readout_function, segment_function
 from emad.engine.stack import LayerStack
 from emad.engine.static_cache import Slab, StaticKVCache
 
 CAPACITY_STEP = 128  # static caches are made in multiples of this many slots, so prompts of similar length share
-
-
-class _MaskedView:
-    """What a compiled segment's attention modules see as their cache: the K/V of running rows written at one slot
-    (``index_copy_`` at a device-tensor slot, shape-static), the rows not running left as they were."""
-
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], slot: torch.Tensor,
-                 running: torch.Tensor, first: int):
-        self.keys, self.values, self.slot, self.running, self.first = keys, values, slot, running, first
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """HF ``Cache.update``: store ``[B, H_kv, 1, d_head]`` at the slot, return the layer's whole buffers."""
-        keep = self.running[:, None, None, None]  # [B, 1, 1, 1]
-        i = layer_idx - self.first  # the buffers are the segment's, from its first layer on
-        for buffer, new in ((self.keys[i], key_states), (self.values[i], value_states)):
-            old = buffer.index_select(2, self.slot)  # [B, H_kv, 1, d_head]
-            buffer.index_copy_(2, self.slot, torch.where(keep, new.to(buffer.dtype), old))
-        return self.keys[i], self.values[i]
-
-
-def masked_segment(stack: LayerStack, start: int, stop: int, h: torch.Tensor, positions: torch.Tensor,
-                   slot: torch.Tensor, running: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-                   valid: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    """Layers ``[start, stop)`` for one token of every row, writing the running rows' K/V and validity.
-
-    Args:
-        h: ``[B, 1, d]`` hidden states (rows not running: anything finite).
-        positions: ``[B, 1]`` position ids.
-        slot: ``[1]`` the slot of this token (a device tensor: a new slot needs no new function).
-        running: ``[B]`` bool, the rows whose token runs these layers.
-        keys, values: the segment's layers' buffers, each ``[B, H_kv, S, d_head]``.
-        valid: ``[stop - start, B, S]`` the segment's layers' validity; real: ``[B, S]`` (the cache's).
-
-    Only the segment's own buffers come in, so segments of equal layers compile to the same graph (the compiler's
-    cache serves the second).
-
-    Returns:
-        ``[B, 1, d]`` the states after layer ``stop`` (meaningful for running rows).
-    """
-    k_pos = torch.arange(valid.shape[-1], device=h.device)[None, :]  # [1, S]
-    here = k_pos == slot[:, None]  # [1, S] the token's own slot: visible to every row (no row attends to nothing)
-    before = k_pos <= slot[:, None]  # [1, S]
-    real_here = real.index_select(1, slot)  # [B, 1]
-    view = _MaskedView(keys, values, slot, running, start)
-    rotary: dict = {}
-    for i, idx in enumerate(range(start, stop)):
-        visible = (valid[i] | here) & before  # [B, S]
-        window = stack.windows[idx]
-        if window is not None:
-            visible = visible & (k_pos > slot[:, None] - window)
-        kwargs = {stack.adapter.cache_kwarg: view, "use_cache": True, "position_ids": positions,
-                  "attention_mask": visible[:, None, None, :]}
-        if stack.adapter.rotary is not None:
-            kwargs["position_embeddings"] = stack._rotary(h, positions, idx, rotary)
-        h = stack.layers[idx](h, **kwargs)
-        if isinstance(h, tuple):
-            h = h[0]
-        written = torch.where(running[:, None], real_here, valid[i].index_select(1, slot))  # [B, 1]
-        valid[i].index_copy_(1, slot, written)
-    return h
-
-
-def _segment_function(stack: LayerStack, start: int, stop: int, name: str):
-    """``masked_segment`` for layers ``[start, stop)`` as a function with a code object of its own (``name``), so
-    that dynamo caches and counts its compilations apart from every other segment's."""
-
-    def segment(h, positions, slot, running, keys, values, valid, real):
-        return masked_segment(stack, start, stop, h, positions, slot, running, keys, values, valid, real)
-
-    code = segment.__code__.replace(co_name=name, co_qualname=name)
-    return types.FunctionType(code, segment.__globals__, name, segment.__defaults__, segment.__closure__)
-
-
-def _estimate_function(view: LayerStack, layer: int, name: str):
-    """``estimator.estimate`` at ``layer`` for every row's state ``h`` ``[B, d]`` through ``view`` (whose readout
-    defers its NaN/inf check to a device flag), as a function with a code object of its own (``name``). The
-    estimator comes in as an argument, so points with equal estimators of other values share the compilation."""
-
-    def estimate(h, estimator):
-        est = estimator.estimate(view, h, layer)
-        return est.entropy, est.max_prob, est.logits
-
-    code = estimate.__code__.replace(co_name=name, co_qualname=name)
-    return types.FunctionType(code, estimate.__globals__, name, estimate.__defaults__, estimate.__closure__)
-
-
-def _readout_function(view: LayerStack, layer: int, name: str):
-    """``view.readout`` at ``layer`` of every row's state ``h`` ``[B, d]``, with a code object of its own."""
-
-    def readout(h):
-        return view.readout(h, layer)
-
-    code = readout.__code__.replace(co_name=name, co_qualname=name)
-    return types.FunctionType(code, readout.__globals__, name, readout.__defaults__, readout.__closure__)
-
-
-def _signature(estimator) -> tuple:
-    """What a compiled estimate specialises on besides tensor shapes: the estimator's kind, options and fitted
-    corrections (points sharing them share one compiled function; their tensors are inputs)."""
-    correction = getattr(estimator, "correction", None) or {}
-    return type(estimator).__name__, repr(estimator.describe()), repr(sorted(correction.items()))
 
 
 class _Graph:
@@ -223,7 +122,7 @@ class SegmentRunner:
         fn = self.functions.get(key)
         if fn is None:
             name = f"emad_segment_{start}_{stop}_b{batch}_s{capacity}_{str(h.dtype).split('.')[-1]}"
-            fn = self._compile(key, _segment_function(self.stack, start, stop, name))
+            fn = self._compile(key, segment_function(self.stack, start, stop, name))
             began = time.perf_counter()
             out = fn(*inputs, *tensors)  # the first call compiles
             self._count(began, key, compiled=True)
@@ -245,11 +144,11 @@ class SegmentRunner:
         if estimator not in self._ready:  # eagerly once: shortlists and factorisations are made outside the graph
             estimator.estimate(view, h[:1], layer)
             self._ready.add(estimator)
-        key = ("estimate", _signature(estimator), layer, *h.shape, h.dtype, id(view))
+        key = ("estimate", estimator_signature(estimator), layer, *h.shape, h.dtype, id(view))
         fn = self.functions.get(key)
         if fn is None:
             name = f"emad_estimate_{type(estimator).__name__.lower()}_{layer}_b{h.shape[0]}_{len(self.functions)}"
-            fn = self._compile(key, _estimate_function(view, layer, name))
+            fn = self._compile(key, estimate_function(view, layer, name))
             began = time.perf_counter()
             out = fn(h, estimator)
             self._count(began, key, compiled=True)
@@ -276,7 +175,7 @@ class SegmentRunner:
         key = ("readout", layer, *h.shape, h.dtype, id(view))
         fn = self.functions.get(key)
         if fn is None:
-            fn = self._compile(key, _readout_function(view, layer, f"emad_readout_{layer}_b{h.shape[0]}_"
+            fn = self._compile(key, readout_function(view, layer, f"emad_readout_{layer}_b{h.shape[0]}_"
                                                                     f"{len(self.functions)}"))
             began = time.perf_counter()
             out = fn(h)

@@ -1,0 +1,121 @@
+"""What the compiled engine compiles: the layers between two probes for every row of a batch over a static cache
+(:func:`masked_segment`), a probe's estimate and a readout, each as a function with a code object of its own.
+
+A segment is a static-shape function of every cache row — hidden states ``[B, 1, d]``, position ids ``[B, 1]``, the
+slot as a device tensor ``[1]``, a running mask ``[B]`` — and of its own layers' K/V buffers and validity: rows that
+do not run (they exited, or finished) ride along masked, their K/V and validity left as they were, and attention
+sees the whole buffer ``[B, H_kv, S, d_head]`` under a validity mask ``[B, 1, 1, S]``. The HF layer modules do the
+work, as in the eager :meth:`~emad.engine.stack.LayerStack.run`.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from emad.engine.stack import LayerStack
+
+
+class _MaskedView:
+    """What a compiled segment's attention modules see as their cache: the K/V of running rows written at one slot
+    (``index_copy_`` at a device-tensor slot, shape-static), the rows not running left as they were."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], slot: torch.Tensor,
+                 running: torch.Tensor, first: int):
+        self.keys, self.values, self.slot, self.running, self.first = keys, values, slot, running, first
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """HF ``Cache.update``: store ``[B, H_kv, 1, d_head]`` at the slot, return the layer's whole buffers."""
+        keep = self.running[:, None, None, None]  # [B, 1, 1, 1]
+        i = layer_idx - self.first  # the buffers are the segment's, from its first layer on
+        for buffer, new in ((self.keys[i], key_states), (self.values[i], value_states)):
+            old = buffer.index_select(2, self.slot)  # [B, H_kv, 1, d_head]
+            buffer.index_copy_(2, self.slot, torch.where(keep, new.to(buffer.dtype), old))
+        return self.keys[i], self.values[i]
+
+
+def masked_segment(stack: LayerStack, start: int, stop: int, h: torch.Tensor, positions: torch.Tensor,
+                   slot: torch.Tensor, running: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                   valid: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """Layers ``[start, stop)`` for one token of every row, writing the running rows' K/V and validity.
+
+    Args:
+        h: ``[B, 1, d]`` hidden states (rows not running: anything finite).
+        positions: ``[B, 1]`` position ids.
+        slot: ``[1]`` the slot of this token (a device tensor: a new slot needs no new function).
+        running: ``[B]`` bool, the rows whose token runs these layers.
+        keys, values: the segment's layers' buffers, each ``[B, H_kv, S, d_head]``.
+        valid: ``[stop - start, B, S]`` the segment's layers' validity; real: ``[B, S]`` (the cache's).
+
+    Only the segment's own buffers come in, so segments of equal layers compile to the same graph (the compiler's
+    cache serves the second).
+
+    Returns:
+        ``[B, 1, d]`` the states after layer ``stop`` (meaningful for running rows).
+    """
+    k_pos = torch.arange(valid.shape[-1], device=h.device)[None, :]  # [1, S]
+    here = k_pos == slot[:, None]  # [1, S] the token's own slot: visible to every row (no row attends to nothing)
+    before = k_pos <= slot[:, None]  # [1, S]
+    real_here = real.index_select(1, slot)  # [B, 1]
+    view = _MaskedView(keys, values, slot, running, start)
+    rotary: dict = {}
+    for i, idx in enumerate(range(start, stop)):
+        visible = (valid[i] | here) & before  # [B, S]
+        window = stack.windows[idx]
+        if window is not None:
+            visible = visible & (k_pos > slot[:, None] - window)
+        kwargs = {stack.adapter.cache_kwarg: view, "use_cache": True, "position_ids": positions,
+                  "attention_mask": visible[:, None, None, :]}
+        if stack.adapter.rotary is not None:
+            kwargs["position_embeddings"] = stack._rotary(h, positions, idx, rotary)
+        h = stack.layers[idx](h, **kwargs)
+        if isinstance(h, tuple):
+            h = h[0]
+        written = torch.where(running[:, None], real_here, valid[i].index_select(1, slot))  # [B, 1]
+        valid[i].index_copy_(1, slot, written)
+    return h
+
+
+def _own_code(fn, name: str):
+    """``fn`` with a code object of its own named ``name``: dynamo caches and counts compilations per code object, so
+    each segment or probe function keeps its own (no shared recompile limit, no guards of another's)."""
+    code = fn.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+
+
+def segment_function(stack: LayerStack, start: int, stop: int, name: str):
+    """``masked_segment`` for layers ``[start, stop)``, a function of its own."""
+
+    def segment(h, positions, slot, running, keys, values, valid, real):
+        return masked_segment(stack, start, stop, h, positions, slot, running, keys, values, valid, real)
+
+    return _own_code(segment, name)
+
+
+def estimate_function(view: LayerStack, layer: int, name: str):
+    """``estimator.estimate`` at ``layer`` for every row's state ``h`` ``[B, d]`` through ``view`` (whose readout
+    defers its NaN/inf check to a device flag), a function of its own. The estimator comes in as an argument, so
+    points with equal estimators of other values share the compilation."""
+
+    def estimate(h, estimator):
+        est = estimator.estimate(view, h, layer)
+        return est.entropy, est.max_prob, est.logits
+
+    return _own_code(estimate, name)
+
+
+def readout_function(view: LayerStack, layer: int, name: str):
+    """``view.readout`` at ``layer`` of every row's state ``h`` ``[B, d]``, a function of its own."""
+
+    def readout(h):
+        return view.readout(h, layer)
+
+    return _own_code(readout, name)
+
+
+def estimator_signature(estimator) -> tuple:
+    """What a compiled estimate specialises on besides tensor shapes: the estimator's kind, options and fitted
+    corrections (points sharing them share one compiled function; their tensors are inputs)."""
+    correction = getattr(estimator, "correction", None) or {}
+    return type(estimator).__name__, repr(estimator.describe()), repr(sorted(correction.items()))
