@@ -41,7 +41,7 @@ def params(model_dir: Path) -> dict:
                                                                         "readout": "tuned"},
                           "fixed": {"method": "fixed", "depth": [3]},
                           "conf": {"method": "confidence", "threshold": [0.5, 3, 100], "probe_every": 1}},
-            "swept_prompts": 1, "speed_repeats": 2, "speed_prompts": 8, "speed_tokens": 8,
+            "swept_prompts": 1, "speed_repeats": 2, "speed_prompts": 8, "speed_tokens": 8, "speed_flops_below": 1.0,
             "shift_points": None, "unserved_tokens": 64,
             "points": {"emad-m0": {"method": "emad", "margin": 0.0},
                        "emad-m0-tuned": {"method": "emad", "margin": 0.0, "readout": "tuned"}},
@@ -63,7 +63,8 @@ def params(model_dir: Path) -> dict:
                                "tasks": CONTROL_TASKS,
                                "baselines": {"full": {"method": "full"}, "fixed": {"method": "fixed", "depth": [3, 4]}},
                                "points": {"emad-topk": {"method": "emad", "margin": 0.0, "estimator": "topk"}}}},
-        "aggregate": {"methods": ["emad"], "ppl_rel_tol": 0.01, "acc_abs_tol": 0.01},
+        "aggregate": {"methods": ["emad"], "ppl_rel_tol": 0.01, "acc_abs_tol": 0.01, "min_flops_reduction": 0.15,
+                      "min_speed_gain": 0.10},
     }
 
 

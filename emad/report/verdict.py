@@ -22,8 +22,11 @@
   beyond them.
 - C2: each point that can decide it (no violated check, it exits — a point that never exits runs every layer
   and its probes — and it spends fewer FLOPs than full depth, ``decode.speed_flops_below``) was timed on
-  ≥ :data:`~emad.evaluation.checks.MIN_SPEED_PROMPTS` distinct prompts per domain, one pair per prompt (point and full depth back to back in the decode process, each first on half of them,
-  ``cost.speed_pairs``); the per-prompt ratios of all its domains give a 95% interval over prompts (Student t on
+  ≥ :data:`~emad.evaluation.checks.MIN_SPEED_PROMPTS` distinct prompts per domain, one pair per prompt (point and the
+  full-depth reference back to back in the decode process, in blocks whose order turns by one from prompt to
+  prompt, so each member of a block of b is first on ⌊n/b⌋ or ⌈n/b⌉ of n prompts: half with one point;
+  ``cost.speed_pairs``; the reference is the faster of our full depth and, on CUDA, HF's static-cache
+  ``generate``, ``cost.speed_reference``); the per-prompt ratios of all its domains give a 95% interval over prompts (Student t on
   the log ratios, :func:`emad.evaluation.intervals.ratio_interval`). Its speed state is met when the interval lies at or
   above ``1 + min_speed_gain``, violated when wholly below, unresolved otherwise. C2 passes when a met point has
   a met speed state (a decode stage that runs one domain times a family's candidates cheapest first and stops
