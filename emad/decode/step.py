@@ -212,7 +212,6 @@ def step(
     if rule.shares_depth and b > 1 and bool((cap != cap[0]).any()):
         raise RuntimeError(f"batch_exit {method.batch_exit!r}: policy {method.policy!r} capped the rows of one step "
                            f"at different layers {sorted(set(cap.tolist()))}; it cannot combine with this rule")
-    probe_flops, probe_bytes = estimator.probe_cost(cost)
     out = StepOutput(
         logits=torch.empty(b, stack.vocab_size, dtype=stack.dtype, device=device),
         depths=torch.zeros(b, dtype=torch.long),
