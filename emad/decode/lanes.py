@@ -100,12 +100,20 @@ class MaskedRows(Lanes):
         """A fusable estimator runs compiled over every cache row (static shapes), its probed rows picked after."""
         if not self.stack.fuses(estimator):
             return super().estimate(estimator, layer, probing, probed)
-        entropy, max_prob, logits = self.stack.estimate_all(estimator, layer, self.h[:, -1])  # [B], [B], [B, V]
         picked = self.rows.to(self.h.device)[probed]  # [p] the probed rows' cache rows
+        entropy, max_prob, logits = self.stack.estimate_all(estimator, layer, self._only(picked))  # [B], [B], [B, V]
         return Estimate(entropy[picked], max_prob[picked], None if logits is None else logits[picked])
+
+    def _only(self, picked: torch.Tensor) -> torch.Tensor:
+        """Every cache row's state ``[B, d]``, zero but in the ``picked`` rows: a row that left or finished, whose
+        state rode along, cannot trip the readout's NaN/inf check."""
+        keep = torch.zeros(self.cache.batch_size, dtype=torch.bool, device=self.h.device)
+        keep[picked] = True
+        return torch.where(keep[:, None], self.h[:, -1], 0)
 
     def readout(self, layer: int, reading: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Where probes are fused, the exit readout too: compiled over every cache row, the rows picked after."""
         if not self.stack.fuse_probes:
             return super().readout(layer, reading, rows)
-        return self.stack.readout_all(layer, self.h[:, -1])[self.rows[rows].to(self.h.device)]
+        picked = self.rows[rows].to(self.h.device)
+        return self.stack.readout_all(layer, self._only(picked))[picked]
