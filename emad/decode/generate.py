@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from emad.decode.lanes import on_device
 from emad.decode.results import Generation, TokenTrace
 from emad.decode.step import (
     EXIT_REASONS,
@@ -145,10 +146,11 @@ def generate(
             if len(alive) == 0 or t == max_new_tokens:
                 break
             before = policy.extra.flops.clone(), policy.extra.bytes.clone()
-            out = step(stack, cache, method, policy, cost, tokens[alive.to(stack.device)], positions[alive], alive)
+            out = step(stack, cache, method, policy, cost, tokens[on_device(alive, stack.device)], positions[alive],
+                       alive)
             new = choose(out.logits, sampling, generator)
             chosen, logps = _to_host(new, out.logits)  # the step's one copy of its tokens to the host
-            tokens[alive.to(stack.device)] = new
+            tokens[on_device(alive, stack.device)] = new
             positions[alive] += 1
             helds.append(cache.held())
             allowed = out.allowed.tolist()

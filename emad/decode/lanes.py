@@ -14,6 +14,24 @@ from emad.engine.cache import KVCache
 from emad.engine.stack import LayerStack
 from emad.exits.estimators import Estimate, Estimator
 
+_ON_DEVICE: dict[tuple, torch.Tensor] = {}  # (device, dtype, values) -> the host tensor's copy there
+_ON_DEVICE_MAX = 4096
+
+
+def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor of row indices or a row mask on ``device``, copied once per distinct value and kept: a copy
+    from pageable host memory waits for the device's queued work, so the step's bookkeeping, which goes from the host
+    to the device between a segment and its probe, must not make one each time (read-only; itself on a CPU)."""
+    if device.type == "cpu" or t.device == device:
+        return t
+    key = (str(device), t.dtype, tuple(t.tolist()))
+    found = _ON_DEVICE.get(key)
+    if found is None:
+        if len(_ON_DEVICE) >= _ON_DEVICE_MAX:
+            _ON_DEVICE.clear()
+        found = _ON_DEVICE[key] = t.to(device)
+    return found
+
 
 class Lanes:
     """The states of one step's rows.
@@ -47,12 +65,12 @@ class Lanes:
     def estimate(self, estimator: Estimator, layer: int, probing: torch.Tensor, probed: torch.Tensor) -> Estimate:
         """``estimator``'s estimate at ``layer`` of the active rows where ``probing`` ``[a]`` (host) is True, which
         are the step rows ``probed`` ``[p]`` (on the device)."""
-        return estimator.estimate(self.stack, self.active_states[probing.to(self.h.device), -1], layer, probed)
+        return estimator.estimate(self.stack, self.active_states[on_device(probing, self.h.device), -1], layer, probed)
 
     def readout(self, layer: int, reading: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """The readout ``[r, V]`` at ``layer`` of the active rows where ``reading`` ``[a]`` (host) is True, which
         are the step rows ``rows`` ``[r]`` (host)."""
-        return self.stack.readout(self.active_states[reading.to(self.h.device), -1], layer)
+        return self.stack.readout(self.active_states[on_device(reading, self.h.device), -1], layer)
 
 
 class RunningRows(Lanes):
@@ -64,8 +82,8 @@ class RunningRows(Lanes):
 
     def run(self, start: int, stop: int, active: torch.Tensor) -> torch.Tensor:
         cache_rows = self.rows[active]
-        subset = None if len(cache_rows) == self.cache.batch_size else cache_rows.to(self.h.device)
-        self.h = self.stack.run(self.h, start, stop, self.cache, self.positions[active.to(self.h.device)], self.slots,
+        subset = None if len(cache_rows) == self.cache.batch_size else on_device(cache_rows, self.h.device)
+        self.h = self.stack.run(self.h, start, stop, self.cache, self.positions[on_device(active, self.h.device)], self.slots,
                                 subset)
         return self.h
 
@@ -84,12 +102,12 @@ class MaskedRows(Lanes):
     def __init__(self, stack, cache, h, positions, rows, slots):
         super().__init__(stack, cache, h, positions, rows, slots)
         batch = cache.batch_size
-        on_device = rows.to(h.device)
-        self.h = h.new_zeros(batch, *h.shape[1:]).index_copy_(0, on_device, h)  # [B, 1, d]
-        self.positions = positions.new_zeros(batch, *positions.shape[1:]).index_copy_(0, on_device, positions)
+        rows_there = on_device(rows, h.device)
+        self.h = h.new_zeros(batch, *h.shape[1:]).index_copy_(0, rows_there, h)  # [B, 1, d]
+        self.positions = positions.new_zeros(batch, *positions.shape[1:]).index_copy_(0, rows_there, positions)
 
     def run(self, start: int, stop: int, active: torch.Tensor) -> torch.Tensor:
-        cache_rows = self.rows[active].to(self.h.device)
+        cache_rows = on_device(self.rows[active], self.h.device)
         running = torch.zeros(self.cache.batch_size, dtype=torch.bool, device=self.h.device)
         running[cache_rows] = True
         self.h = self.stack.run_masked(self.h, start, stop, self.cache, self.positions, self.slots, running)
@@ -100,7 +118,7 @@ class MaskedRows(Lanes):
         """A fusable estimator runs compiled over every cache row (static shapes), its probed rows picked after."""
         if not self.stack.fuses(estimator):
             return super().estimate(estimator, layer, probing, probed)
-        picked = self.rows.to(self.h.device)[probed]  # [p] the probed rows' cache rows
+        picked = on_device(self.rows, self.h.device)[probed]  # [p] the probed rows' cache rows
         entropy, max_prob, logits = self.stack.estimate_all(estimator, layer, self._only(picked))  # [B], [B], [B, V]
         return Estimate(entropy[picked], max_prob[picked], None if logits is None else logits[picked])
 
@@ -115,5 +133,5 @@ class MaskedRows(Lanes):
         """Where probes are fused, the exit readout too: compiled over every cache row, the rows picked after."""
         if not self.stack.fuse_probes:
             return super().readout(layer, reading, rows)
-        picked = self.rows[rows].to(self.h.device)
+        picked = on_device(self.rows[rows], self.h.device)
         return self.stack.readout_all(layer, self._only(picked))[picked]

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from emad.decode.lanes import Lanes
+from emad.decode.lanes import Lanes, on_device
 from emad.engine.cache import KVCache
 from emad.engine.cost import CostModel
 from emad.engine.stack import LayerStack
@@ -201,7 +201,7 @@ def step(
     b, device = tokens.shape[0], tokens.device
     rows = rows.cpu()  # host bookkeeping; device tensors are indexed with it directly
     real = torch.zeros(cache.batch_size, 1, dtype=torch.bool, device=device)
-    real[rows] = True
+    real[on_device(rows, device)] = True
     slots = cache.allocate(real, dense=b == cache.batch_size)
     pos = positions.to(device)[:, None]  # [b, 1]
     h = stack.embed(tokens[:, None], pos)  # [b, 1, d]
@@ -248,17 +248,18 @@ def step(
             read = leave & ~probing if probe_logits is not None else leave  # rows read out afresh
             if probe_logits is not None:
                 took = leave & probing
-                out.logits[active[took].to(device)] = probe_logits[took[probing].to(device)].to(out.logits.dtype)
+                out.logits[on_device(active[took], device)] = probe_logits[on_device(took[probing], device)].to(
+                    out.logits.dtype)
             if bool(read.any()):
-                out.logits[active[read].to(device)] = _readout(lanes, read, probe, cost, out,
+                out.logits[on_device(active[read], device)] = _readout(lanes, read, probe, cost, out,
                                                                active[read]).to(out.logits.dtype)
             out.depths[gone] = probe
             code = torch.where(passed[leave], 0, torch.where(capped[leave], 1, 2))
             out.reasons[gone] = torch.where(ready[leave], 3, code)
-            policy.after_exit(stack, cache, rows[gone], slots.start, h[leave.to(device)], pos[gone.to(device), 0],
-                              probe)
+            policy.after_exit(stack, cache, rows[gone], slots.start, h[on_device(leave, device)],
+                              pos[on_device(gone, device), 0], probe)
         active, ready = active[~leave], allowed[~leave]
-        lanes.keep((~leave).to(device))
+        lanes.keep(on_device(~leave, device))
         if len(active) == 0:
             break
     policy.record(rows, out.depths)
@@ -276,15 +277,15 @@ def _probe(lanes: Lanes, method: Method, cost: CostModel, out: StepOutput, probi
         ``(passed [p] on the host, exit logits [p, V] on the device or None)``.
     """
     criterion, estimator, device = method.criterion, method.estimator, pos.device
-    on_device = probed.to(device)
-    est = lanes.estimate(estimator, probe, probing, on_device)
+    there = on_device(probed, device)
+    est = lanes.estimate(estimator, probe, probing, there)
     spent = est.cost or estimator.probe_cost(cost)
     moved = cost.translation(probe)  # the readout's T_ℓ, read before the estimator's head rows
     out.probe_flops[probed] += spent[0] + moved[0]
     out.probe_bytes[probed] += spent[1] + moved[1]
     if k == 0:
-        first_conf[on_device] = est.max_prob.float()
-    view = ProbeView(probe, est.entropy, pos[on_device, 0], first_conf[on_device], est.logits, on_device)
+        first_conf[there] = est.max_prob.float()
+    view = ProbeView(probe, est.entropy, pos[there, 0], first_conf[there], est.logits, there)
     criterion.observe(view)
     exits = criterion.exits(view) if probe >= criterion.min_exit_layer else torch.zeros_like(est.entropy, dtype=bool)
     host = torch.stack([exits.float(), est.entropy.float()]).cpu()  # [2, p]: the probe's one copy to the host
