@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from emad.evaluation.checks import Thresholds
 from emad.report import ParetoSeries
 from emad.report.figures.frontier import (
     domain_shift_figure,
@@ -20,6 +21,7 @@ from emad.report.figures.frontier import (
 )
 from emad.report.figures.lines import lines, plot_fields, quality_scale
 from emad.report.figures.style import family_styles
+from emad.report.figures.zoom import REDUCTION_GID, ZOOM_LABEL
 from emad.report.heatmap import heatmap_html
 from emad.report.plots import plt, profile_figure
 
@@ -137,7 +139,7 @@ def test_overview_and_domain_shift_figures_build(tmp_path):
     series = [synthetic_series("prose"), synthetic_series("code", shifted="prose"),
               synthetic_series("prose", metric="fidelity.token_agreement")]
     fig = overview_figure(series)
-    assert sum(ax.get_visible() for ax in fig.axes) == 2
+    assert sum(ax.get_visible() for ax in fig.axes) == 2 * 2  # each perplexity panel and its zoom
     plt.close(fig)
     fig = domain_shift_figure(series)
     assert len(fig.axes) == 2 * 2  # two domains × two profile families
@@ -147,6 +149,53 @@ def test_overview_and_domain_shift_figures_build(tmp_path):
         assert path is not None and path.read_bytes()[:4] == b"\x89PNG"
     assert write_domain_shift_figure([synthetic_series(families=("fixed",))], tmp_path / "none.png") is None
     assert write_overview_figure(series[2:], tmp_path / "none.png") is None
+
+
+def _zooms(fig) -> list:
+    return [ax for ax in fig.axes if ax.get_visible() and ax.get_label() == ZOOM_LABEL]
+
+
+def _at(ax, x: float | None = None, y: float | None = None) -> list:
+    """Reference lines of ``ax``: vertical at ``x`` or horizontal at ``y``."""
+    data = [(ln, ln.get_xdata(), ln.get_ydata()) for ln in ax.get_lines()]
+    return [ln for ln, xs, ys in data if len(xs) == 2 and (
+        (x is not None and list(xs) == pytest.approx([x, x])) or (y is not None and list(ys) == pytest.approx([y, y])))]
+
+
+def test_overview_zooms_on_the_tolerance_band_under_each_wide_panel():
+    series = [synthetic_series("prose"), synthetic_series("code", shifted="prose")]
+    series[0].rows[3]["quality"] = math.inf  # diverged: leaves the window without moving its limits
+    fig = overview_figure(series, thresholds=Thresholds())
+    wide = [ax for ax in fig.axes if ax.get_visible() and ax.get_label() != ZOOM_LABEL]
+    zooms = _zooms(fig)
+    assert len(wide) == len(zooms) == 2
+    assert all(ax.get_ylim()[1] >= 1e6 for ax in wide)  # the wide panels keep the whole sweep
+    for ax in zooms:
+        assert ax.get_xlim() == pytest.approx((0.6, 1.05)) and ax.get_ylim() == pytest.approx((0.95, 1.05))
+        assert ax.get_yscale() == "log"  # perplexity as a ratio to full depth, as in the wide panels
+        reduction = [ln for ln in ax.get_lines() if ln.get_gid() == REDUCTION_GID]
+        assert len(reduction) == 1 and list(reduction[0].get_xdata()) == pytest.approx([0.85, 0.85])
+        assert _at(ax, y=1.01) and _at(ax, y=1.0)  # the tolerance and full depth's level
+        assert any(ln.get_marker() == "*" and list(ln.get_xdata()) == [1.0] for ln in ax.get_lines())
+        curves = _curve_lines(ax)
+        assert len(curves) == 5 and all(len(ln.get_xdata()) == 8 for ln in curves)  # every point, clipped by the axes
+        looks = {(ln.get_color(), ln.get_marker()) for ln in curves}
+        assert len(looks) == 3  # three families, none sharing colour and marker (calibrations differ in dash)
+    assert "15% fewer FLOPs (C1)" in [t.get_text() for t in fig.legends[0].get_texts()]
+    plt.close(fig)
+
+
+def test_overview_zoom_reads_the_thresholds_and_shows_accuracies_in_points():
+    thr = Thresholds(min_flops_reduction=0.3, acc_abs_tol=0.01)
+    fig = overview_figure([synthetic_series(metric="fidelity.token_agreement")], "fidelity.token_agreement",
+                          thresholds=thr)
+    (ax,) = _zooms(fig)
+    assert ax.get_yscale() == "linear" and ax.get_ylim() == pytest.approx((-5.0, 5.0))
+    assert ax.get_xlim()[0] <= 0.6 and ax.get_xlim()[1] == pytest.approx(1.05)
+    reduction = [ln for ln in ax.get_lines() if ln.get_gid() == REDUCTION_GID]
+    assert list(reduction[0].get_xdata()) == pytest.approx([0.7, 0.7]) and _at(ax, y=-1.0)
+    assert "30% fewer FLOPs (C1)" in [t.get_text() for t in fig.legends[0].get_texts()]
+    plt.close(fig)
 
 
 def test_pareto_figures_index_keeps_its_form(tmp_path):

@@ -101,8 +101,10 @@ def _rows_with(series, x_key: str, family: str) -> list[dict]:
 
 
 def draw_reference(ax, series, x_key: str, scale: QualityScale, lim: tuple[float, float], drawn: Drawn,
-                   oracle_keys: Callable[[str], bool] | None = None) -> None:
-    """Tolerance band and line, full-depth level and point, and (FLOPs axis) the oracle bounds."""
+                   oracle_keys: Callable[[str], bool] | None = None,
+                   x_window: tuple[float, float] | None = None) -> None:
+    """Tolerance band and line, full-depth level and point, and (FLOPs axis) the oracle bounds (only those within
+    ``x_window`` when given: their labels would otherwise be written outside the axes)."""
     if scale.tolerance is not None:
         lo, hi = (lim[0], scale.tolerance) if scale.log else (scale.tolerance, lim[1])
         ax.axhspan(lo, hi, color=BAND, alpha=0.08, lw=0, zorder=0)
@@ -118,6 +120,8 @@ def draw_reference(ax, series, x_key: str, scale: QualityScale, lim: tuple[float
     for r in _rows_with(series, x_key, ORACLE):
         key = r.get("calibration") or ""
         if oracle_keys is not None and not oracle_keys(key):
+            continue
+        if x_window is not None and not x_window[0] <= r[x_key] <= x_window[1]:
             continue
         ax.axvline(r[x_key], color="#555555", lw=0.8, ls=(0, (1, 2)), zorder=1)
         ax.annotate(f"oracle {key}", (r[x_key], 1.0), xycoords=("data", "axes fraction"), xytext=(2, -3),

@@ -3,7 +3,8 @@
 * :func:`pareto_figure` / :func:`write_pareto_figures`: one PNG per model × domain × metric, quality against the
   FLOPs ratio (left) and against the speed-up (right).
 * :func:`overview_figure` / :func:`write_overview_figure`: small multiples, one panel per model × domain, the
-  headline metric (perplexity) against the FLOPs ratio — the README's figure.
+  headline metric (perplexity) against the FLOPs ratio, each with a panel under it zoomed on full depth's
+  tolerance band (:mod:`.zoom`) — the README's figure.
 * :func:`domain_shift_figure` / :func:`write_domain_shift_figure`: each profile-based family calibrated in-domain
   (solid) and on shifted sources (dashed), one panel per domain × family.
 
@@ -33,6 +34,7 @@ from emad.report.figures.draw import (
 )
 from emad.report.figures.lines import Line, clip, lines
 from emad.report.figures.style import Style, family_styles
+from emad.report.figures.zoom import draw_zoom_panel, reduction_handle
 from emad.report.frontier import FULL, ORACLE, ParetoSeries
 from emad.report.plots import plt, save_figure
 
@@ -144,8 +146,10 @@ def _grid(n_rows: int, n_cols: int, w: float = 4.2, h: float = 3.4):
 def overview_figure(series_list: Sequence[ParetoSeries], metric: str = "perplexity",
                     thresholds: Thresholds | None = None, *, ratio_cap: float = RATIO_CAP,
                     notes: dict[str, str] | None = None):
-    """Small multiples of ``metric`` against the FLOPs ratio: one row per model, one panel per domain; ``notes``
-    (model → text, e.g. its verdict) is printed under each of the model's panel titles.
+    """Small multiples of ``metric`` against the FLOPs ratio: two rows per model, one column per domain — the
+    whole sweep (up to ``ratio_cap``) and under it the same zoomed on full depth's tolerance band
+    (:mod:`.zoom`: ±5% of full depth, FLOPs ratio 0.6–1.05, with the FLOPs reduction C1 asks for); ``notes``
+    (model → text, e.g. its verdict) is printed under each of the model's wide panel titles.
 
     Raises:
         ValueError: no series of ``metric``.
@@ -157,19 +161,27 @@ def overview_figure(series_list: Sequence[ParetoSeries], metric: str = "perplexi
     models = sorted({s.model for s in chosen})
     domains = sorted({s.domain for s in chosen})
     styles = family_styles(_families(chosen))
-    fig, axes = _grid(len(models), len(domains))
+    fig, axes = plt.subplots(2 * len(models), len(domains), squeeze=False, layout="constrained",
+                             figsize=(4.2 * len(domains), 6.6 * len(models)),
+                             gridspec_kw={"height_ratios": [3.4, 3.2] * len(models)})
     drawn = Drawn()
     for ax in axes.flat:
         ax.set_visible(False)
+    zoomed = None
     for s in chosen:
-        ax = axes[models.index(s.model)][domains.index(s.domain)]
+        row, col = 2 * models.index(s.model), domains.index(s.domain)
+        ax, zoom = axes[row][col], axes[row + 1][col]
         ax.set_visible(True)
+        zoom.set_visible(True)
         draw_panel(ax, s, "flops_ratio", thr, styles, drawn, ratio_cap=ratio_cap)
         note = (notes or {}).get(s.model)
         note = "\n".join(textwrap.wrap(note, NOTE_WIDTH)) if note else ""  # a long note would run into the legend
         ax.set_title(f"{s.model} · {s.domain}" + (f"\n{note}" if note else ""), fontsize=10 if not note else 8.5)
-    _legend(fig, styles, drawn)
-    fig.suptitle(f"{metric} against compute: one line per method family")
+        window = draw_zoom_panel(zoom, s, thr, styles, drawn)
+        zoomed = zoomed or window
+        zoom.set_title(f"{s.model} · {s.domain}, zoomed" + (f"\n{window.text}" if window else ""), fontsize=8)
+    _legend(fig, styles, drawn, [reduction_handle(thr)] if zoomed else [])
+    fig.suptitle(f"{metric} against compute: one line per method family, each panel zoomed below it")
     return fig
 
 
