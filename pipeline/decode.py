@@ -241,7 +241,7 @@ def _write(args, cfg: DecodeConfig, job: Job, out: Outcome) -> None:
         **(job.position or cfg.curve_of(job.kind, job.name)).model_dump(), options=job.point.options(),
         calibration=job.calibration,
         domain=out.domain, model_fingerprint=out.fingerprint, n_layers=out.n_layers, free_prompts=out.free_prompts,
-        not_run=out.settings["not_run"],
+        not_run=out.settings["not_run"], identity=out.identity, split=out.split,
         method=out.method, provenance=out.provenance, **out.facts)
     rid = record.run_id
     stage = "control_decode" if args.control else STAGES[job.kind]

@@ -150,32 +150,43 @@ def test_run_file_intervals():
                                           "method": "undefined: no per-unit samples"}
 
 
-@pytest.mark.parametrize("key, samples, relative, finest", [
-    ("perplexity", [[20.0, 10], [41.0, 20], [7.5, 5]], True, 35),  # pairs: tokens are the finest unit
-    ("token_agreement", [[3, 4], [4, 4], [0, 4]], False, 12),
-    ("acc", [1, 0, 1, 1, 0], False, 5),
-    ("rouge_l", [0.5, 0.25, 1.0], False, 3),
-    ("acc", [1], False, 1),
+@pytest.mark.parametrize("key, samples, bound_units", [
+    ("token_agreement", [[3, 4], [4, 4], [0, 4]], 12),  # a token-level metric: the caller names its tokens
+    ("acc", [1, 0, 1, 1, 0], 5),
+    ("rouge_l", [0.5, 0.25, 1.0], 3),
+    ("acc", [1], 1),
 ])
-def test_every_paired_unit_equal_bounds_the_share_that_differ(key, samples, relative, finest):
-    """0 of N finest units differ: the interval is ± the exact 95% bound 1 − 0.025^(1/N) — never {0}."""
-    iv = change_interval(key, samples, [list(s) if isinstance(s, list) else s for s in samples], relative)
-    bound = 1 - 0.025 ** (1 / finest)
+def test_every_paired_unit_equal_bounds_the_share_that_differ(key, samples, bound_units):
+    """0 of N units differ: the interval is ± the exact 95% bound 1 − 0.025^(1/N) — never {0}."""
+    iv = change_interval(key, samples, [list(s) if isinstance(s, list) else s for s in samples], False, bound_units)
+    bound = 1 - 0.025 ** (1 / bound_units)
     assert (iv.value, iv.n) == (0.0, len(samples)) and (iv.lo, iv.hi) == pytest.approx((-bound, bound))
-    assert iv.method.startswith(f"exact: 0 of {finest} differ")
+    assert iv.method.startswith(f"exact: 0 of {bound_units} differ")
     assert tolerance_state(iv, 0.01) == UNRESOLVED  # too few units to rule out a 1% change
 
 
-def test_eight_equal_prompts_are_unresolved_and_368_equal_tokens_are_met():
-    eight = change_interval("acc", [1, 0, 1, 1, 0, 1, 1, 0], [1, 0, 1, 1, 0, 1, 1, 0], relative=False)
-    assert eight.hi == pytest.approx(0.3694, abs=1e-4) and tolerance_state(eight, 0.01) == UNRESOLVED
+def test_equal_windows_bound_no_relative_change():
+    """Perplexity equal on every window: a share of windows that differ bounds no relative change — undefined."""
+    windows = [[20.0, 10], [41.0, 20], [7.5, 5]] * 200
+    iv = change_interval("perplexity", windows, [list(w) for w in windows], True, None)
+    assert iv.value == 0.0 and not iv.defined and "bounds no relative change" in iv.method
+    assert tolerance_state(iv, 0.01) == UNRESOLVED
+
+
+def test_48_equal_prompts_are_unresolved_and_368_are_met():
+    """Exact match is per prompt: 0 of 48 prompts differing bounds the drop at 7.4%, not 1 point; 368 do."""
+    forty_eight = [1, 0] * 24
+    iv = change_interval("exact_match", forty_eight, forty_eight, False, len(forty_eight))
+    assert iv.hi == pytest.approx(0.0740, abs=1e-4) and tolerance_state(iv, 0.01) == UNRESOLVED
+    many = [1, 0] * 184
+    assert tolerance_state(change_interval("exact_match", many, many, False, len(many)), 0.01) == MET
+    assert tolerance_state(change_interval("exact_match", many[:-1], many[:-1], False, 367), 0.01) == UNRESOLVED
+
+
+def test_368_equal_tokens_meet_a_token_level_metric():
     tokens = [[15, 16]] * 23  # 23 prompts x 16 tokens = 368 tokens, all agreeing with full depth
-    assert tolerance_state(change_interval("token_agreement", tokens, tokens, relative=False), 0.01) == MET
-    fewer = [[15, 16]] * 22 + [[15, 15]]  # 367 tokens
-    assert tolerance_state(change_interval("token_agreement", fewer, fewer, relative=False), 0.01) == UNRESOLVED
-    # a task may name the finest unit that can differ (a free-running task's generated tokens)
-    prompts = [1] * 8
-    assert tolerance_state(change_interval("exact_match", prompts, prompts, False, finest=368), 0.01) == MET
+    assert tolerance_state(change_interval("token_agreement", tokens, tokens, False, 368), 0.01) == MET
+    assert tolerance_state(change_interval("token_agreement", tokens, tokens, False, 367), 0.01) == UNRESOLVED
 
 
 def test_one_unit_that_differs_breaks_the_exact_zero():

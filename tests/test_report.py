@@ -11,6 +11,7 @@ import pytest
 
 from emad.evaluation.identity import run_id
 from emad.evaluation.metrics import intervals_of, quality_of
+from emad.evaluation.units import CONFIRMATION, SELECTION, indices
 from emad.report import (
     ablation_markdown,
     ablation_tables,
@@ -34,10 +35,14 @@ DOMAINS = ("code", "prose")
 UNITS, WINDOW, COMPARED = 50, 200, 100  # per-unit samples of the synthetic runs: windows / prompts, their tokens
 
 
-def _jitter(rid: str, scale: float) -> np.ndarray:
-    """Small centred per-unit noise, different for every run: tight paired intervals around the given values."""
+def _jitter(rid: str, scale: float, task: str) -> np.ndarray:
+    """Small per-unit noise, different for every run, centred on each split of ``task``'s units (the verdict's
+    confirmation split, the screen's selection split): tight paired intervals around the given values."""
     x = np.random.default_rng(zlib.crc32(rid.encode())).normal(0.0, scale, UNITS)
-    return x - x.mean()
+    for which in (SELECTION, CONFIRMATION):
+        idx = indices(UNITS, which, 0, task)
+        x[idx] -= x[idx].mean()
+    return x
 
 
 def synthetic_tasks(rid: str, ppl: float | None, acc: float | None, noise: float = 1e-4) -> dict:
@@ -45,10 +50,10 @@ def synthetic_tasks(rid: str, ppl: float | None, acc: float | None, noise: float
     [agreeing, compared] tokens) exactly, with a little variation between units (``noise``: per-token NLL)."""
     tasks = {}
     if ppl is not None:
-        nll = WINDOW * (math.log(ppl) + _jitter(rid + "ppl", noise))
+        nll = WINDOW * (math.log(ppl) + _jitter(rid + "ppl", noise, "perplexity"))
         tasks["perplexity"] = {"perplexity": ppl, "samples": {"perplexity": [[float(v), WINDOW] for v in nll]}}
     if acc is not None:
-        agree = COMPARED * (acc + _jitter(rid + "acc", 1e-4))
+        agree = COMPARED * (acc + _jitter(rid + "acc", 1e-4, "fidelity"))
         tasks["fidelity"] = {"token_agreement": acc,
                              "samples": {"token_agreement": [[float(v), COMPARED] for v in agree]}}
     return tasks
@@ -362,7 +367,7 @@ def test_checks_are_met_violated_or_unresolved_on_run_files(tmp_path):
     assert ppl["emad-met"].state == "met" and ppl["emad-met"].hi <= 0.01
     assert ppl["emad-bad"].state == "violated" and ppl["emad-bad"].lo > 0.01
     open_ = ppl["emad-open"]
-    assert open_.state == "unresolved" and open_.lo < 0.01 < open_.hi and open_.n == 50
+    assert open_.state == "unresolved" and open_.lo < 0.01 < open_.hi and open_.n == 25  # the confirmation half
     assert all(c.lo <= c.change <= c.hi for c in ppl.values())
     assert {label: p.state for label, p in points.items()} == {"emad-met": "met", "emad-bad": "violated",
                                                                "emad-open": "unresolved"}
@@ -432,13 +437,25 @@ def _exact_copy_of_full(point: str, flops: float, units: int) -> list[dict]:
     return out
 
 
-def test_a_point_equal_to_full_depth_on_every_unit_is_met_and_passes_c1():
-    """Every unit equal on 50 windows of 200 tokens and 50 prompts of 100 tokens: the bound on the share of tokens
-    that differ is well within 1%, so the checks are met (not from a zero-width interval)."""
+def test_equal_windows_without_an_identity_proof_do_not_meet_perplexity():
+    """Every unit equal on 50 windows and 50 prompts of 100 tokens: the token-level agreement is met (25 × 100
+    confirmation tokens bound the share that differ well within 1 point), but equal windows bound no relative
+    perplexity change: without the engine's proof the point is unresolved, and C1 with it; with it, identical."""
     v = verdict(full_runs() + _exact_copy_of_full("emad-lossless", 0.6, UNITS))["m"]
     point = next(p for p in v.points if p.point == "emad-lossless")
-    assert point.state == "met" and all(c.counted and c.state == "met" for c in point.checks)
-    assert all(0 < c.hi < 0.01 and c.lo == -c.hi for c in point.checks)
+    agreement = [c for c in point.checks if c.metric == "fidelity.token_agreement"]
+    perplexity = [c for c in point.checks if c.metric == "perplexity"]
+    assert all(c.state == "met" and 0 < c.hi < 0.01 and c.lo == -c.hi and c.has == 2500 for c in agreement)
+    assert all(c.state == "unresolved" and c.lo is None and "bounds no relative change" in c.method
+               for c in perplexity)
+    assert point.state == "unresolved" and v.c1.outcome == "unresolved"
+    proved = full_runs() + _exact_copy_of_full("emad-lossless", 0.6, UNITS)
+    for r in proved:
+        if r["point"] == "emad-lossless":
+            r["identity"] = {"proved": True, "why": "every exit at depth ≥ 20", "final_from": 20}
+    v = verdict(proved)["m"]
+    point = next(p for p in v.points if p.point == "emad-lossless")
+    assert {c.state for c in point.checks} == {"identical by construction"} and point.state == "met"
     assert v.c1.outcome == "pass" and v.c1.deciding.point == "emad-lossless"
 
 
@@ -453,17 +470,44 @@ def _equal_prompts(point: str, prompts: int, n_layers_hist: dict | None = None) 
     return runs
 
 
-def test_eight_equal_prompts_are_unresolved_not_met():
-    v = verdict(_equal_prompts("emad-eight", 8))["m"]
+def test_eight_equal_items_are_underpowered_and_kept_out_with_their_reason():
+    """16 items, 8 on the confirmation split, all equal: the bound is 36.9%; the check cannot be met at its size
+    (it needs 368 items), so it is labelled underpowered and kept out of the gate, and the verdict says why."""
+    v = verdict(_equal_prompts("emad-eight", 16))["m"]
     point = next(p for p in v.points if p.point == "emad-eight")
     assert {c.state for c in point.checks} == {"unresolved"} and point.state == "unresolved"
-    assert all(c.hi == pytest.approx(1 - 0.025 ** (1 / 8)) for c in point.checks)
+    assert all(c.hi == pytest.approx(1 - 0.025 ** (1 / 8)) and c.underpowered and not c.counted
+               for c in point.checks)
+    assert (point.checks[0].needs, point.checks[0].has) == (368, 8)
     assert "0 of 8 differ" in point.checks[0].describe() and v.c1.outcome == "unresolved"
+    assert "underpowered" in v.c1.sentence() and "needs ≥ 368 items" in v.c1.sentence()
 
 
-def test_a_point_that_never_exits_is_identical_by_construction():
-    v = verdict(_equal_prompts("emad-never", 1, {"30": 640}))["m"]
-    point = next(p for p in v.points if p.point == "emad-never")
+def _equal_exact_match(prompts: int) -> list[dict]:
+    tasks = {"fidelity": {"exact_match": 0.5, "samples": {"exact_match": [i % 2 for i in range(prompts)]}}}
+    return [make_run(name, d, tasks=json.loads(json.dumps(tasks)), flops=1.0 if name == "full" else 0.6)
+            for name in ("full", "emad-x") for d in DOMAINS]
+
+
+@pytest.mark.parametrize("prompts, state", [(96, "unresolved"), (736, "met")])
+def test_exact_match_is_bounded_in_prompts_not_tokens(prompts, state):
+    """48 equal prompts judged (96, half confirmation) bound the drop at 7.4%: unresolved for a 1-point tolerance;
+    368 judged (736) bound it within 1 point: met."""
+    point = next(p for p in verdict(_equal_exact_match(prompts))["m"].points if p.point == "emad-x")
+    check = point.checks[0]
+    assert check.state == state and check.has == prompts // 2 and check.unit == "prompt"
+    assert check.hi == pytest.approx(1 - 0.025 ** (1 / (prompts // 2)))
+    assert check.underpowered == (prompts // 2 < 368)
+
+
+def test_a_point_proved_identical_is_identical_by_construction_and_one_that_never_exits_is_not_enough():
+    runs = _equal_prompts("emad-never", 1, {"30": 640})
+    point = next(p for p in verdict(runs)["m"].points if p.point == "emad-never")
+    assert "identical by construction" not in {c.state for c in point.checks}  # the histogram alone proves nothing
+    for r in runs:
+        if r["point"] == "emad-never":
+            r["identity"] = {"proved": True, "why": "never exits", "final_from": 30}
+    point = next(p for p in verdict(runs)["m"].points if p.point == "emad-never")
     assert {c.state for c in point.checks} == {"identical by construction"} and point.state == "met"
 
 
@@ -502,7 +546,9 @@ def test_a_point_on_a_subset_of_full_depths_windows_is_compared_on_that_subset()
         spec.append(make_run("spec-lossless", r["domain"], family="speculative", flops=1.1, tasks=tasks))
     runs = full + spec
     check = next(c for c in family_verdicts(runs)["speculative"]["m"].points[0].checks if c.metric == "perplexity")
-    assert check.change == 0.0 and check.full == pytest.approx(math.exp(1.5)) and check.state == "met"
+    # equal on the 5 leading windows of its confirmation split: no bound on a relative change, and too few windows
+    assert check.change == 0.0 and check.full == pytest.approx(math.exp(1.5)) and check.n == 5
+    assert check.state == "not counted (n < 8)"
     series = next(s for s in pareto_data(runs) if s.metric == "perplexity")
     row = next(r for r in series.rows if r["point"] == "spec-lossless")
     assert plot_fields(series, row)["quality_vs_full"] == pytest.approx(1.0)
@@ -534,7 +580,9 @@ def test_c2_follows_the_speed_interval_over_prompts():
     straddling = verdict(runs_with({"emad-a": [1.0, 1.25, 1.05, 1.2, 1.1, 1.0, 1.25, 1.1]}))["m"]
     assert straddling.c2.outcome == "unresolved" and "straddles" in straddling.c2.sentence()
     few = verdict(runs_with({"emad-a": [1.3, 1.3, 1.3, 1.3, 1.3]}))["m"]  # 5 prompts: fewer than C2 reads
-    assert few.c2.falsified and few.c2.deciding is None and "timed on 8 distinct prompts per domain" in few.c2.sentence()
+    # no timed eligible point: nothing was measured, so C2 is unresolved ("not timed"), never falsified
+    assert few.c2.outcome == "unresolved" and few.c2.deciding is None and "not timed" in few.c2.sentence()
+    assert "timed on 8 distinct prompts per domain" in few.c2.sentence()
     repeats = runs_with({"emad-a": [1.3, 1.32, 1.29, 1.31, 1.3, 1.3, 1.31, 1.29]})
     for r in repeats:  # repeats of one prompt measure timer jitter, not inputs: not read by C2
         r["cost"]["speed_unit"] = "repeat"

@@ -185,10 +185,13 @@ def test_metrics_json_holds_few_headline_keys_for_eight_families_of_eight_points
     assert sorted(metrics["m"]) == sorted(FAMILIES)
     assert _leaves(metrics) <= 60
     emad = metrics["m"]["emad"]
-    assert set(emad) == {"c1", "c2", "tolerance_multiple_at_target", "perplexity_change_at_target",
-                         "max_reduction_within_tolerance"}
+    assert set(emad) <= {"c1", "c2", "tolerance_multiple_at_target", "perplexity_change_at_target",
+                         "max_reduction_within_tolerance", "max_reduction_unresolved"}
+    assert {"c1", "c2", "tolerance_multiple_at_target"} <= set(emad)
     assert emad["c1"] == "pass" and emad["perplexity_change_at_target"] == pytest.approx(0.005, abs=1e-6)
-    assert emad["max_reduction_within_tolerance"] == pytest.approx(0.3)  # 0.2% per 6% of FLOPs: 1% at 30%, the last within
+    # 0.2% per 6% of FLOPs: 0.8% at 24% is the last shown within; 1% at 30% straddles the tolerance (unresolved)
+    assert emad["max_reduction_within_tolerance"] == pytest.approx(0.24)
+    assert emad["max_reduction_unresolved"] == pytest.approx(0.3)
     details = run_details(runs, verdicts)
     assert len(details["models"]["m"]["runs"]) == 8 * 8 + 1 and len(details["curves"]) == 8
     json.dumps(details)

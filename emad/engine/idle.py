@@ -83,3 +83,39 @@ def check_grown(spec: str, fingerprint: dict, base: dict, flag: str = "--grown-f
             or fingerprint.get("n_layers") != base.get("n_layers", 0) + parsed[1]):
         raise ValueError(f"{flag}: this model ({spec}) is not the base's model ({base.get('spec')}, "
                          f"{base.get('n_layers')} layers) grown by idle layers: compute it instead (drop {flag})")
+
+
+def _adds_nothing(layer: torch.nn.Module, out_proj: tuple[str, ...]) -> bool:
+    """Every weight and bias of the layer's output projections (``out_proj``) is exactly zero."""
+    weights = [w for name in out_proj for w in layer.get_submodule(name).parameters(recurse=False)]
+    return bool(weights) and all(not bool(w.any()) for w in weights)
+
+
+@torch.no_grad()
+def final_state_from(stack, probe_tokens: int = 8, seed: int = 0) -> int:
+    """The shallowest depth d (1-based) after which the state is the final one for every input: every layer after
+    d adds nothing to the residual stream. Proved on the model, not assumed: each such layer's output projections
+    (the adapter row's ``out_proj``) are exactly zero, so what it adds is zero whatever its input, and layers
+    ``[d, L)`` run on random states return them bit for bit (an architecture that changes the stream elsewhere, e.g.
+    a norm after the residual sum, fails here). ``L`` when the last layer adds something.
+
+    Args:
+        stack: a :class:`~emad.engine.stack.LayerStack`.
+        probe_tokens: length of the random sequence the layers are run on.
+        seed: its seed.
+    """
+    n, out_proj = stack.n_layers, stack.adapter.out_proj
+    depth = n
+    while depth > 0 and _adds_nothing(stack.layers[depth - 1], out_proj):
+        depth -= 1
+    if depth == n:
+        return n
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, stack.vocab_size, (1, probe_tokens), generator=gen).to(stack.device)
+    positions = torch.arange(probe_tokens, device=stack.device)[None]  # [1, T]
+    h = stack.embed(ids, positions)
+    h = h + torch.randn(h.shape, generator=gen).to(h.device, h.dtype)  # [1, T, d]: a state no layer below made
+    cache = stack.new_cache(1, probe_tokens)
+    slots = cache.allocate(torch.ones(1, probe_tokens, dtype=torch.bool, device=stack.device))
+    out = stack.run(h, depth, n, cache, positions, slots)
+    return depth if torch.equal(out, h) else n

@@ -1,19 +1,26 @@
 """Tolerance checks of the verdict: one quality metric of one point on one domain against the full-depth run.
 
 The change is the relative rise of a lower-better metric (perplexity) or the absolute drop of a higher-better one
-(accuracies in [0, 1]), against full depth **on the same units**: a point scored on fewer units than full depth
-(token by token on the leading perplexity windows, ``decode.unserved_tokens``) is compared with full depth on
-those units (:func:`full_on_units`). Its 95% interval is paired over them
+(scores in [0, 1]), against full depth **on the same units**, in the metric's own unit
+(:data:`emad.evaluation.metrics.METRICS`), on one split of them (:mod:`emad.evaluation.units`: the verdict judges
+the confirmation split, the screen and C2's early stop choose on the selection split). A point scored on fewer
+units than full depth (token by token on the leading perplexity windows, ``decode.unserved_tokens``) is compared
+with full depth on those units. Its 95% interval is paired over them
 (:func:`emad.evaluation.intervals.change_interval`, from the per-unit ``samples`` in the run files). A check is
 
 - ``met`` when the whole interval lies within the tolerance; when every paired unit is equal, only when the exact
-  95% bound on the share of differing units (finest unit: tokens where a task counts them) is within it;
-- ``violated`` when the interval lies wholly beyond the tolerance, or the point lacks a metric full depth has;
-- ``unresolved`` when it straddles the tolerance or cannot be computed (no samples in a run file);
-- ``identical by construction`` for a point that never exits (every token ran every layer: its results are full
-  depth's), whatever the sample size;
-- ``not counted (n < 8)`` on fewer than :data:`MIN_UNITS` units: shown, but in no count, curve or verdict
-  (DESIGN.md §4). A point none of whose checks is counted is unresolved.
+  95% bound on the share of differing units (in the metric's own unit) is within it — never for a relative metric;
+- ``violated`` when the interval lies wholly beyond the tolerance;
+- ``unresolved`` when it straddles the tolerance or cannot be computed (no samples, a metric missing);
+- ``identical by construction`` where the run file's proof (:mod:`emad.evaluation.proof`) says its output is full
+  depth's, whatever the sample size;
+- ``not counted (n < 8)`` on fewer than :data:`MIN_UNITS` units: shown, but in no count, curve or verdict;
+- ``ruled out by the screen`` for a task the point did not run because a teacher-forced check ruled it out: no
+  measurement of its own (the point's measured teacher-forced violation stands for it).
+
+A check also states its power: the units it would need to be met with every unit equal (:attr:`Check.needs`, 368
+for one point) against those it has. One that cannot be met at its size is *underpowered*: kept out of the gate
+(its reason said), unless its data show it violated.
 """
 
 from __future__ import annotations
@@ -21,24 +28,37 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from enum import StrEnum
 from typing import Any
 
 from emad.evaluation.intervals import (
-    MET,
-    UNRESOLVED,
-    VIOLATED,
+    LEVEL,
     Interval,
     change_interval,
     metric_value,
     tolerance_state,
 )
 from emad.evaluation.metrics import METRICS, quality_of, relative_tolerance, samples_of
+from emad.evaluation.units import ALL, CONFIRMATION, SELECTION, Units
 
 MIN_UNITS = 8  # no check in the verdict rests on fewer units
 MIN_SPEED_PROMPTS = 8  # C2 reads a speed-up only from this many distinct prompts per domain
-IDENTICAL = "identical by construction"  # a point that never exits: full depth's results
-NOT_COUNTED = f"not counted (n < {MIN_UNITS})"
-STATE_RANK = {NOT_COUNTED: -1, IDENTICAL: 0, MET: 0, UNRESOLVED: 1, VIOLATED: 2}
+
+
+class State(StrEnum):
+    """A check's (or a point's) state."""
+
+    MET = "met"
+    VIOLATED = "violated"
+    UNRESOLVED = "unresolved"
+    IDENTICAL = "identical by construction"
+    NOT_COUNTED = f"not counted (n < {MIN_UNITS})"
+    RULED_OUT = "ruled out by the screen"
+
+
+MET, VIOLATED, UNRESOLVED = State.MET, State.VIOLATED, State.UNRESOLVED
+IDENTICAL, NOT_COUNTED, RULED_OUT = State.IDENTICAL, State.NOT_COUNTED, State.RULED_OUT
+STATE_RANK = {NOT_COUNTED: -1, IDENTICAL: 0, MET: 0, UNRESOLVED: 1, VIOLATED: 2, RULED_OUT: 2}
 
 
 @dataclass(frozen=True)
@@ -57,25 +77,32 @@ class Thresholds:
 
 @dataclass
 class Check:
-    """One quality metric of one point on one domain against the full-depth run.
+    """One quality metric of one point on one domain against the full-depth run, on one split of its units.
 
-    ``change`` is the relative rise (lower-better metric) or the absolute drop (higher-better metric), ``inf``
-    when the point lacks the metric; ``lo``/``hi`` its 95% interval over ``n`` units (None when undefined, with
-    the reason in ``method``); ``state`` is ``met``, ``violated`` or ``unresolved``.
+    ``full`` and ``value`` are the metric on the judged units; ``change`` is the relative rise (lower-better
+    metric) or the absolute drop (higher-better metric), None without a measurement; ``lo``/``hi`` its 95% interval
+    over ``n`` units (None when undefined, with the reason in ``method``); ``unit`` the metric's own unit;
+    ``needs``/``has`` the units a check needs to be met with every unit equal and those it has (None: no such
+    bound, a relative metric); ``units`` the split judged.
     """
 
     domain: str
     metric: str
-    full: float
+    full: float | None
     value: float | None
-    change: float
+    change: float | None
     tolerance: float
     relative: bool
     lo: float | None = None
     hi: float | None = None
     n: int | None = None
     method: str = "undefined: no per-unit samples"
-    state: str = UNRESOLVED
+    state: State = UNRESOLVED
+    unit: str = "unit"
+    needs: int | None = None
+    has: int | None = None
+    units: str = CONFIRMATION
+    level: float = LEVEL
 
     @property
     def ok(self) -> bool:
@@ -83,19 +110,43 @@ class Check:
         return self.state in (MET, IDENTICAL)
 
     @property
-    def counted(self) -> bool:
-        """Enters counts, curves and the verdict: every state but :data:`NOT_COUNTED`."""
-        return self.state != NOT_COUNTED
+    def measured(self) -> bool:
+        """The point has a value of this metric (its task ran)."""
+        return self.change is not None
 
     @property
-    def severity(self) -> float:
-        """``change / tolerance`` of the point estimates: above 1 is beyond the tolerance."""
+    def underpowered(self) -> bool:
+        """Cannot be met at its size: fewer units than :attr:`needs` (not for a check identical by construction)."""
+        return (self.state != IDENTICAL and self.needs is not None and self.has is not None
+                and self.has < self.needs)
+
+    @property
+    def counted(self) -> bool:
+        """Enters the gate, counts and curves: measured, on ≥ :data:`MIN_UNITS` units, and not underpowered —
+        unless its data show it violated."""
+        if self.state == IDENTICAL:
+            return True
+        if not self.measured or self.state == NOT_COUNTED:
+            return False
+        return self.state == VIOLATED or not self.underpowered
+
+    @property
+    def severity(self) -> float | None:
+        """``change / tolerance`` of the point estimates (above 1: beyond the tolerance); None when not measured."""
+        if self.change is None:
+            return None
         return self.change / self.tolerance if self.tolerance > 0 else (math.inf if self.change > 1e-9 else 0.0)
 
     @property
     def rank(self) -> tuple[int, float]:
         """Order of badness: the state first (violated > unresolved > met), then the severity."""
-        return STATE_RANK[self.state], self.severity
+        return STATE_RANK[self.state], self.severity if self.severity is not None else -math.inf
+
+    def power_text(self) -> str:
+        """``needs ≥ 368 prompts; has 24`` (or why it has no such bound)."""
+        if self.needs is None:
+            return "met only by a paired interval (or identity by construction)"
+        return f"needs ≥ {self.needs} {self.unit}s with every one equal; has {self.has}"
 
     def interval_text(self) -> str:
         """``95% CI a to b, n N`` in the units of :meth:`describe`, or why it is undefined."""
@@ -104,97 +155,108 @@ class Check:
             return f"95% CI n/a: {why}" + (f", n {self.n}" if self.n is not None else "")
         if self.method.startswith("exact: 0 of"):  # every paired unit equal: the bound on the share that differ
             return f"{self.method.removeprefix('exact: ')}, n {self.n}"
+        ci = f"{100 * self.level:.4g}% CI"
         if self.relative:
-            return f"95% CI {self.lo:+.2%} to {self.hi:+.2%}, n {self.n}"
-        return f"95% CI {-100 * self.hi:+.2f} to {-100 * self.lo:+.2f}, n {self.n}"  # as value − full, in points
+            return f"{ci} {self.lo:+.2%} to {self.hi:+.2%}, n {self.n}"
+        return f"{ci} {-100 * self.hi:+.2f} to {-100 * self.lo:+.2f}, n {self.n}"  # as value − full, in points
 
     def describe(self) -> str:
-        if self.value is None:
-            return f"{self.metric} on {self.domain}: {self.method.removeprefix('undefined: ')}: {self.state}"
+        state = f"{self.state}, underpowered ({self.power_text()})" if self.underpowered else str(self.state)
+        if self.value is None or self.full is None:
+            return f"{self.metric} on {self.domain}: {self.method.removeprefix('undefined: ')}: {state}"
         if self.relative:
-            return (f"{self.metric} on {self.domain} {self.change:+.2%} ({self.interval_text()}; "
-                    f"{self.full:.4g} → {self.value:.4g}; tolerance +{self.tolerance:.0%}): {self.state}")
+            return (f"{self.metric} on {self.domain} {self.change:+.2%} ({self.interval_text()} {self.unit}s; "
+                    f"{self.full:.4g} → {self.value:.4g}; tolerance +{self.tolerance:.0%}): {state}")
         return (f"{self.metric} on {self.domain} {100 * (self.value - self.full):+.2f} points "
-                f"({self.interval_text()}; {self.full:.4f} → {self.value:.4f}; "
-                f"tolerance −{100 * self.tolerance:g} point): {self.state}")
+                f"({self.interval_text()} {self.unit}s; {self.full:.4f} → {self.value:.4f}; "
+                f"tolerance −{100 * self.tolerance:g} point): {state}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "change": self.change if math.isfinite(self.change) else None, "ok": self.ok,
-                "counted": self.counted}
+        out = asdict(self)
+        out["state"] = str(self.state)
+        if self.change is not None and not math.isfinite(self.change):
+            out["change"] = None
+        return {**out, "ok": self.ok, "counted": self.counted, "underpowered": self.underpowered}
 
 
-def never_exits(run: dict) -> bool:
-    """Every token of ``run`` ran all ``n_layers`` layers (its exit-depth histogram holds L alone)."""
-    depths = {int(d) for d, n in (run.get("depth_histogram") or {}).items() if n}
-    return bool(depths) and run.get("n_layers") is not None and depths == {int(run["n_layers"])}
-
-
-def _same_units(metric: str, point_run: dict, full_run: dict) -> tuple[str, list, list] | None:
-    """``(key, point samples, full depth's samples on the point's units)``; None when a run kept none. A point
-    with fewer units scored full depth's leading ones (:meth:`emad.tasks.registry.Task.fewer`)."""
+def paired_units(metric: str, point_run: dict, full_run: dict, units: Units) -> tuple[str, list, list] | None:
+    """``(key, point samples, full depth's samples)`` on the same units of ``units``' split; None when a run kept
+    none. A point with fewer units scored full depth's leading ones (:meth:`emad.tasks.registry.Task.fewer`)."""
     point, full = samples_of(point_run.get("tasks", {}), metric), samples_of(full_run.get("tasks", {}), metric)
     if point is None or full is None:
         return None
-    return point[0], point[1], full[1][:len(point[1])] if len(point[1]) < len(full[1]) else full[1]
+    task = METRICS.get(metric).task
+    leading = full[1][:len(point[1])]
+    return point[0], units.take(task, point[1]), units.take(task, leading)
 
 
-def full_on_units(metric: str, point_run: dict, full_run: dict) -> float | None:
-    """Full depth's ``metric`` on the units ``point_run`` scored (its whole value when they share all units);
-    None when full depth lacks the metric."""
+def full_on_units(metric: str, point_run: dict, full_run: dict, units: Units = Units(ALL)) -> float | None:
+    """Full depth's ``metric`` on the units ``point_run`` scored, in ``units``' split (its whole value when they
+    share every unit); None when full depth lacks the metric."""
     if metric not in full_run.get("quality", {}):
         return None
-    same = _same_units(metric, point_run, full_run)
-    if same is None or len(same[2]) == len(samples_of(full_run["tasks"], metric)[1]):
+    same = paired_units(metric, point_run, full_run, units)
+    if same is None or (units.which == ALL and len(same[2]) == len(samples_of(full_run["tasks"], metric)[1])):
         return float(full_run["quality"][metric])
     return metric_value(same[0], same[2])
 
 
-def change_of(metric: str, point_run: dict, full_run: dict) -> Interval | None:
+def change_of(metric: str, point_run: dict, full_run: dict, units: Units = Units(ALL)) -> Interval | None:
     """The change of ``metric`` from ``full_run`` to ``point_run`` on the point's units (relative rise of a
     lower-better metric, absolute drop of a higher-better one) with its paired 95% interval; None when a run kept
     no samples of it."""
-    return _interval(metric, point_run, full_run, relative_tolerance(metric))
+    return _interval(metric, point_run, full_run, units)
 
 
-def _interval(metric: str, point_run: dict, full_run: dict, relative: bool) -> Interval | None:
+def _interval(metric: str, point_run: dict, full_run: dict, units: Units, level: float = LEVEL) -> Interval | None:
     """The paired interval of the change on the point's units, or None when a run file kept no samples."""
-    same = _same_units(metric, point_run, full_run)
+    same = paired_units(metric, point_run, full_run, units)
     if same is None:
         return None
     key, point, full = same
-    task = METRICS.get(metric).task
-    finest = point_run["tasks"][task].get("finest_units", {}).get(key)
+    m = METRICS.get(metric)
     try:
-        return change_interval(key, point, full, relative, finest)
+        return change_interval(key, point, full, m.tolerance == "relative", m.bound_units(point), level)
     except ValueError as err:
         raise ValueError(f"{point_run['run_id']} vs {full_run['run_id']}: {err}") from None
 
 
-def build_check(domain: str, metric: str, point_run: dict, full_run: dict, tolerance: float) -> Check:
+def proved_identical(run: dict) -> bool:
+    """The run file's proof says its output is full depth's (:mod:`emad.evaluation.proof`)."""
+    return bool((run.get("identity") or {}).get("proved"))
+
+
+def build_check(domain: str, metric: str, point_run: dict, full_run: dict, tolerance: float,
+                units: Units | None = None, level: float = LEVEL) -> Check:
     """The check of ``metric`` for ``point_run`` against ``full_run`` (same model and domain) on the point's
-    units."""
+    units in ``units``' split (default: the confirmation split under the point's recorded seed), its interval at
+    ``level`` (above 95% where one claim rests on several points)."""
+    units = units or Units(CONFIRMATION, int((point_run.get("split") or {}).get("seed", 0)))
+    m = METRICS.get(metric)
     relative = relative_tolerance(metric)
-    full = full_on_units(metric, point_run, full_run)
+    base = dict(unit=m.unit, needs=m.needs(tolerance), units=units.describe(), level=level)
     value = point_run.get("quality", {}).get(metric)
     if value is None:  # a task the point did not run (the teacher-forced screen ruled it out), or a metric missing
-        task = METRICS.get(metric).task
-        why = "not run: " + point_run["not_run"][task] if task in point_run.get("not_run", {}) else "metric missing"
-        return Check(domain, metric, full, None, math.inf, tolerance, relative, method=f"undefined: {why}",
-                     state=VIOLATED)
-    value = float(value)
-    if relative:
-        change = value / full - 1.0 if full else (0.0 if value == full else math.inf)
-    else:
-        change = full - value
-    iv = _interval(metric, point_run, full_run, relative)
-    if iv is None:
+        not_run = point_run.get("not_run", {}).get(m.task)
+        if not_run is not None:
+            return Check(domain, metric, None, None, None, tolerance, relative, method=f"undefined: not run: {not_run}",
+                         state=RULED_OUT, **base)
+        return Check(domain, metric, None, None, None, tolerance, relative, method="undefined: metric missing",
+                     state=UNRESOLVED, **base)
+    same = paired_units(metric, point_run, full_run, units)
+    if same is None:
         missing = [r["run_id"] for r in (point_run, full_run) if samples_of(r.get("tasks", {}), metric) is None]
+        full, value = full_on_units(metric, point_run, full_run), float(value)
+        change = value / full - 1.0 if relative and full else full - value if not relative else math.inf
         check = Check(domain, metric, full, value, change, tolerance, relative,
-                      method=f"undefined: no per-unit samples in {', '.join(missing)}", state=UNRESOLVED)
+                      method=f"undefined: no per-unit samples in {', '.join(missing)}", state=UNRESOLVED, **base)
     else:
-        check = Check(domain, metric, full, value, change, tolerance, relative, iv.lo, iv.hi, iv.n, iv.method,
-                      tolerance_state(iv, tolerance))
-    if never_exits(point_run):
+        key, point, reference = same
+        iv = _interval(metric, point_run, full_run, units, level)
+        full, value = metric_value(key, reference), metric_value(key, point)
+        check = Check(domain, metric, full, value, iv.value, tolerance, relative, iv.lo, iv.hi, iv.n, iv.method,
+                      State(tolerance_state(iv, tolerance)), has=m.bound_units(point) if point else 0, **base)
+    if proved_identical(point_run):
         check.state = IDENTICAL
     elif check.n is not None and check.n < MIN_UNITS:
         check.state = NOT_COUNTED
@@ -202,25 +264,28 @@ def build_check(domain: str, metric: str, point_run: dict, full_run: dict, toler
 
 
 def checks_against(domain: str, tasks: dict[str, dict], reference: dict[str, dict],
-                   tolerance: Callable[[str], float]) -> list[Check]:
+                   tolerance: Callable[[str], float], units: Units) -> list[Check]:
     """Every check of a point's results (``tasks``, a run record's ``tasks``) against full depth's on the same units
-    (``reference``) on ``domain``, as the verdict will judge them; ``tolerance`` of a metric name."""
+    (``reference``) on ``domain``, in ``units``' split; ``tolerance`` of a metric name."""
     point, full = {"run_id": "point", "tasks": tasks, "quality": quality_of(tasks)}, \
         {"run_id": "full depth", "tasks": reference, "quality": quality_of(reference)}
-    return [build_check(domain, m, point, full, tolerance(m)) for m in sorted(full["quality"])]
+    return [build_check(domain, m, point, full, tolerance(m), units) for m in sorted(full["quality"])]
 
 
 def screen(domain: str, tasks: dict[str, dict], reference: dict[str, dict],
-           tolerance: Callable[[str], float]) -> list[Check]:
-    """The counted checks of :func:`checks_against` that a point's teacher-forced results violate. Empty: the
-    point may still decide the verdict (the decode stage then times it precisely)."""
-    return [c for c in checks_against(domain, tasks, reference, tolerance) if c.counted and c.state == VIOLATED]
+           tolerance: Callable[[str], float], seed: int) -> list[Check]:
+    """The counted checks of :func:`checks_against` on the selection split that a point's teacher-forced results
+    violate. Empty: the point may still decide the verdict (the decode stage then times it precisely)."""
+    return [c for c in checks_against(domain, tasks, reference, tolerance, Units(SELECTION, seed))
+            if c.counted and c.state == VIOLATED]
 
 
-def combined_state(checks: list[Check]) -> str:
-    """The state of a set of checks, from those that enter the verdict (:attr:`Check.counted`): ``violated`` if
-    one is, ``met`` if every one is met or identical by construction, else ``unresolved`` (also when none
-    enters)."""
+def combined_state(checks: list[Check]) -> State:
+    """The state of a set of checks: ``ruled out by the screen`` if one is; else from those that enter the gate
+    (:attr:`Check.counted`): ``violated`` if one is, ``met`` if every one is met or identical by construction,
+    else ``unresolved`` (also when none enters)."""
+    if any(c.state == RULED_OUT for c in checks):
+        return RULED_OUT
     states = {MET if c.state == IDENTICAL else c.state for c in checks if c.counted}
     return VIOLATED if VIOLATED in states else UNRESOLVED if UNRESOLVED in states or not states else MET
 
@@ -228,4 +293,4 @@ def combined_state(checks: list[Check]) -> str:
 def tolerance_used(checks: list[Check]) -> float | None:
     """The largest ``change / tolerance`` among the ``checks`` that enter the verdict (1 = at the tolerance, above 1
     beyond it, ≤ 0 no worse than full depth); None without such checks."""
-    return max((c.severity for c in checks if c.counted), default=None)
+    return max((c.severity for c in checks if c.counted and c.severity is not None), default=None)

@@ -15,13 +15,16 @@ from __future__ import annotations
 import hashlib
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
+from emad.decode.strategy import Strategy
 from emad.engine.engines import compile_stats, with_engine
+from emad.engine.idle import final_state_from
 from emad.engine.models import load_model
 from emad.engine.stack import LayerStack
 from emad.evaluation import identity
@@ -37,6 +40,7 @@ from emad.evaluation.operating_point import (
     profile_file,
     readout_path,
 )
+from emad.evaluation.proof import prove_identical
 from emad.evaluation.provenance import provenance
 from emad.evaluation.record import profile_facts, quality_of
 from emad.evaluation.screen import ScreenRow
@@ -48,14 +52,37 @@ from emad.evaluation.speed import (
     time_prompts,
 )
 from emad.evaluation.sweeps import SweepPosition
+from emad.evaluation.units import SELECTION, Units, split_record
 from emad.exits.criteria import Full
 from emad.exits.estimators import ESTIMATORS
 from emad.tasks.registry import Shared
 
 REFERENCE = "full depth (reference)"  # scored beside the points when no full point runs with them
-NEVER_EXITS = "never exits"
-COSTLY = "FLOPs ratio"  # how the reason of a point at or above decode.speed_flops_below begins
 NEITHER = "on every domain: it can decide neither C1 nor C2"
+
+
+class Untimed(StrEnum):
+    """Why a point is not timed over prompts for C2."""
+
+    FULL = "full depth"
+    ABLATION = "an ablation (not judged)"
+    RULED_OUT = "ruled out by the screen"
+    NEVER_EXITS = "never exits"
+    COSTLY = "FLOPs ratio at or above decode.speed_flops_below"
+    DECIDED = "C2 decided"
+
+
+@dataclass(frozen=True)
+class NotTimed:
+    """Why a point is not timed for C2 (``kind``), in words (``text``); ``spare``: it can decide neither criterion
+    on any domain."""
+
+    kind: Untimed
+    text: str
+    spare: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.text}; {NEITHER}" if self.spare else self.text
 
 
 @dataclass
@@ -123,6 +150,8 @@ class Outcome:
     heatmap: tuple  # (texts, prompts, full depth's texts): emad.report.heatmap.heatmap_html's inputs
     free_prompts: int | None
     settings: dict[str, Any]
+    identity: dict[str, Any] = field(default_factory=dict)  # emad.evaluation.proof.prove_identical
+    split: dict[str, Any] = field(default_factory=dict)  # emad.evaluation.units.split_record
     host: str = ""
     provenance: dict[str, Any] = field(default_factory=dict)
 
@@ -135,7 +164,9 @@ class Decoder:
         cfg, src = plan.cfg, plan.sources
         self.plan = plan
         self.loaded = load_model(src.model_dir, device=cfg.device, dtype=cfg.dtype)
-        self.stack = with_engine(LayerStack(self.loaded.model), cfg.engine)
+        plain = LayerStack(self.loaded.model)
+        self.final_from = final_state_from(plain)  # exits from here on read the final state (emad.engine.idle)
+        self.stack = with_engine(plain, cfg.engine)
         self.jobs = [Job(j.kind, j.name, j.point, j.calibration, j.position) for j in plan.jobs]
         self._scores: dict[str, dict] = {}  # domain -> job label -> its teacher-forced scores (score_all)
         self._reference: dict[str, dict] = {}  # domain -> full depth's teacher-forced task results
@@ -226,14 +257,14 @@ class Decoder:
         for job in tqdm(jobs, desc=domain, unit="point"):
             screened = self._forced(domain, job, 0)
             why = self._not_timed(job, domain, screened)
-            if job.label in spare and why is not None and why.startswith(COSTLY):
-                why = f"{why}; {NEITHER}"
+            if job.label in spare and why is not None and why.kind == Untimed.COSTLY:
+                why = replace(why, spare=True)
             # a point the screen rules out decodes nothing more (but the default point where the ablations are
             # read against it); a swept one that never exits or decides neither criterion, swept_prompts; every
             # other point is judged on every prompt
-            limit = (0 if why is not None and why.startswith("violates") and not self._ablation_base(job, domain)
+            limit = (0 if why is not None and why.kind == Untimed.RULED_OUT and not self._ablation_base(job, domain)
                      else None if job.position is None or why is None else
-                     cfg.swept_prompts if why == NEVER_EXITS or why.endswith(NEITHER) else None)
+                     cfg.swept_prompts if why.kind == Untimed.NEVER_EXITS or why.spare else None)
             forced = screened if limit == 0 else self._forced(domain, job, limit)
             free = evaluate(stack, tokenizer, job.method, [p for p in prepared if not p.task.teacher_forced], shared,
                             None, limit) if limit != 0 else Evaluation({})
@@ -253,9 +284,12 @@ class Decoder:
                         "speed_tokens": cfg.speed_tokens, "unserved_tokens": cfg.unserved_tokens,
                         "device": cfg.device, "dtype": cfg.dtype, "engine": stack.engine,
                         **compile_stats(stack)}
+            histogram = result.depth_histogram()
             out.append(Outcome(job.label, domain, self.loaded.fingerprint.digest, stack.n_layers,
                                job.method.describe(), job.facts, result.tasks, {**result.cost(), **speeds[job.label]},
-                               result.depth_histogram(), heat, limit, settings, host, where))
+                               histogram, heat, limit, settings,
+                               prove_identical(job.method, stack.n_layers, self.final_from, histogram),
+                               split_record(result.tasks, cfg.split_seed), host, where))
         del self._scores[domain]
         self._kept.pop(domain, None)
         return out
@@ -294,7 +328,7 @@ class Decoder:
             for (job, result, _), speed in zip(block, self._time_block(prepared, block)):
                 speeds[job.label] = speed
                 if decides and self._passes_c2(domain, result, full, speed, floor):
-                    why = f"C2 decided for {job.point.family} by {job.label}"
+                    why = NotTimed(Untimed.DECIDED, f"C2 decided for {job.point.family} by {job.label}")
                     for later, res, limit in queues.pop(job.point.family, []):  # none left: timed together
                         speeds[later.label] = self._speed(later, prepared, res, limit, why)
         return speeds
@@ -317,7 +351,8 @@ class Decoder:
         """Every check of ``result`` against full depth on ``domain`` is met and its speed-up's interval over
         ≥ :data:`MIN_SPEED_PROMPTS` prompts lies at or above ``floor`` (the verdict's C2 on one domain)."""
         pairs = speed.get("speed_pairs") or []
-        checks = checks_against(domain, result.tasks, full.tasks, self.plan.thresholds.tolerance)
+        checks = checks_against(domain, result.tasks, full.tasks, self.plan.thresholds.tolerance,
+                                Units(SELECTION, self.plan.cfg.split_seed))
         return (len(pairs) >= MIN_SPEED_PROMPTS and combined_state(checks) == MET
                 and floor_state(ratio_interval([a / b for a, b in pairs]), floor) == MET)
 
@@ -349,9 +384,9 @@ class Decoder:
     def _ruled_out(self, domain: str, forced: Evaluation) -> list:
         """The teacher-forced checks that rule ``forced`` out against full depth on ``domain``."""
         return screen(domain, forced.tasks, reference=self._reference[domain],
-                      tolerance=self.plan.thresholds.tolerance)
+                      tolerance=self.plan.thresholds.tolerance, seed=self.plan.cfg.split_seed)
 
-    def _speed(self, job: Job, prepared: list, result, limit: int | None, why: str) -> dict:
+    def _speed(self, job: Job, prepared: list, result, limit: int | None, why: NotTimed) -> dict:
         """The speed-up of a point the verdict does not time (``why``): the cheap ``speed_repeats`` measure, or none
         when it decoded nothing free running."""
         cfg, stack, tokenizer = self.plan.cfg, self.stack, self.loaded.tokenizer
@@ -369,18 +404,27 @@ class Decoder:
             self._references[key] = reference_speed(self.stack, self.loaded.tokenizer, prompts, new_tokens)
         return self._references[key]
 
-    def _not_timed(self, job: Job, domain: str, forced: Evaluation) -> str | None:
+    def _not_timed(self, job: Job, domain: str, forced: Evaluation) -> NotTimed | None:
         """Why the verdict cannot read this point's speed (None: it can, and is timed over prompts): full depth
         itself, an ablation (one factor of one point, on a subset of domains: the verdict does not judge it), a
-        point a teacher-forced check rules out, a point that never exits (it runs every layer and its probes: it
-        cannot be faster), and a point whose teacher-forced FLOPs ratio is at least ``decode.speed_flops_below``
-        (it computes at least as much as full depth)."""
+        point a teacher-forced check rules out on the selection split, a point that never exits (it runs every
+        layer and its probes: it cannot be faster), and a point whose teacher-forced FLOPs ratio is at least
+        ``decode.speed_flops_below`` (it computes at least as much as full depth). A strategy (EAD, speculative
+        decoding) trades FLOPs for fewer sequential passes: it is timed whatever its FLOPs and exit depths."""
         ruled_out = self._ruled_out(domain, forced)
         depths = set(forced.depth_histogram())
         ratio, below = forced.cost()["flops_ratio"], self.plan.cfg.speed_flops_below
-        return ("full depth" if job.point.method == FULL else
-                "an ablation (not judged)" if job.kind == "ablation" else
-                f"violates {', '.join(c.metric for c in ruled_out)} (teacher forced)" if ruled_out else
-                NEVER_EXITS if depths and depths <= {self.stack.n_layers} else
-                f"{COSTLY} {ratio:.3f} >= {below:g} (teacher forced)"
-                if below is not None and ratio is not None and ratio >= below else None)
+        if job.point.method == FULL:
+            return NotTimed(Untimed.FULL, str(Untimed.FULL))
+        if job.kind == "ablation":
+            return NotTimed(Untimed.ABLATION, str(Untimed.ABLATION))
+        if ruled_out:
+            return NotTimed(Untimed.RULED_OUT, f"violates {', '.join(c.metric for c in ruled_out)} (teacher forced, "
+                            "selection split)")
+        if isinstance(job.method, Strategy):
+            return None
+        if depths and depths <= {self.stack.n_layers}:
+            return NotTimed(Untimed.NEVER_EXITS, str(Untimed.NEVER_EXITS))
+        if below is not None and ratio is not None and ratio >= below:
+            return NotTimed(Untimed.COSTLY, f"FLOPs ratio {ratio:.3f} >= {below:g} (teacher forced)")
+        return None

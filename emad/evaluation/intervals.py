@@ -22,10 +22,11 @@ lower-better metric, the absolute drop ``s_f − s_p`` of a higher-better one �
 
 When every paired unit is equal, no resample can size the uncertainty, and the change is not shown to be zero:
 the data rule out only a share of differing units above the exact 95% upper bound for 0 differing of ``N``,
-``1 − 0.025^(1/N)`` (:func:`share_bound`), ``N`` counted in the finest unit that can differ (tokens for a pair of
-token counts, else the units; a task may name its own, e.g. the generated tokens of a free-running task). The
-interval is ± that bound: a check is met only when ``N`` is large enough for the tolerance (368 tokens for one
-point). Otherwise an interval is undefined (``lo = hi = None``; the report prints "n/a") with fewer than 2 units,
+``1 − 0.025^(1/N)`` (:func:`share_bound`), ``N`` counted in the metric's own unit (its prompts, items, problems;
+tokens for a token-level metric), which the caller names (:meth:`emad.evaluation.metrics.QualityMetric.bound_units`).
+For a score in [0, 1] that bounds the change: the interval is ± that bound, and a check is met only when ``N`` is
+large enough for the tolerance (368 units for one point). A relative change (perplexity) has no such bound: the
+interval is undefined. Otherwise an interval is undefined (``lo = hi = None``; the report prints "n/a") with fewer than 2 units,
 or when every bootstrap resample gives the same value — never a zero-width interval. A tolerance check on a change is :data:`MET` when the whole interval lies within
 the tolerance, :data:`VIOLATED` when it lies wholly beyond, :data:`UNRESOLVED` otherwise or when undefined.
 
@@ -48,6 +49,7 @@ SEED = 0
 EPS = 1e-9
 MET, VIOLATED, UNRESOLVED = "met", "violated", "unresolved"
 EXP_KEYS = frozenset({"perplexity"})  # pair samples whose metric is exp(Σnumerator / Σdenominator)
+EQUAL_UNBOUNDED = "every paired unit equal, and a share of differing units bounds no relative change"
 
 
 @dataclass(frozen=True)
@@ -136,7 +138,7 @@ def _value(stat: Callable, x: np.ndarray) -> float | None:
 # --- bootstrap and exact intervals ----------------------------------------------------------------------------
 
 def _bootstrap(fn: Callable[..., np.ndarray], sizes: Sequence[int], value: float | None, n: int,
-               label: str) -> Interval:
+               label: str, level: float = LEVEL) -> Interval:
     """BCa bootstrap of ``fn(*unit_indices)`` over resampled unit indices (one index array per sample)."""
     data = tuple(np.arange(size) for size in sizes)
 
@@ -148,7 +150,7 @@ def _bootstrap(fn: Callable[..., np.ndarray], sizes: Sequence[int], value: float
     with warnings.catch_warnings():  # degenerate or tiny samples: BCa warns and returns NaN; handled below
         warnings.simplefilter("ignore")
         res = stats.bootstrap(data, statistic, n_resamples=RESAMPLES, vectorized=True, paired=False,
-                              confidence_level=LEVEL, method="BCa", rng=np.random.default_rng(SEED))
+                              confidence_level=level, method="BCa", rng=np.random.default_rng(SEED))
     dist = np.asarray(res.bootstrap_distribution)
     if not np.isfinite(dist).all():
         return _undefined(value, n, "non-finite values in the resamples")
@@ -157,7 +159,7 @@ def _bootstrap(fn: Callable[..., np.ndarray], sizes: Sequence[int], value: float
     lo, hi = float(res.confidence_interval.low), float(res.confidence_interval.high)
     if math.isfinite(lo) and math.isfinite(hi):
         return Interval(value, lo, hi, n, f"bootstrap-bca{label}")
-    tail = (1 - LEVEL) / 2
+    tail = (1 - level) / 2
     lo, hi = (float(q) for q in np.quantile(dist, [tail, 1 - tail]))
     return Interval(value, lo, hi, n, f"bootstrap-percentile{label}")
 
@@ -201,9 +203,9 @@ def _change(relative: bool) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
     return lambda point, full: full - point
 
 
-def _exact_drop(xp: np.ndarray, xf: np.ndarray, value: float) -> Interval:
+def _exact_drop(xp: np.ndarray, xf: np.ndarray, value: float, level: float = LEVEL) -> Interval:
     """The drop of an accuracy, exact and conservative: discordant units when paired, two binomials otherwise."""
-    level = 1 - (1 - LEVEL) / 2  # two intervals at 97.5% hold jointly with probability ≥ 95%
+    level = 1 - (1 - level) / 2  # two intervals at 97.5% hold jointly with probability ≥ 95%
     p, f = xp[0], xf[0]
     if len(p) == len(f):
         n = len(p)
@@ -224,10 +226,10 @@ def _frozen(samples: Sequence, key: str) -> tuple:
     return out
 
 
-def share_bound(n: int) -> float:
+def share_bound(n: int, level: float = LEVEL) -> float:
     """The exact (Clopper–Pearson) 95% upper bound on the share of units that differ when 0 of ``n`` do:
     ``1 − 0.025^(1/n)`` (one-sided at 97.5%, as the two-sided interval's upper end)."""
-    return 1.0 - ((1 - LEVEL) / 2) ** (1.0 / n) if n > 0 else 1.0
+    return 1.0 - ((1 - level) / 2) ** (1.0 / n) if n > 0 else 1.0
 
 
 def finest_units(key: str, samples: Sequence) -> int:
@@ -236,7 +238,8 @@ def finest_units(key: str, samples: Sequence) -> int:
     return int(x[1].sum()) if x.shape[0] == 2 else x.shape[1]
 
 
-def change_interval(key: str, point: Sequence, full: Sequence, relative: bool, finest: int | None = None) -> Interval:
+def change_interval(key: str, point: Sequence, full: Sequence, relative: bool,
+                    bound_units: int | None = None, level: float = LEVEL) -> Interval:
     """The change of a point against full depth, with its 95% interval over the shared units.
 
     Args:
@@ -244,15 +247,16 @@ def change_interval(key: str, point: Sequence, full: Sequence, relative: bool, f
         point, full: per-unit samples of the point's run and of the full-depth run.
         relative: True for a lower-better metric (relative rise ``s_p / s_f − 1``), False for a higher-better one
             (absolute drop ``s_f − s_p``).
-        finest: when every paired unit is equal, the count of the finest units that can differ (None:
-            :func:`finest_units` of ``point``); see the module docstring.
+        bound_units: when every paired unit is equal, the units the share bound runs over (None: no bound, the
+            interval is undefined); see the module docstring.
     """
     # the report asks for the same change several times (verdicts per family, domain-shift table): computed once
-    return _change_interval(key, _frozen(point, key), _frozen(full, key), relative, finest)
+    return _change_interval(key, _frozen(point, key), _frozen(full, key), relative, bound_units, level)
 
 
 @lru_cache(maxsize=4096)
-def _change_interval(key: str, point: tuple, full: tuple, relative: bool, finest: int | None) -> Interval:
+def _change_interval(key: str, point: tuple, full: tuple, relative: bool, bound_units: int | None,
+                     level: float) -> Interval:
     xp, xf = unit_columns(point, key), unit_columns(full, key)  # [k, n_p], [k, n_f]
     if xp.shape[0] != xf.shape[0]:
         raise ValueError(f"samples of {key!r} differ in kind between the point and full depth (numbers vs pairs)")
@@ -260,23 +264,24 @@ def _change_interval(key: str, point: tuple, full: tuple, relative: bool, finest
     np_, nf = xp.shape[1], xf.shape[1]
     value = float(change(stat(xp), stat(xf))) if np_ and nf else None
     if np_ == nf and np_ and np.array_equal(xp, xf):  # every paired unit equal: only a share of them is ruled out
-        n_finest = finest if finest is not None else finest_units(key, point)
-        bound = share_bound(n_finest)
-        return Interval(value, -bound, bound, np_, f"exact: 0 of {n_finest} differ (95% bound on the share that "
-                        f"differ {bound:.2%})")
+        if bound_units is None:
+            return _undefined(value, np_, EQUAL_UNBOUNDED)
+        bound = share_bound(bound_units, level)
+        return Interval(value, -bound, bound, np_, f"exact: 0 of {bound_units} differ ({level:.1%} bound on the share "
+                        f"that differ {bound:.2%})")
     if min(np_, nf) < 2:
         return _undefined(value, min(np_, nf), "fewer than 2 units")
     if not (np.isfinite(xp).all() and np.isfinite(xf).all()):
         return _undefined(value, min(np_, nf), "non-finite unit values")
     if _binary(xp, xf) and not relative:
-        return _exact_drop(xp, xf, value)
+        return _exact_drop(xp, xf, value, level)
     if np_ == nf:
-        return _bootstrap(lambda i: change(stat(xp[:, i]), stat(xf[:, i])), [np_], value, np_, ", paired")
+        return _bootstrap(lambda i: change(stat(xp[:, i]), stat(xf[:, i])), [np_], value, np_, ", paired", level)
     return _bootstrap(lambda i, j: change(stat(xp[:, i]), stat(xf[:, j])), [np_, nf], value, min(np_, nf),
-                      f", unpaired (n {np_} vs {nf})")
+                      f", unpaired (n {np_} vs {nf})", level)
 
 
-def ratio_interval(ratios: Sequence[float]) -> Interval:
+def ratio_interval(ratios: Sequence[float], level: float = LEVEL) -> Interval:
     """The geometric mean of positive ratios (a point's tokens/s over full depth's, one per timed pair) with its 95%
     Student-t interval on the log scale: timings are noisy multiplicatively, and a handful of pairs is too few for
     a bootstrap. Undefined with fewer than 2 ratios or a ratio that is not positive and finite; equal ratios give
@@ -291,7 +296,7 @@ def ratio_interval(ratios: Sequence[float]) -> Interval:
         return _undefined(value, n, "fewer than 2 pairs")
     from scipy import stats
 
-    half = float(stats.t.ppf(1 - (1 - LEVEL) / 2, n - 1) * logs.std(ddof=1) / math.sqrt(n))
+    half = float(stats.t.ppf(1 - (1 - level) / 2, n - 1) * logs.std(ddof=1) / math.sqrt(n))
     return Interval(value, float(np.exp(logs.mean() - half)), float(np.exp(logs.mean() + half)), n,
                     "student-t on log ratios")
 

@@ -57,6 +57,8 @@ class RunRecord(BaseModel):
     intervals: dict[str, dict[str, Any]] = {}  # per quality metric: lo, hi, n, method
     cost: dict[str, Any] = {}  # flops_ratio, bytes_ratio, mean_depth, speedup ... (None: not measured)
     depth_histogram: dict[str, int] = {}  # tokens per exit depth
+    identity: dict[str, Any] = {}  # whether its output is full depth's by construction (emad.evaluation.proof)
+    split: dict[str, Any] = {}  # the units' selection / confirmation split (emad.evaluation.units)
     provenance: dict[str, Any] = {}  # where and how it was computed (emad.evaluation.provenance)
     mlflow_run_id: str | None = None
 

@@ -129,6 +129,11 @@ class Criterion:
         """Logits ``[a, V]`` the exit token is read from at this probe (default: the probe's readout)."""
         return view.logits
 
+    @property
+    def tokens_from_readout(self) -> bool:
+        """The exit token is the readout's own at the exit layer (False where :meth:`exit_logits` changes it)."""
+        return True
+
     def derived_from_logits(self, layer: int) -> tuple[tuple, ...] | None:
         """The memo keys of everything this criterion derives from the readout at ``layer`` (a criterion that reads
         the logits): when a sweep's memo holds them all, its decisions there need no readout, and its exit token
@@ -441,6 +446,10 @@ class Contrastive(Criterion):
         if top is None:
             return torch.zeros(len(view.entropy), dtype=torch.bool, device=view.entropy.device)
         return top >= self.threshold
+
+    @property
+    def tokens_from_readout(self) -> bool:
+        return not self.output
 
     def exit_logits(self, view: ProbeView) -> torch.Tensor | None:
         contrast = self._cache[1] if self._cache and self._cache[0] == view.layer else None

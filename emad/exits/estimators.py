@@ -48,6 +48,8 @@ class Estimator:
         stateful: True when a token's estimate depends on its earlier probes (then :meth:`begin` resets it).
         fusable: True when :meth:`estimate` is a pure function of the states (no host reads, no state), so a
             compiled engine may run it compiled over every row of a batch (:mod:`emad.engine.compiled`).
+        whole_vocabulary: False when the logits an estimate carries read only part of the head (the exit token
+            may then differ from the readout's own).
     """
 
     name: ClassVar[str]
@@ -55,6 +57,7 @@ class Estimator:
     needs_fit: ClassVar[bool] = True
     stateful: ClassVar[bool] = False
     fusable: ClassVar[bool] = False
+    whole_vocabulary: ClassVar[bool] = True
 
     @classmethod
     def from_sample(cls, stack, sample: dict, **options) -> Estimator:
@@ -248,6 +251,7 @@ class Prune(Estimator):
     gives_logits = True
     needs_fit = False
     stateful = True
+    whole_vocabulary = False
     SCHEDULES = ("fixed", "decay", "adaptive")
 
     def __init__(self, prune_k: int = 512, prune_schedule: str = "fixed", prune_k_min: int | None = None):

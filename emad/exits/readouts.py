@@ -57,6 +57,12 @@ class Translator(nn.Module):
         return h + delta + self.bias
 
     @property
+    def is_identity(self) -> bool:
+        """A = 0 and b = 0 exactly: T(h) = h + 0 = h bit for bit, whatever h."""
+        a = self.weight if self.rank is None else self.v
+        return not bool(a.any()) and not bool(self.bias.any())
+
+    @property
     def matmul_params(self) -> int:
         """Parameters of A's matrices (the translation costs twice this in FLOPs per token)."""
         return self.d * self.d if self.rank is None else 2 * self.d * self.rank
@@ -75,6 +81,10 @@ class Readout:
     def translate(self, h: torch.Tensor, layer: int) -> torch.Tensor:
         """T_ℓ(h) for hidden states ``[..., d]`` after layer ``layer`` (1-based)."""
         return h
+
+    def identity_at(self, layer: int) -> bool:
+        """T_ℓ is the identity bit for bit (the logit lens: everywhere)."""
+        return True
 
     def matmul_params(self, layer: int) -> int:
         """Matmul parameters of T_ℓ (0 where T_ℓ is the identity)."""
@@ -148,6 +158,11 @@ class TunedLens(Readout):
         :func:`load_readout` and :meth:`check` refuse methods that probe unfitted layers below L."""
         translator = self.translators.get(layer)
         return h if translator is None else translator(h)
+
+    def identity_at(self, layer: int) -> bool:
+        """No translator at ``layer``, or one whose A and b are exactly zero."""
+        translator = self.translators.get(layer)
+        return translator is None or translator.is_identity
 
     def matmul_params(self, layer: int) -> int:
         translator = self.translators.get(layer)

@@ -174,12 +174,16 @@ class Curve:
 def _curve(cid: CurveId, target: float, assessed: Sequence[PointAssessment]) -> Curve:
     curve, domain = Curve.of(cid, target), cid.domain
     for p in assessed:
-        # only counted checks (≥ 8 units) enter a curve: one resting on fewer is no reading of it
-        checks: list[Check] = [c for c in p.checks if c.counted and (domain is None or c.domain == domain)]
+        # only counted checks (≥ 8 units, measured, not underpowered) enter a curve: one resting on fewer is no
+        # reading of it; a point the screen ruled out reads its measured teacher-forced violations
+        mine_all = [c for c in p.checks if domain is None or c.domain == domain]
+        checks: list[Check] = [c for c in mine_all if c.counted]
+        screened = [c for c in p.screened if domain is None or c.domain == domain]
         flops = p.flops_ratio if domain is None else p.flops_by_domain.get(domain)
-        if flops is None or not checks:
+        used = tolerance_used(checks + screened)
+        if flops is None or used is None:
             continue
-        curve.points.append(CurvePoint(p.label, flops, tolerance_used(checks), combined_state(checks)))
+        curve.points.append(CurvePoint(p.label, flops, used, combined_state(mine_all)))
         for metric in sorted({c.metric for c in checks}):
             mine = [c for c in checks if c.metric == metric]
             curve.metrics.setdefault(metric, []).append(

@@ -301,9 +301,10 @@ def _families(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, ModelVerdic
 
 def _headline(curve: Curve, v: ModelVerdict) -> dict[str, Any]:
     ppl = curve.at(curve.target, "perplexity").value if "perplexity" in curve.metrics else None
-    ok = curve.largest_ok
+    ok, met = curve.largest_ok, curve.largest_met
     return _clean({"c1": v.c1.outcome, "c2": v.c2.outcome, "tolerance_multiple_at_target": curve.at_target.value,
-                   "perplexity_change_at_target": ppl, "max_reduction_within_tolerance": ok.reduction if ok else None})
+                   "perplexity_change_at_target": ppl, "max_reduction_within_tolerance": met.reduction if met else None,
+                   "max_reduction_unresolved": ok.reduction if ok and ok.state == UNRESOLVED else None})
 
 
 def metrics_summary(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, ModelVerdict],
@@ -315,7 +316,8 @@ def metrics_summary(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, Model
     largest change / tolerance over the checks, 1 = at the tolerance) and ``perplexity_change_at_target``
     (relative rise, ratio − 1, worst domain) at the FLOPs ratio 1 − ``min_flops_reduction``, interpolated on the
     envelope (left out when the curve does not reach it); ``max_reduction_within_tolerance``: the largest positive
-    FLOPs reduction of a point with no check violated (left out when there is none). Families are those of ``family_verdicts`` (judged alone; computed
+    FLOPs reduction of a point with every counted check met (left out when there is none);
+    ``max_reduction_unresolved``: the largest one met or unresolved, when that point is unresolved. Families are those of ``family_verdicts`` (judged alone; computed
     from ``runs`` with the thresholds of ``verdicts`` when None) plus the judged method of ``verdicts`` under its
     joined name (``emad (all)``, or ``emad, confidence``) when it spans several. The per-run detail is :func:`run_details`.
     """

@@ -41,13 +41,26 @@ Comparisons allow a slack of 1e-9 so that values exactly at a threshold pass.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from emad.evaluation.checks import MIN_SPEED_PROMPTS, Check, Thresholds, build_check, combined_state
+from emad.evaluation.checks import (
+    IDENTICAL,
+    MET,
+    MIN_SPEED_PROMPTS,
+    RULED_OUT,
+    UNRESOLVED,
+    VIOLATED,
+    Check,
+    State,
+    Thresholds,
+    build_check,
+    combined_state,
+)
 from emad.evaluation.identity import split_family
-from emad.evaluation.intervals import MET, UNRESOLVED, VIOLATED, Interval, floor_state, ratio_interval
+from emad.evaluation.intervals import LEVEL, Interval, floor_state, ratio_interval
+from emad.evaluation.units import SELECTION, Units
 from emad.report.frontier import FULL, baselines, finite, point_label
 
 EPS = 1e-9
@@ -76,6 +89,9 @@ class PointAssessment:
     depths: dict[str, dict[str, int]] = field(default_factory=dict)  # domain -> tokens per exit depth
     speed_reference: str | None = None  # the full-depth decoder C2's pairs are against (the faster one timed)
     speedup_by_reference: dict[str, float] = field(default_factory=dict)  # every full-depth decoder timed
+    screened: list[Check] = field(default_factory=list)  # a ruled-out point's violations on the selection split
+    level: float = LEVEL  # of its intervals (above 95% where one claim rests on several points)
+    runs: list[dict] = field(default_factory=list, repr=False)  # its run records (one per domain)
 
     @property
     def reduction(self) -> float:
@@ -87,9 +103,22 @@ class PointAssessment:
         return f"{self.label} ({self.family})"
 
     @property
-    def state(self) -> str:
-        """``violated`` if a check is, ``met`` if every check is, else ``unresolved``."""
-        return combined_state(self.checks)
+    def state(self) -> State:
+        """``ruled out by the screen`` when a task was not run for it; else ``violated`` if a counted check is,
+        ``met`` if every counted check is and its perplexity check is counted on every domain that has one (C1's
+        defining check: without it no point is shown within the tolerances), else ``unresolved``."""
+        state = combined_state(self.checks)
+        return UNRESOLVED if state == MET and self.uncounted_defining else state
+
+    @property
+    def uncounted_defining(self) -> list[Check]:
+        """The point's relative (perplexity) checks that do not enter the gate (too few windows, not run)."""
+        return [c for c in self.checks if c.relative and not c.counted and c.state != IDENTICAL]
+
+    @property
+    def underpowered(self) -> list[Check]:
+        """The checks kept out of the gate because they cannot be met at their size."""
+        return [c for c in self.checks if c.measured and c.underpowered and not c.counted]
 
     @property
     def within_tolerance(self) -> bool:
@@ -115,8 +144,12 @@ class PointAssessment:
 
     @property
     def worst(self) -> Check | None:
-        """The check furthest from being met: a violated one before an unresolved one, then by severity."""
-        return max(self.checks, key=lambda c: (c.counted, c.rank), default=None)
+        """The measured check furthest from being met: for a point the screen ruled out, its worst teacher-forced
+        violation on the selection split; else a violated one before an unresolved one, then by severity, counted
+        checks first. None when nothing was measured."""
+        pool = self.screened if self.state == RULED_OUT and self.screened else \
+            [c for c in self.checks if c.measured]
+        return max(pool, key=lambda c: (c.counted, c.rank), default=None)
 
     def to_dict(self) -> dict[str, Any]:
         worst = self.worst
@@ -127,9 +160,11 @@ class PointAssessment:
                 "speed": self.speed.to_dict() if self.speed else None, "load_avg": self.load_avg,
                 "speed_reference": self.speed_reference, "speedup_by_reference": self.speedup_by_reference,
                 "flops_by_domain": self.flops_by_domain,
-                "state": self.state, "within_tolerance": self.within_tolerance,
+                "state": str(self.state), "within_tolerance": self.within_tolerance,
                 "worst": worst.describe() if worst else None,
-                "checks": [c.to_dict() for c in self.checks]}
+                "underpowered": [f"{c.metric} on {c.domain}: {c.power_text()}" for c in self.underpowered],
+                "checks": [c.to_dict() for c in self.checks],
+                "screened": [c.to_dict() for c in self.screened]}
 
 
 PASS, FAIL = "pass", "fail"  # a criterion's outcome: PASS, FAIL (falsified) or UNRESOLVED
@@ -269,35 +304,47 @@ def _aggregate_speedup(runs: Sequence[dict], bases: Sequence[dict], weights: Seq
     return full_time / time if time > 0 else None
 
 
-def _prompt_speed(runs: Sequence[dict]) -> Interval | None:
+def _prompt_speed(runs: Sequence[dict], level: float = LEVEL) -> Interval | None:
     """The speed-up's 95% interval over the distinct prompts the runs were timed on (one pair per prompt, all
     domains together), or None when a run was not timed over prompts or on fewer than
     :data:`~emad.evaluation.checks.MIN_SPEED_PROMPTS`."""
     costs = [r.get("cost", {}) for r in runs]
     if any(c.get("speed_unit") != "prompt" or len(c.get("speed_pairs") or []) < MIN_SPEED_PROMPTS for c in costs):
         return None
-    return ratio_interval([own / ref for c in costs for own, ref in c["speed_pairs"]])
+    return ratio_interval([own / ref for c in costs for own, ref in c["speed_pairs"]], level)
 
 
-def assess_point(runs: Sequence[dict], base: dict[tuple[str, str], dict], thr: Thresholds) -> PointAssessment:
-    """Aggregate one operating point's runs (one per domain) and check every tolerance."""
+def assess_point(runs: Sequence[dict], base: dict[tuple[str, str], dict], thr: Thresholds,
+                 level: float = LEVEL) -> PointAssessment:
+    """Aggregate one operating point's runs (one per domain) and check every tolerance on the confirmation split,
+    intervals at ``level``."""
     runs = sorted(runs, key=lambda r: r["domain"])
     bases = [base[(r["model"], r["domain"])] for r in runs]
     weights = _token_weights(runs)
     flops = sum(w * r["cost"]["flops_ratio"] for w, r in zip(weights, runs)) / sum(weights)
-    checks = [build_check(r["domain"], m, r, b, thr.tolerance(m))
+    checks = [build_check(r["domain"], m, r, b, thr.tolerance(m), level=level)
               for r, b in zip(runs, bases) for m in sorted(b.get("quality", {}))]
     first = runs[0]
+    screened = [c for r, b in zip(runs, bases) if r.get("not_run") for c in _screened(r, b, thr)]
     return PointAssessment(point_label(first), first["point"], first.get("calibration"),
                            ", ".join(sorted({r["family"] for r in runs})), [r["domain"] for r in runs],
                            [r["run_id"] for r in runs], [r["mlflow_run_id"] for r in runs if r.get("mlflow_run_id")],
                            flops, _aggregate_speedup(runs, bases, weights), checks,
                            {r["domain"]: r["cost"]["flops_ratio"] for r in runs}, first.get("curve"),
-                           first.get("knob"), first.get("value"), _prompt_speed(runs),
+                           first.get("knob"), first.get("value"), _prompt_speed(runs, level),
                            max((r["cost"]["load_avg"] for r in runs if finite(r.get("cost", {}).get("load_avg"))),
                                default=None),
                            {r["domain"]: r.get("depth_histogram") or {} for r in runs},
-                           *_references(runs))
+                           *_references(runs), screened, level, list(runs))
+
+
+def _screened(run: dict, base: dict, thr: Thresholds) -> list[Check]:
+    """The teacher-forced checks of a run the screen ruled out, on the selection split it was ruled out on, that
+    are violated there (what the decode stage measured when it stopped the point)."""
+    units = Units(SELECTION, int((run.get("split") or {}).get("seed", 0)))
+    forced = [m for m in sorted(base.get("quality", {})) if m in run.get("quality", {})]
+    checks = [build_check(run["domain"], m, run, base, thr.tolerance(m), units) for m in forced]
+    return [c for c in checks if c.counted and c.state == VIOLATED]
 
 
 def _references(runs: Sequence[dict]) -> tuple[str | None, dict[str, float]]:
@@ -317,33 +364,69 @@ def _by_reduction(points: list[PointAssessment]) -> list[PointAssessment]:
     return sorted(points, key=lambda p: (-p.reduction, p.label))
 
 
-def _c1(points: list[PointAssessment], thr: Thresholds, methods: str, domains: list[str]) -> C1Result:
+Reassess = Callable[[list[PointAssessment], float], list[PointAssessment]]
+
+
+def _family_wise(points: list[PointAssessment], reassess: Reassess | None) -> tuple[list[PointAssessment], float]:
+    """``points`` judged so that one claim over all of them holds at 95% (Bonferroni: each at 1 − 0.05/m, the
+    first step of Holm's procedure, which decides an existence claim), and that level."""
+    level = 1.0 - (1.0 - LEVEL) / max(len(points), 1)
+    if len(points) <= 1 or reassess is None:
+        return points, LEVEL
+    return reassess(points, level), level
+
+
+def _kept_out(p: PointAssessment) -> str:
+    """``; kept out as underpowered: …`` for the point's underpowered checks, and why its perplexity is not
+    counted."""
+    parts = []
+    if p.underpowered:
+        parts.append("kept out of the gate as underpowered: " + "; ".join(
+            f"{c.metric} on {c.domain} ({c.power_text()})" for c in p.underpowered))
+    if p.uncounted_defining:
+        parts.append("C1's perplexity check is not counted: " + "; ".join(c.describe() for c in p.uncounted_defining))
+    return "".join(f" ({part})" for part in parts)
+
+
+def _level_text(level: float, m: int) -> str:
+    return "" if m <= 1 else f" (each of the {m} candidates judged at {100 * level:.4g}%, Bonferroni: 95% family-wise)"
+
+
+def _c1(points: list[PointAssessment], thr: Thresholds, methods: str, domains: list[str],
+        reassess: Reassess | None = None) -> C1Result:
     need = thr.min_flops_reduction
     big = [p for p in points if p.reduction >= need - EPS]
-    met = _by_reduction([p for p in big if p.state == MET])
-    unresolved = _by_reduction([p for p in big if p.state == UNRESOLVED])
-    literal = sorted(p.label for p in big if p.state == VIOLATED)
+    judged, level = _family_wise([p for p in big if p.state != RULED_OUT], reassess)
+    met = _by_reduction([p for p in judged if p.state == MET])
+    unresolved = _by_reduction([p for p in judged if p.state == UNRESOLVED])
+    literal = sorted(p.label for p in big if p.state in (VIOLATED, RULED_OUT))
     open_labels = sorted(p.label for p in unresolved)
+    family = _level_text(level, len(judged))
     if met:
         p, w = met[0], met[0].worst
         text = (f"C1 passes (not falsified): {p.named} cuts FLOPs by {p.reduction:.1%} (token-weighted over "
-                f"{len(p.domains)} domains) with every tolerance met at this sample size"
-                + (f"; tightest check: {w.describe()}." if w else "."))
+                f"{len(p.domains)} domains) with every counted tolerance met on the confirmation split{family}"
+                + (f"; tightest check: {w.describe()}" if w else "") + f"{_kept_out(p)}.")
         return C1Result(PASS, p, bool(literal), literal, text, open_labels)
     if unresolved:
         p = unresolved[0]
+        worst = p.worst.describe() if p.worst else "none measured"
         text = (f"C1 unresolved at this sample size (neither shown nor falsified): no operating point with "
-                f"≥ {need:.0%} FLOP reduction is shown within every tolerance, but {len(unresolved)} "
-                f"({', '.join(open_labels)}) {'is' if len(unresolved) == 1 else 'are'} not shown beyond them "
-                f"either; largest reduction: {p.named}, {p.reduction:.1%}, its least certain check: "
-                f"{p.worst.describe()}.")
+                f"≥ {need:.0%} FLOP reduction is shown within every tolerance{family}, but {len(unresolved)} "
+                f"{'is' if len(unresolved) == 1 else 'are'} not shown beyond them either; largest reduction: "
+                f"{p.named}, {p.reduction:.1%}, its least certain check: {worst}{_kept_out(p)}.")
         return C1Result(UNRESOLVED, p, bool(literal), literal, text, open_labels)
-    if big:
-        p = min(big, key=lambda p: (p.worst.severity, -p.reduction, p.label))
+    measured = [p for p in big if p.worst is not None and p.worst.severity is not None]
+    if measured:
+        p = min(measured, key=lambda p: (p.worst.severity, -p.reduction, p.label))
         text = (f"C1 fails (falsified): every operating point with ≥ {need:.0%} FLOP reduction violates a "
-                f"tolerance; closest: {p.named}, {p.reduction:.1%} reduction, worst violation: "
-                f"{p.worst.describe()}.")
+                f"tolerance (or the teacher-forced screen measured it beyond one); closest: {p.named}, "
+                f"{p.reduction:.1%} reduction, worst violation: {p.worst.describe()}.")
         return C1Result(FAIL, p, True, literal, text)
+    if big:
+        text = (f"C1 unresolved: the {len(big)} operating points with ≥ {need:.0%} FLOP reduction have no measured "
+                "check.")
+        return C1Result(UNRESOLVED, None, False, literal, text)
     if points:
         p = _by_reduction(points)[0]
         text = (f"C1 fails (falsified): no operating point reaches a {need:.0%} FLOP reduction; the largest is "
@@ -354,40 +437,40 @@ def _c1(points: list[PointAssessment], thr: Thresholds, methods: str, domains: l
     return C1Result(FAIL, None, False, [], text)
 
 
-def _c2(points: list[PointAssessment], thr: Thresholds) -> C2Result:
+def _c2(points: list[PointAssessment], thr: Thresholds, reassess: Reassess | None = None) -> C2Result:
     need = 1.0 + thr.min_speed_gain
-    met = [p for p in points if p.state == MET]
-    unresolved = [p for p in points if p.state == UNRESOLVED]
-    labels, open_labels = sorted(p.label for p in met), sorted(p.label for p in unresolved)
-    timed = sorted((p for p in met + unresolved if p.speed is not None and p.speed.value is not None),
-                   key=lambda p: (-(p.speed.lo if p.speed.defined else 0.0), -p.speed.value, p.label))
-    gain = f"{thr.min_speed_gain:.0%}"
+    eligible = [p for p in points if p.state in (MET, UNRESOLVED)]
+    labels = sorted(p.label for p in eligible if p.state == MET)
+    open_labels = sorted(p.label for p in eligible if p.state == UNRESOLVED)
+    timed, level = _family_wise([p for p in eligible if p.speed is not None and p.speed.value is not None], reassess)
+    timed.sort(key=lambda p: (-(p.speed.lo if p.speed.defined else 0.0), -p.speed.value, p.label))
+    gain, family = f"{thr.min_speed_gain:.0%}", _level_text(level, len(timed))
     passing = [p for p in timed if p.state == MET and p.speed_state(need) == MET]
     if passing:
         p = passing[0]
-        return C2Result(PASS, p, labels, f"C2 passes (not falsified): at matched accuracy (every tolerance met) "
-                        f"{p.named} runs {p.speed_text()} the full-depth tokens/s: the whole interval is at or above "
-                        f"the gain of {gain}.", open_labels)
+        return C2Result(PASS, p, labels, f"C2 passes (not falsified): at matched accuracy (every counted tolerance "
+                        f"met) {p.named} runs {p.speed_text()} the full-depth tokens/s: the whole interval is at or "
+                        f"above the gain of {gain}{family}{_kept_out(p)}.", open_labels)
     open_ = [p for p in timed if p.speed_state(need) != VIOLATED]
     if open_:
         p = max(open_, key=lambda p: (p.speed.value, p.label))
-        why = (f"whether it keeps accuracy is unresolved ({p.worst.describe()})" if p.state == UNRESOLVED
-               else f"its interval straddles the gain of {gain}")
+        why = (f"whether it keeps accuracy is unresolved ({p.worst.describe() if p.worst else 'none measured'})"
+               if p.state == UNRESOLVED else f"its interval straddles the gain of {gain}")
         return C2Result(UNRESOLVED, p, labels, f"C2 unresolved at this sample size: {p.named} runs "
-                        f"{p.speed_text()} the full-depth tokens/s, but {why}.", open_labels)
-    if not met and not unresolved:
+                        f"{p.speed_text()} the full-depth tokens/s{family}, but {why}.", open_labels)
+    if not eligible:
         return C2Result(FAIL, None, [], "C2 fails (falsified): no operating point stays within the quality "
-                                        "tolerances (every one violates a tolerance).")
+                                        "tolerances (every one violates a tolerance or was ruled out by the "
+                                        "screen).")
     if not timed:
-        return C2Result(FAIL, None, labels, "C2 fails (falsified): no point within (or possibly within) the "
-                        f"tolerances ({', '.join(labels + open_labels)}) was timed on {MIN_SPEED_PROMPTS} distinct prompts per domain: the "
-                        "decode stage times only the points that exit early and spend fewer FLOPs than full depth "
-                        "(decode.speed_flops_below; one that runs every layer and its probes cannot be faster).",
-                        open_labels)
+        return C2Result(UNRESOLVED, None, labels, "C2 unresolved: not timed — no point within (or possibly within) "
+                        f"the tolerances ({', '.join(labels + open_labels)}) was timed on {MIN_SPEED_PROMPTS} "
+                        "distinct prompts per domain (the decode stage times the points that exit early and spend "
+                        "fewer FLOPs than full depth, decode.speed_flops_below, and every strategy; a domain needs a "
+                        "task with speed prompts).", open_labels)
     p = max(timed, key=lambda p: (p.speed.value, p.label))
-    return C2Result(FAIL, p, labels, f"C2 fails (falsified): every point within (or possibly within) the tolerances "
-                    f"that exits early with fewer FLOPs than full depth is slower than the gain of {gain} requires; the "
-                    f"best, {p.named} "
+    return C2Result(FAIL, p, labels, f"C2 fails (falsified): every timed point within (or possibly within) the "
+                    f"tolerances is slower than the gain of {gain} requires{family}; the best, {p.named} "
                     f"({p.state}), runs {p.speed_text()} the full-depth tokens/s.", open_labels)
 
 
@@ -422,8 +505,12 @@ def model_verdict(runs: Sequence[dict], model: str, methods: Sequence[str] = ("e
     incomplete = sorted(point_label(g[0]) for k, g in groups.items() if k not in complete)
     points = sorted((assess_point(g, base, thr) for g in complete.values()), key=lambda p: p.label)
     fam = ", ".join(methods)
+
+    def reassess(these: list[PointAssessment], level: float) -> list[PointAssessment]:
+        return [assess_point(p.runs, base, thr, level) for p in these]
+
     return ModelVerdict(model, tuple(methods), domains, thr, points, incomplete,
-                        _c1(points, thr, fam, domains), _c2(points, thr), model_domains)
+                        _c1(points, thr, fam, domains, reassess), _c2(points, thr, reassess), model_domains)
 
 
 def families_of(runs: Sequence[dict], methods: Sequence[str]) -> tuple[str, ...]:
