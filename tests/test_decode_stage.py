@@ -84,6 +84,9 @@ def test_baseline_run_file_artifacts_and_mlflow(workspace, monkeypatch):
     assert ppl["n"] == len(record["tasks"]["perplexity"]["samples"]["perplexity"]) >= 2
     assert ppl["lo"] <= record["quality"]["perplexity"] <= ppl["hi"]
     assert record["depth_histogram"] == {"4": record["cost"]["tokens"]}
+    assert record["identity"] == {"proved": True, "why": "never exits: every token ran all layers", "final_from": 4}
+    split = record["split"]  # recorded: the seed and each task's two disjoint halves
+    assert split["seed"] == 0 and not set(split["fidelity"]["selection"]) & set(split["fidelity"]["confirmation"])
     assert (workspace / "art" / "full" / "toy" / "depth.png").stat().st_size > 1000
     html = (workspace / "art" / "full" / "toy" / "heatmap.html").read_text()
     assert html.count('title="layer 4"') >= 2
@@ -178,6 +181,9 @@ def test_related_runs_report_their_statistics(workspace, monkeypatch):
         _record(workspace, "baseline-full")["tasks"]["perplexity"]["perplexity"], rel=1e-5)
     assert 0 <= spec["cost"]["acceptance_rate"] <= 1 and spec["cost"]["target_passes_per_token"] <= 1
     assert spec["cost"]["flops_ratio"] > 0
+    # a strategy trades FLOPs for fewer sequential passes: timed over prompts whatever its FLOPs ratio
+    assert spec["cost"]["speed_timing"] == "pairs" and len(spec["cost"]["speed_pairs"]) >= 8
+    assert not spec["identity"]["proved"] and "strategy" in spec["identity"]["why"]
     assert _decode(workspace, "related", "gap-prune", monkeypatch) == 0
     gap = _record(workspace, "related-gap-prune")
     assert gap["family"] == "softmax:prune" and gap["options"]["prune_k"] == 32 and gap["method"]["estimator"] == "prune"
@@ -453,10 +459,11 @@ def test_a_written_out_point_the_screen_rules_out_decodes_nothing_free_running_a
     assert _decode(workspace, "baseline", "fixed-1", monkeypatch, runs="ruled-out", params=params) == 0
     (path,) = (workspace / "ruled-out" / "baseline-fixed-1").glob("*.json")
     r = runfile.load(path)
-    assert not r["screened"] and r["cost"]["speed_timing"] == "none: violates perplexity (teacher forced)"
+    assert not r["screened"] and r["cost"]["speed_timing"] == ("none: violates perplexity (teacher forced, selection "
+                                                               "split)")
     assert r["free_prompts"] == 0 and "fidelity" not in r["tasks"] and r["cost"]["speedup"] is None
     assert r["not_run"]["fidelity"] == "the teacher-forced screen rules the point out (violates perplexity (teacher " \
-                                       "forced))"
+                                       "forced, selection split))"
 
 
 def test_the_default_point_keeps_its_free_running_tasks_on_the_cells_the_ablations_read():

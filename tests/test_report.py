@@ -610,3 +610,38 @@ def test_a_check_on_one_unit_enters_no_curve_reading():
     assert set(curve.metrics) == {"perplexity"}  # the fidelity check (n 1) is read nowhere
     (point,) = curve.points
     assert point.state == "met"
+
+
+def test_a_task_not_run_is_ruled_out_with_the_measured_violation_as_worst():
+    """The screen stopped the point (perplexity beyond the tolerance on the selection split): its fidelity check is
+    *ruled out by the screen*, not a violation with change ∞; its worst check is the measured teacher-forced one,
+    with its size and interval; C1's closest point is read from measured checks only."""
+    runs = full_runs()
+    for r in point_runs("emad-out", flops=0.6, ppl=10.5):
+        del r["tasks"]["fidelity"]
+        r["quality"], r["not_run"] = quality_of(r["tasks"]), {"fidelity": "violates perplexity (teacher forced)"}
+        runs.append(r)
+    runs += point_runs("emad-near", flops=0.7, ppl=10.3)
+    v = verdict(runs)["m"]
+    out = next(p for p in v.points if p.point == "emad-out")
+    assert out.state == "ruled out by the screen"
+    ruled = [c for c in out.checks if c.metric == "fidelity.token_agreement"]
+    assert all(c.state == "ruled out by the screen" and c.change is None and not c.counted for c in ruled)
+    worst = out.worst
+    assert worst.metric == "perplexity" and worst.state == "violated" and worst.change == pytest.approx(0.05, rel=1e-3)
+    assert worst.lo > 0.01 and "selection split" in worst.units and worst.n == 25
+    assert v.c1.falsified and v.c1.deciding.point == "emad-near"  # the measured violation closest to the tolerance
+    assert "emad-out" in v.c1.literal_points
+    assert "inf" not in v.c1.sentence() and "not run" not in v.c1.sentence()
+
+
+def test_c1_cannot_pass_without_a_counted_perplexity_check():
+    """Agreement met but perplexity scored on too few windows (not counted): the point is unresolved, not met."""
+    runs = full_runs()
+    for r in point_runs("emad-short", flops=0.6, ppl=10.0):
+        r["tasks"]["perplexity"]["samples"]["perplexity"] = r["tasks"]["perplexity"]["samples"]["perplexity"][:6]
+        runs.append(r)
+    v = verdict(runs)["m"]
+    point = next(p for p in v.points if p.point == "emad-short")
+    assert point.uncounted_defining and point.state == "unresolved" and v.c1.outcome == "unresolved"
+    assert "perplexity check is not counted" in v.c1.sentence()

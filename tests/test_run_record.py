@@ -31,6 +31,7 @@ def _record(point: str, family: str, ppl: float, score: float, flops: float) -> 
                      readout="logit", curve=point, knob=None, value=None, screened=False, options={"method": family},
                      calibration=None, domain="prose", model_fingerprint="abc", n_layers=30, free_prompts=None, not_run={},
                      method={"method": family}, profile_fingerprint=None, factors={}, oracle=None,
+                     identity={"proved": True, "why": "never exits", "final_from": 30}, split={"seed": 0},
                      provenance={"host": "h", "device": "cpu", "dtype": "float32", "ray_node": None})
     cost = {"flops_ratio": flops, "bytes_ratio": flops, "mean_depth": 30 * flops, "tokens": 1000.0,
             "seconds": 10.0, "tokens_per_s": 100.0, "speedup": None}
