@@ -73,7 +73,8 @@ class ControlConfig(Section):
 
 CONTROL_OWN = ("domains", "baselines", "points")  # the control's decode gives these itself
 CONTROL_INHERITS = ("tasks", "heatmap_texts", "swept_prompts", "unserved_tokens", "speed_repeats", "speed_prompts",
-                    "speed_tokens", "executor", "workers", "device", "dtype", "engine")  # ... and takes these from decode (its DVC params)
+                    "speed_tokens", "speed_flops_below", "split_seed", "executor", "workers", "device", "dtype",
+                    "engine")  # ... and takes these from decode (its DVC params)
 
 
 def control_decode(raw: dict[str, Any], context: dict | None = None) -> DecodeConfig:
@@ -207,19 +208,32 @@ def _check_readouts(cfg: dict[str, Any]) -> None:
     probes, layers = calibrate.probe_layers, readouts.layers
     missing = set(probes) - set(layers) if isinstance(probes, list) and isinstance(layers, list) else None
     covered = probes == layers or (missing is not None and missing <= {max(probes)})  # L needs no translator
-    if "tuned" not in calibrate.readouts:
-        return
-    if not covered:
+    if "tuned" in calibrate.readouts and not covered:
         raise ConfigError(f"readouts.layers = {layers!r} must cover calibrate.probe_layers = {probes!r} when "
                           f"calibrate.readouts includes tuned (the same spec, or a list holding every probe layer)")
-    needed = (calibrate.max_tokens or 0) + readouts.tokens + readouts.holdout
-    if "corpus" in cfg and (calibrate.max_tokens is None or cfg["corpus"].calib_tokens < needed):
-        raise ConfigError(f"corpus.calib_tokens = {cfg['corpus'].calib_tokens} must hold calibrate.max_tokens "
-                          f"({calibrate.max_tokens}) + readouts.tokens ({readouts.tokens}) + readouts.holdout "
-                          f"({readouts.holdout}) = {needed} when calibrate.readouts includes tuned: the translators "
-                          f"are fitted on the split's last tokens and the profiles on its first max_tokens, so a "
-                          f"tuned profile never reads the tokens its translators were fitted on (set "
-                          f"calibrate.max_tokens)")
+    if "corpus" in cfg:
+        _check_readout_tokens(cfg["corpus"].calib_tokens, calibrate, readouts)
+
+
+def _check_readout_tokens(calib_tokens: int, calibrate: CalibrateConfig, readouts: ReadoutsConfig) -> None:
+    """The calibration split holds the fit's three disjoint ranges (training, selection, held-out) and, when a
+    tuned profile is calibrated, its ``calibrate.max_tokens`` before them."""
+    fit = readouts.tokens + readouts.selection + readouts.holdout
+    ranges = (f"readouts.tokens + readouts.selection + readouts.holdout = {readouts.tokens} + "
+              f"{readouts.selection} + {readouts.holdout} = {fit}")
+    if calib_tokens < fit:
+        raise ConfigError(f"corpus.calib_tokens = {calib_tokens} must hold {ranges} (the fit's training, selection "
+                          f"and held-out tokens, disjoint): raise corpus.calib_tokens to at least {fit} or lower "
+                          f"those three")
+    if "tuned" not in calibrate.readouts:
+        return
+    needed = (calibrate.max_tokens or 0) + fit
+    if calibrate.max_tokens is None or calib_tokens < needed:
+        raise ConfigError(f"corpus.calib_tokens = {calib_tokens} must hold calibrate.max_tokens "
+                          f"({calibrate.max_tokens}) + {ranges}, {needed} in all, when calibrate.readouts includes "
+                          f"tuned: the translators are fitted on the split's last tokens and the profiles on its "
+                          f"first max_tokens, so a tuned profile never reads the tokens its translators were fitted "
+                          f"on (set calibrate.max_tokens; valid: corpus.calib_tokens >= {needed})")
 
 
 def load_section(name: str, model: type[S], path: str | Path = "params.yaml") -> S:

@@ -173,7 +173,14 @@ class DecodeConfig(Section):
 
     @model_validator(mode="after")
     def _speed_prompts_exist(self) -> DecodeConfig:
-        """Each task that gives the speed prompts (fidelity) has at least ``speed_prompts`` of them."""
+        """Every domain has a task that gives speed prompts (C2 is judged on every domain: one without them could
+        only leave C2 unmeasured), and each such task (fidelity) has at least ``speed_prompts`` of them."""
+        timed = sorted(n for n in TASKS.names() if type(TASKS.get(n)()).speed_prompts is not Task.speed_prompts)
+        for domain, tasks in self.domains.items():
+            if not any(t in timed for t in tasks):
+                raise ValueError(f"decode.domains.{domain}: none of its tasks ({', '.join(tasks)}) gives the prompts "
+                                 f"C2 times a point on; add one of {', '.join(timed)} (e.g. {domain}: "
+                                 f"[{', '.join([*tasks, timed[0]])}])")
         for name in sorted({t for tasks in self.domains.values() for t in tasks}):
             task = TASKS.get(name)()
             have = getattr(task.settings(self.tasks.get(name)), "prompts", None)
