@@ -93,7 +93,7 @@ def verdict_log(v, prefix: str) -> tuple[dict[str, float], dict[str, str]]:
             {f"{prefix}.{k}": str(x) for k, x in tags.items() if x is not None})
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=Path, required=True, help="folder of run files (reports/runs)")
     parser.add_argument("--risk", type=Path, help="folder of risk-control results (reports/risk)")
@@ -106,8 +106,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--figures", type=Path, required=True, help="folder for Pareto PNGs")
     parser.add_argument("--report", type=Path, required=True, help="report.md to write")
     parser.add_argument("--params", default="params.yaml")
-    args = parser.parse_args(argv)
-    cfg = load_section("aggregate", AggregateConfig, args.params)
+    return parser.parse_args(argv)
+
+
+def load_params(args: argparse.Namespace) -> AggregateConfig:
+    """The params this stage reads, checked (the whole file first): section ``aggregate``."""
+    return load_section("aggregate", AggregateConfig, args.params)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cfg = load_params(args)
     runs = [r.to_dict() for r in load_records(args.runs)]  # the report reads each record as its dict
     verdicts = verdict(runs, families_of(runs, cfg.methods), **cfg.thresholds())
     others = family_verdicts(runs, **cfg.thresholds())

@@ -36,7 +36,7 @@ def _log(run, stats, elapsed: float) -> None:
         run.log_series(f"entropy_mean.{name}", dict(zip(probes, row)))
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", required=True, help="model spec (prepared folder, alias or hub id)")
     parser.add_argument("--corpus", type=Path, required=True, help="sampled corpus folder (calib.jsonl)")
@@ -49,8 +49,17 @@ def main(argv: list[str] | None = None) -> int:
                         f"statistics on the same corpus (a path with {READOUT}, as --out), extended instead of "
                         f"calibrating anew")
     parser.add_argument("--params", default="params.yaml")
-    args = parser.parse_args(argv)
-    cfg = load_section("calibrate", CalibrateConfig, args.params)
+    return parser.parse_args(argv)
+
+
+def load_params(args: argparse.Namespace) -> CalibrateConfig:
+    """The params this stage reads, checked (the whole file first): section ``calibrate``."""
+    return load_section("calibrate", CalibrateConfig, args.params)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cfg = load_params(args)
     outs = per_readout(args.out, args.readout or cfg.readouts, "--out")
     bases = per_readout(args.grown_from, list(outs), "--grown-from") if args.grown_from else {}
     texts, corpus_hash = read_split(args.corpus, "calib")

@@ -52,6 +52,7 @@ from emad.stage import run_stage
 
 KINDS = ["baseline", "point", "ablation", "related"]
 STAGES = {"baseline": "decode", "point": "decode", "ablation": "decode_ablation", "related": "decode_related"}
+TABLES = {"baseline": "baselines", "point": "points", "related": "related"}  # an ablation varies decode.default_point
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -133,10 +134,13 @@ def n_layers_of(model_dir: str) -> int:
 
 
 def largest_tau(cfg: DecodeConfig, args: argparse.Namespace, every: list[str]) -> dict[str, float]:
-    """Each screened sweep with ``to: auto`` → the largest τ of the profiles it runs with (its readout and strata,
-    every calibration source it runs with), so that one grid serves all of them."""
-    out = {}
+    """Each screened sweep with ``to: auto`` of the kinds the call runs → the largest τ of the profiles it runs with
+    (its readout and strata, every calibration source it runs with), so that one grid serves all of them. The
+    other tables' sweeps are not read: a stage reads only the params its outputs depend on (dvc.yaml)."""
+    out, tables = {}, {TABLES.get(kind) for kind in args.kind}
     for name, screen in cfg.screens.items():
+        if screen.table not in tables:
+            continue
         point = getattr(cfg, screen.table)[name]
         if not point.needs_profile or args.profile is None:
             continue

@@ -34,7 +34,7 @@ def _check_sizes(cfg: EstimatorsConfig, stack: LayerStack, model_dir: str) -> No
                          f"valid: 1..{hidden}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--corpus", type=Path, required=True, help="sampled corpus folder (calib.jsonl)")
@@ -51,8 +51,17 @@ def main(argv: list[str] | None = None) -> int:
                         f"estimators fitted on the same corpus (a path with {READOUT}, as --out), extended instead of "
                         f"fitting anew")
     parser.add_argument("--params", default="params.yaml")
-    args = parser.parse_args(argv)
-    cfg = load_section("estimators", EstimatorsConfig, args.params)
+    return parser.parse_args(argv)
+
+
+def load_params(args: argparse.Namespace) -> EstimatorsConfig:
+    """The params this stage reads, checked (the whole file first): section ``estimators``."""
+    return load_section("estimators", EstimatorsConfig, args.params)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cfg = load_params(args)
     chosen = cfg.fitted()
     stray = [name for name in args.only or [] if name not in chosen]
     if stray:

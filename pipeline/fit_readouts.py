@@ -31,7 +31,7 @@ from emad.report.plots import readouts_figure, save_figure
 from emad.stage import run_stage
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", required=True, help="model spec (prepared folder, alias or hub id)")
     parser.add_argument("--corpus", type=Path, required=True, help="sampled corpus folder (calib.jsonl)")
@@ -40,8 +40,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grown-from", type=Path, help="for a model grown by idle layers (<base>+idle<N>): the "
                         "folder of its base model's fit on the same corpus, extended instead of fitting anew")
     parser.add_argument("--params", default="params.yaml")
-    args = parser.parse_args(argv)
-    cfg = load_section("readouts", ReadoutsConfig, args.params)
+    return parser.parse_args(argv)
+
+
+def load_params(args: argparse.Namespace) -> ReadoutsConfig:
+    """The params this stage reads, checked (the whole file first): section ``readouts``."""
+    return load_section("readouts", ReadoutsConfig, args.params)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cfg = load_params(args)
     texts, corpus_hash = read_split(args.corpus, "calib")
     base = _base_fit(args.grown_from, corpus_hash) if args.grown_from else None
 

@@ -27,7 +27,7 @@ from emad.stage import run_stage
 FORMAT, VERSION = "emad-risk", 1
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--search", action="append", help="a key of risk.searches; repeat for several; default: "
                         "every one")
@@ -40,8 +40,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--readouts", type=Path, help="readouts.safetensors (stage fit_readouts) for readout: tuned")
     parser.add_argument("--out", type=Path, required=True, help="folder for the result files (one per search)")
     parser.add_argument("--params", default="params.yaml")
-    args = parser.parse_args(argv)
-    cfg = load_section("risk", RiskConfig, args.params)
+    return parser.parse_args(argv)
+
+
+def load_params(args: argparse.Namespace) -> RiskConfig:
+    """The params this stage reads, checked (the whole file first): section ``risk``."""
+    return load_section("risk", RiskConfig, args.params)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cfg = load_params(args)
     names = args.search or list(cfg.searches)
     unknown = [name for name in names if name not in cfg.searches]
     if unknown:

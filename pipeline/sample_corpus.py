@@ -38,14 +38,23 @@ def token_counter(tokenizer: Any):
     return lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Samples `--source` into `--out` with the ``corpus`` params of `--params`."""
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--source", required=True, help=f"corpus source: {', '.join(SOURCES.names())}")
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--params", default="params.yaml", help="params file (section 'corpus')")
-    args = parser.parse_args(argv)
-    cfg = load_section("corpus", CorpusConfig, args.params)
+    return parser.parse_args(argv)
+
+
+def load_params(args: argparse.Namespace) -> CorpusConfig:
+    """The params this stage reads, checked (the whole file first): section ``corpus``."""
+    return load_section("corpus", CorpusConfig, args.params)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Samples `--source` into `--out` with the ``corpus`` params of `--params`."""
+    args = parse_args(argv)
+    cfg = load_params(args)
     if args.source not in SOURCES:
         raise CorpusError(f"unknown corpus source {args.source!r}; valid: {', '.join(SOURCES.names())}")
     if not SOURCES.get(args.source).needs_network:  # offline by default, before the hub libraries load

@@ -20,7 +20,7 @@ from emad.report.plots import profile_figure, save_figure
 from emad.stage import READOUT, per_readout, run_stage
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stats", required=True, help=f"stats JSON (stage calibrate); with several readouts a path "
                         f"with {READOUT}, as --out and --plot")
@@ -29,9 +29,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--readout", action="append", help="a readout whose statistics to smooth; repeat for "
                         "several (default: every one of calibrate.readouts)")
     parser.add_argument("--params", default="params.yaml")
-    args = parser.parse_args(argv)
-    cfg = load_section("smooth", SmoothConfig, args.params)
-    readouts = args.readout or load_section("calibrate", CalibrateConfig, args.params).readouts
+    return parser.parse_args(argv)
+
+
+def load_params(args: argparse.Namespace) -> tuple[SmoothConfig, list[str]]:
+    """The params this stage reads, checked (the whole file first): section ``smooth``, and the readouts to smooth
+    (``--readout``, else ``calibrate.readouts``)."""
+    return (load_section("smooth", SmoothConfig, args.params),
+            args.readout or load_section("calibrate", CalibrateConfig, args.params).readouts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cfg, readouts = load_params(args)
     files = {flag: per_readout(getattr(args, flag), readouts, f"--{flag}") for flag in ("stats", "out", "plot")}
     stats = {name: CalibrationStats.load(path) for name, path in files["stats"].items()}  # all read before any work
     for name in readouts:
