@@ -13,7 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from emad.evaluation.checks import IDENTICAL
+from emad.evaluation.checks import IDENTICAL, NOT_COUNTED, RULED_OUT
 from emad.evaluation.intervals import MET, UNRESOLVED, VIOLATED
 from emad.report.curves import Curve, domain_curves, domain_shift_curves, model_curves
 from emad.report.frontier import FULL, baselines, point_label, speedup
@@ -41,32 +41,87 @@ REPRODUCE = ("`dvc repro` rebuilds every stage from params.yaml (only what chang
 
 
 UNCERTAINTY_RULE = (
-    "Each check compares a point with full depth on the same units (perplexity windows, prompts, problems, items; a "
-    "point scored on fewer windows is compared with full depth on those): the change's 95% interval is a paired "
-    "bootstrap (BCa) over those units, or exact (Clopper–Pearson on the units where the two runs disagree) for "
-    "accuracies. When every paired unit is equal, the data rule out only a share of differing units above the exact "
-    "95% bound 1 − 0.025^(1/N) for 0 of N differing, N counted in the finest unit that can differ (tokens where a "
-    "task counts them): a 1-point tolerance needs N ≥ 368. A check is *met* when the whole interval (or that bound) "
-    "lies within the tolerance, *violated* when it lies wholly beyond, *unresolved* when it straddles the tolerance "
-    "or is n/a; a point that never exits is *identical by construction*. A check on fewer than 8 units is *not "
-    "counted (n < 8)*: it is shown, and enters no count, curve reading, verdict or metrics.json number. C1 passes "
-    "when some point with the required reduction has every counted check met; it is falsified only when no such "
-    "point is met or unresolved; otherwise it is unresolved at this sample size. C2 reads a speed-up with a 95% "
-    "interval over distinct prompts (≥ 8 per domain, one pair per prompt — point and full depth back to back in one "
-    "process, each first on half of them, after an untimed warm-up — Student t on the log ratios): it passes when a "
-    "point with every check met has its whole interval at or above the gain, is falsified when every "
-    "met-or-unresolved point that exits early and spends fewer FLOPs than full depth has its interval wholly below "
-    "it, and is unresolved otherwise. Points a teacher-forced check rules out, points that never exit (they run "
-    "every layer and their probes) and points whose teacher-forced FLOPs ratio is at least "
-    "decode.speed_flops_below (1: they compute at least as much as full depth) keep a cheap timed pair for the "
-    "figures. Where a decode stage runs one domain, a family's candidates are timed cheapest first and, once one "
-    "passes C2 there, the rest keep the cheap pair (\"C2 decided for … by …\"). The literal reading counts the points with a violated check.")
+    "Each check compares a point with full depth on the same units, in the metric's own unit (perplexity windows; "
+    "prompts for exact match and ROUGE-L; items and problems for accuracies; tokens for token agreement, resampled "
+    "by prompt), on the *confirmation* half of each task's units: the teacher-forced screen, the placement of "
+    "screened points and C2's early stop chose on the other (*selection*) half, fixed by decode.split_seed and "
+    "recorded in each run file. The change's 95% interval is a paired bootstrap (BCa) over the units, or exact "
+    "(Clopper–Pearson on the units where the two runs disagree) for 0/1 scores. When every paired unit is equal, the "
+    "data rule out only a share of differing units above the exact bound 1 − 0.025^(1/N) over the N judged units: "
+    "a 1-point tolerance needs N ≥ 368, and for perplexity no share bounds a relative change (equal windows are "
+    "unresolved). A check is *met* when its whole interval lies within the tolerance, *violated* when it lies "
+    "wholly beyond, *unresolved* otherwise; *identical by construction* only where the engine proved the output "
+    "equal to full depth's (it never exits and reads the final layer, or exits only where the model's state is "
+    "already final: layers whose output projections are zero, checked on the weights and by running them). A check "
+    "that cannot be met at its size is *underpowered* (it says how many units it needs) and kept out of the gate "
+    "unless its data show it violated; one on fewer than 8 units is *not counted*; a task the screen stopped is "
+    "*ruled out by the screen*, and the point's worst check is then the teacher-forced violation the screen "
+    "measured. C1 passes when some point with the required reduction has every counted check met, its perplexity "
+    "check among them; where several candidates could carry the claim each is judged at 1 − 0.05/m (Bonferroni "
+    "over the m candidates, the first step of Holm's procedure), so the claim holds at 95% family-wise. It is "
+    "falsified only when every such point is measured beyond a tolerance; otherwise it is unresolved at this sample "
+    "size. C2 reads a speed-up with an interval over distinct prompts (≥ 8 per domain, one pair per prompt — point "
+    "and full-depth reference back to back in one process, the order turning from prompt to prompt, after an untimed "
+    "warm-up — Student t on the log ratios; Bonferroni over the timed candidates): it passes when a point with every "
+    "counted check met has its whole interval at or above the gain, is falsified when every timed met-or-unresolved "
+    "point has its interval wholly below it, and is unresolved otherwise — also when no eligible point was timed. "
+    "Points the screen rules out, points that never exit and points whose teacher-forced FLOPs ratio is at least "
+    "decode.speed_flops_below keep a cheap timed pair for the figures; strategies (EAD, speculative decoding) are "
+    "timed over prompts whatever their FLOPs. Where a decode stage runs one domain, a family's candidates are timed "
+    "cheapest first and, once one passes C2 there, the rest keep the cheap pair (\"C2 decided for … by …\"). The "
+    "literal reading counts the points with a violated check or a violation measured by the screen.")
+
+LITERAL_NAMES = 8  # points the literal reading names before "… and N more"
 
 
 def _aside(checks) -> list[tuple[str, int]]:
-    """The checks outside the met / unresolved / violated counts: identical by construction, not counted."""
+    """The checks outside (or beside) the met / unresolved / violated counts: identical by construction, ruled out
+    by the screen, underpowered (kept out of the gate), not counted (n < 8)."""
     return [("identical by construction", sum(c.state == IDENTICAL for c in checks)),
-            ("not counted", sum(not c.counted for c in checks))]
+            ("ruled out by the screen", sum(c.state == RULED_OUT for c in checks)),
+            ("underpowered", sum(c.measured and c.underpowered and not c.counted for c in checks)),
+            ("not counted", sum(c.state == NOT_COUNTED for c in checks))]
+
+
+def _family_best(points: list[PointAssessment], need: float) -> PointAssessment:
+    """The point that speaks for a family: with the required reduction, the met one cutting most, else the
+    unresolved one cutting most, else the one closest to its tolerances; without the reduction, the cheapest."""
+    big = [p for p in points if p.reduction >= need - 1e-9]
+    for state in (MET, UNRESOLVED):
+        these = [p for p in big if p.state == state]
+        if these:
+            return max(these, key=lambda p: (p.reduction, p.label))
+    measured = [p for p in big if p.worst is not None and p.worst.severity is not None]
+    if measured:
+        return min(measured, key=lambda p: (p.worst.severity, -p.reduction, p.label))
+    return max(points, key=lambda p: (p.reduction, p.label))
+
+
+def _family_rows(v: ModelVerdict) -> list[list[str]]:
+    """One row per family: the point that speaks for it, its state and why."""
+    families: dict[str, list[PointAssessment]] = {}
+    for p in v.points:
+        families.setdefault(p.family, []).append(p)
+    rows = []
+    for family, points in sorted(families.items()):
+        p = _family_best(points, v.thresholds.min_flops_reduction)
+        worst = p.worst
+        power = f"; underpowered, kept out: {', '.join(sorted({c.metric for c in p.underpowered}))}" \
+            if p.underpowered else ""
+        rows.append([family, p.label, fmt(p.reduction, ".1%"), str(p.state), p.speed_text(),
+                     (worst.describe() if worst else "–") + power])
+    return rows
+
+
+def _literal_short(v: ModelVerdict) -> str:
+    """The literal reading, naming at most :data:`LITERAL_NAMES` points."""
+    names = v.c1.literal_points
+    if len(names) <= LITERAL_NAMES:
+        return v.c1.literal_sentence(v.thresholds.min_flops_reduction)
+    head = (f"Literal reading: some operating point with ≥ {v.thresholds.min_flops_reduction:.0%} reduction "
+            "degrades more than the tolerance")
+    return (f"{head} — true for {len(names)} points: {', '.join(names[:LITERAL_NAMES])} … and "
+            f"{len(names) - LITERAL_NAMES} more (all in the table of every point below).")
 
 
 def _point_rows(v: ModelVerdict) -> list[list[str]]:
@@ -75,7 +130,7 @@ def _point_rows(v: ModelVerdict) -> list[list[str]]:
         worst = p.worst
         counts = ", ".join([f"{sum(c.state == s for c in p.checks)} {s}" for s in (MET, UNRESOLVED, VIOLATED)]
                            + [f"{n} {label}" for label, n in _aside(p.checks) if n])
-        rows.append([p.label, p.family, fmt(p.reduction, ".1%"), p.speed_text(), p.state, counts,
+        rows.append([p.label, p.family, fmt(p.reduction, ".1%"), p.speed_text(), str(p.state), counts,
                      worst.describe() if worst else "–"])
     return rows
 
@@ -89,7 +144,8 @@ def _change_text(c) -> str:
 def _check_rows(p: PointAssessment) -> list[list[str]]:
     return [[c.domain, c.metric, fmt(c.full, ".4g"), fmt(c.value, ".4g"), _change_text(c),
              c.interval_text().removeprefix("95% CI "),
-             f"+{c.tolerance:.0%}" if c.relative else f"−{100 * c.tolerance:g} pt", c.state] for c in p.checks]
+             f"+{c.tolerance:.0%}" if c.relative else f"−{100 * c.tolerance:g} pt",
+             f"{c.state}, underpowered: {c.power_text()}" if c.underpowered else str(c.state)] for c in p.checks]
 
 
 def depths_text(p: PointAssessment) -> str:
@@ -126,20 +182,39 @@ def verdict_markdown(verdicts: Mapping[str, ModelVerdict]) -> str:
         judged_families = f" (families: {', '.join(v.methods)})" if len(v.methods) > 1 else ""
         lines = [f"### {model} — method: {v.name}{judged_families}", "",
                  f"- **C1 {v.c1.outcome}.** {v.c1.sentence()}",
-                 f"- {v.c1.literal_sentence(t.min_flops_reduction)}",
+                 f"- {_literal_short(v)}",
                  f"- **C2 {v.c2.outcome}.** {v.c2.sentence()}",
                  f"- Domains: {', '.join(v.domains)}{judged}. Tolerances: perplexity +{t.ppl_rel_tol:.0%} relative, other "
-                 f"metrics −{100 * t.acc_abs_tol:g} point absolute; FLOPs token-weighted over domains."]
+                 f"metrics −{100 * t.acc_abs_tol:g} point absolute; FLOPs token-weighted over domains; checks on "
+                 f"{_split_text(v)}."]
         if v.incomplete:
             lines.append(f"- Not on every domain (left out): {', '.join(v.incomplete)}.")
         if v.points:
-            lines += ["", markdown_table(["point", "family", "FLOPs reduction", "speed-up", "state", "checks",
-                                          "worst check"], _point_rows(v))]
+            lines += ["", "The point that speaks for each family (with the required reduction: the met one cutting "
+                      "most, else the unresolved one, else the one closest to its tolerances):", "",
+                      markdown_table(["family", "point", "FLOPs reduction", "state", "speed-up", "why"],
+                                     _family_rows(v))]
         checks = deciding_checks_markdown(v)
         if checks:
             lines += ["", checks]
         out.append("\n".join(lines))
     return "\n\n".join(out) if out else "_No verdict._"
+
+
+def _split_text(v: ModelVerdict) -> str:
+    """Which split the checks judge, and its seed."""
+    seeds = sorted({int((r.get("split") or {}).get("seed", 0)) for p in v.points for r in p.runs})
+    return f"the confirmation split (seed {', '.join(map(str, seeds)) or 0}; the screen chose on the selection split)"
+
+
+def points_markdown(verdicts: Mapping[str, ModelVerdict]) -> str:
+    """Per model: every complete point of the judged method with its state, check counts and worst check."""
+    out = []
+    for model, v in verdicts.items():
+        if v.points:
+            out.append(f"### {model} — {v.name}\n\n" + markdown_table(
+                ["point", "family", "FLOPs reduction", "speed-up", "state", "checks", "worst check"], _point_rows(v)))
+    return "\n\n".join(out) if out else "_No points._"
 
 
 def baselines_markdown(family_verdicts: Mapping[str, Mapping[str, ModelVerdict]]) -> str:
@@ -251,6 +326,7 @@ def report_markdown(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, Model
     if family_verdicts:
         parts += ["## Every family against the same criteria", baselines_markdown(family_verdicts)]
         parts += curves_sections(family_verdicts)
+    parts += ["## Every point judged", points_markdown(verdicts)]
     parts += ["## Results per model and domain",
               "Speed-up = the run's own speed-up against a full-depth reference generated in the same process "
               "where measured, else tokens/s over the full-depth run of the same model and domain.",

@@ -11,29 +11,37 @@
   measured its own speed-up against a full-depth reference in the same process (``cost.speedup``), its
   ``tps_full_d`` is that reference, ``tps_d / speedup_d``; else the full run's file gives it.
 - Tolerances, per domain and quality metric present in the full run: a lower-better metric (perplexity) may rise
-  by ``ppl_rel_tol`` relative; a higher-better one (accuracies in [0, 1]) may drop by ``acc_abs_tol`` absolute.
-  Each check (:mod:`emad.evaluation.checks`) is ``met`` (the change's paired 95% interval lies within the tolerance),
-  ``violated`` (wholly beyond it) or ``unresolved`` (it straddles the tolerance, or is undefined); every paired
-  unit equal is the interval {0}, met. Only checks on ≥ 8 units enter a point's state: it is violated when one of
-  them is, met when all are, unresolved otherwise (also when none rests on 8 units).
-- C1: passes when some point reducing FLOPs by ≥ ``min_flops_reduction`` is met. It is falsified only when no
-  such point is met or unresolved (every one has a violated check, or none reaches the reduction); otherwise C1
-  is unresolved at this sample size: no point is shown within the tolerances, none of the candidates is shown
-  beyond them.
-- C2: each point that can decide it (no violated check, it exits — a point that never exits runs every layer
-  and its probes — and it spends fewer FLOPs than full depth, ``decode.speed_flops_below``) was timed on
+  by ``ppl_rel_tol`` relative; a higher-better one (scores in [0, 1]) may drop by ``acc_abs_tol`` absolute. Each
+  check (:mod:`emad.evaluation.checks`) is taken in the metric's own unit on the confirmation split of the units
+  (:mod:`emad.evaluation.units`; the screen chose on the selection split): ``met``, ``violated``, ``unresolved``,
+  ``identical by construction`` (proved by the engine: :mod:`emad.evaluation.proof`), ``not counted`` (n < 8) or
+  ``ruled out by the screen`` (a task not run). Underpowered checks (too few units to be met even with every
+  unit equal) stay out of the gate unless violated. A point is ruled out when a task was not run for it (its
+  worst check is then the teacher-forced violation the screen measured, :attr:`PointAssessment.screened`);
+  else violated when a counted check is, met when every counted check is and its perplexity check is counted,
+  unresolved otherwise.
+- C1: passes when some point reducing FLOPs by ≥ ``min_flops_reduction`` is met — with m such candidates (not
+  ruled out), each judged at 1 − 0.05/m (Bonferroni, the first step of Holm's procedure: the existence claim holds
+  at 95% family-wise). It is falsified only when every such point is measured beyond a tolerance (violated, or
+  ruled out by a measured violation) or none reaches the reduction; otherwise it is unresolved at this sample size.
+  "Closest" and every headline number are read from measured checks only.
+- C2: each point that can decide it (not ruled out; it exits and spends fewer FLOPs than full depth,
+  ``decode.speed_flops_below`` — or it is a strategy, which trades FLOPs for fewer sequential passes) was timed on
   ≥ :data:`~emad.evaluation.checks.MIN_SPEED_PROMPTS` distinct prompts per domain, one pair per prompt (point and the
   full-depth reference back to back in the decode process, in blocks whose order turns by one from prompt to
   prompt, so each member of a block of b is first on ⌊n/b⌋ or ⌈n/b⌉ of n prompts: half with one point;
   ``cost.speed_pairs``; the reference is the faster of our full depth and, on CUDA, HF's static-cache
-  ``generate``, ``cost.speed_reference``); the per-prompt ratios of all its domains give a 95% interval over prompts (Student t on
-  the log ratios, :func:`emad.evaluation.intervals.ratio_interval`). Its speed state is met when the interval lies at or
-  above ``1 + min_speed_gain``, violated when wholly below, unresolved otherwise. C2 passes when a met point has
-  a met speed state (a decode stage that runs one domain times a family's candidates cheapest first and stops
-  once one passes there: the family has decided C2, its dearer points get the cheap measure); it is falsified when no met or unresolved point has a met or unresolved speed state;
-  otherwise unresolved.
+  ``generate``, ``cost.speed_reference``); the per-prompt ratios of all its domains give an interval over prompts
+  (Student t on the log ratios, :func:`emad.evaluation.intervals.ratio_interval`; Bonferroni over the timed
+  candidates). Its speed state is met when the interval lies at or above ``1 + min_speed_gain``, violated when
+  wholly below, unresolved otherwise. C2 passes when a met point has a met speed state (a decode stage that runs
+  one domain times a family's candidates cheapest first and stops once one passes there: the family has decided
+  C2, its dearer points get the cheap measure); it is falsified when every timed met-or-unresolved point's
+  interval lies wholly below the gain; it is unresolved otherwise, and when no eligible point was timed ("not
+  timed": nothing was measured).
 - Literal reading: "some operating point with ≥ 15% reduction degrades more than the tolerance" — true when some
-  such point is violated, with those points (it can be true while C1 passes); unresolved ones are named apart.
+  such point is violated or ruled out by a measured violation, with those points (it can be true while C1
+  passes); unresolved ones are named apart.
 
 Comparisons allow a slack of 1e-9 so that values exactly at a threshold pass.
 """
