@@ -35,8 +35,10 @@ test: $(STAMP)
 test-heavy: $(STAMP)
 	$(BIN)/python -m pytest -q -m heavy
 
+# After the pipeline, the numbers README.md and docs/results.md quote are rewritten from reports/metrics.json.
 repro: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/dvc repro
+	$(BIN)/python tools/results_numbers.py
 
 # A shared tracking store: PostgreSQL (data under .tracking/) + `mlflow server`; prints the MLFLOW_TRACKING_URI to
 # export (Ctrl-C or SIGTERM stops both). ARGS passes flags: ARGS=--detach (background), ARGS=--stop, ARGS="--host
