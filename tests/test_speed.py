@@ -173,14 +173,15 @@ def test_hf_static_generate_runs_and_counts_the_tokens_our_full_depth_makes():
 
 
 def test_the_verdict_names_the_speed_reference_and_the_speed_up_against_each_decoder_timed():
-    from emad.report.verdict import PointAssessment, _references
+    from emad.evaluation.judge import PointAssessment, _references
+    from emad.report.verdict import speed_text
 
     runs = [{"cost": {"speed_reference": speed.HF_STATIC,
                       "speedup_by_reference": {speed.FULL_DEPTH: 2.0, speed.HF_STATIC: 0.5}}}]
     reference, by_ref = _references(runs)
     point = PointAssessment("p", "p", None, "fixed", ["d"], ["r"], [], 0.5, 0.5,
                             speed=ratio_interval([0.5] * 8), speed_reference=reference, speedup_by_reference=by_ref)
-    text = point.speed_text()
+    text = speed_text(point)
     assert text.startswith(f"0.50× vs {speed.HF_STATIC} (95% CI 0.50 to 0.50, 8 prompts")
     assert f"vs {speed.FULL_DEPTH} 2.00×" in text
 

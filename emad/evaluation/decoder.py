@@ -28,11 +28,11 @@ from emad.engine.idle import final_state_from
 from emad.engine.models import load_model
 from emad.engine.stack import LayerStack
 from emad.evaluation import identity
-from emad.evaluation.checks import MIN_SPEED_PROMPTS, Thresholds, checks_against, combined_state, screen
+from emad.evaluation.checks import Thresholds, checks_against, screen
 from emad.evaluation.config import DecodeConfig
 from emad.evaluation.evaluate import Evaluation, evaluate, heatmap_inputs, prepare, score_all
 from emad.evaluation.identity import FULL
-from emad.evaluation.intervals import MET, floor_state, ratio_interval
+from emad.evaluation.judge import passes_c2
 from emad.evaluation.operating_point import (
     PointConfig,
     build_method,
@@ -348,13 +348,12 @@ class Decoder:
         return out
 
     def _passes_c2(self, domain: str, result: Evaluation, full: Evaluation, speed: dict, floor: float) -> bool:
-        """Every check of ``result`` against full depth on ``domain`` is met and its speed-up's interval over
-        ≥ :data:`MIN_SPEED_PROMPTS` prompts lies at or above ``floor`` (the verdict's C2 on one domain)."""
-        pairs = speed.get("speed_pairs") or []
+        """Every counted check of ``result`` against full depth on ``domain`` (selection split) is met and its
+        speed-up's interval over ≥ 8 prompts lies at or above ``floor``: the verdict's C2 on one domain
+        (:func:`emad.evaluation.judge.passes_c2`)."""
         checks = checks_against(domain, result.tasks, full.tasks, self.plan.thresholds.tolerance,
                                 Units(SELECTION, self.plan.cfg.split_seed))
-        return (len(pairs) >= MIN_SPEED_PROMPTS and combined_state(checks) == MET
-                and floor_state(ratio_interval([a / b for a, b in pairs]), floor) == MET)
+        return passes_c2(checks, speed.get("speed_pairs") or [], floor)
 
     def _score(self, domain: str, jobs: list[Job]) -> None:
         """The jobs' teacher-forced scores on ``domain`` in one pass (beside full depth's, the screen's reference,

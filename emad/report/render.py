@@ -30,7 +30,7 @@ from emad.report.tables import (
     risk_markdown,
     shift_curves_markdown,
 )
-from emad.report.verdict import ModelVerdict, PointAssessment
+from emad.report.verdict import ModelVerdict, PointAssessment, speed_text
 from emad.report.verdict import family_verdicts as judge_families
 
 REPRODUCE = ("`dvc repro` rebuilds every stage from params.yaml (only what changed reruns); `make mlflow` opens "
@@ -108,7 +108,7 @@ def _family_rows(v: ModelVerdict) -> list[list[str]]:
         worst = p.worst
         power = f"; underpowered, kept out: {', '.join(sorted({c.metric for c in p.underpowered}))}" \
             if p.underpowered else ""
-        rows.append([family, p.label, fmt(p.reduction, ".1%"), str(p.state), p.speed_text(),
+        rows.append([family, p.label, fmt(p.reduction, ".1%"), str(p.state), speed_text(p),
                      (worst.describe() if worst else "–") + power])
     return rows
 
@@ -130,7 +130,7 @@ def _point_rows(v: ModelVerdict) -> list[list[str]]:
         worst = p.worst
         counts = ", ".join([f"{sum(c.state == s for c in p.checks)} {s}" for s in (MET, UNRESOLVED, VIOLATED)]
                            + [f"{n} {label}" for label, n in _aside(p.checks) if n])
-        rows.append([p.label, p.family, fmt(p.reduction, ".1%"), p.speed_text(), str(p.state), counts,
+        rows.append([p.label, p.family, fmt(p.reduction, ".1%"), speed_text(p), str(p.state), counts,
                      worst.describe() if worst else "–"])
     return rows
 
@@ -225,7 +225,7 @@ def baselines_markdown(family_verdicts: Mapping[str, Mapping[str, ModelVerdict]]
             domains = ", ".join(v.domains) + (" (only these)" if v.subset else "")
             rows.append([family, model, domains, v.c1.outcome, v.c1.deciding.label if v.c1.deciding else "–",
                          v.c2.outcome, v.c2.deciding.label if v.c2.deciding else "–",
-                         v.c2.deciding.speed_text() if v.c2.deciding else "–"])
+                         speed_text(v.c2.deciding) if v.c2.deciding else "–"])
     if not rows:
         return "_No families to compare._"
     return markdown_table(["family", "model", "domains judged", "C1", "C1 deciding point", "C2", "C2 deciding point", "speed-up"],

@@ -48,134 +48,41 @@ Comparisons allow a slack of 1e-9 so that values exactly at a threshold pass.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from emad.evaluation.checks import (
-    IDENTICAL,
-    MET,
-    MIN_SPEED_PROMPTS,
-    RULED_OUT,
-    UNRESOLVED,
-    VIOLATED,
-    Check,
-    State,
-    Thresholds,
-    build_check,
-    combined_state,
-)
+from emad.evaluation.checks import MIN_SPEED_PROMPTS, Thresholds
 from emad.evaluation.identity import split_family
-from emad.evaluation.intervals import LEVEL, Interval, floor_state, ratio_interval
-from emad.evaluation.units import SELECTION, Units
-from emad.report.frontier import FULL, baselines, finite, point_label
+from emad.evaluation.judge import (  # noqa: F401  (the verdict's decisions, re-exported for its readers)
+    C1Decision,
+    C1Reason,
+    C2Decision,
+    C2Reason,
+    Outcome,
+    PointAssessment,
+    _references,
+    assess_point,
+    decide_c1,
+    decide_c2,
+)
+from emad.report.frontier import FULL, baselines, point_label
 
-EPS = 1e-9
-
-
-@dataclass
-class PointAssessment:
-    """One operating point of the model, aggregated over all its domains."""
-
-    label: str
-    point: str
-    calibration: str | None
-    family: str
-    domains: list[str]
-    run_ids: list[str]
-    mlflow_run_ids: list[str]
-    flops_ratio: float
-    speedup: float | None
-    checks: list[Check] = field(default_factory=list)
-    flops_by_domain: dict[str, float] = field(default_factory=dict)
-    curve: str | None = None
-    knob: str | None = None
-    value: float | None = None
-    speed: Interval | None = None
-    load_avg: float | None = None
-    depths: dict[str, dict[str, int]] = field(default_factory=dict)  # domain -> tokens per exit depth
-    speed_reference: str | None = None  # the full-depth decoder C2's pairs are against (the faster one timed)
-    speedup_by_reference: dict[str, float] = field(default_factory=dict)  # every full-depth decoder timed
-    screened: list[Check] = field(default_factory=list)  # a ruled-out point's violations on the selection split
-    level: float = LEVEL  # of its intervals (above 95% where one claim rests on several points)
-    runs: list[dict] = field(default_factory=list, repr=False)  # its run records (one per domain)
-
-    @property
-    def reduction(self) -> float:
-        return 1.0 - self.flops_ratio
-
-    @property
-    def named(self) -> str:
-        """The label with the family (method, readout, estimator): ``emad-topk_1@stdlib-prose (emad:topk)``."""
-        return f"{self.label} ({self.family})"
-
-    @property
-    def state(self) -> State:
-        """``ruled out by the screen`` when a task was not run for it; else ``violated`` if a counted check is,
-        ``met`` if every counted check is and its perplexity check is counted on every domain that has one (C1's
-        defining check: without it no point is shown within the tolerances), else ``unresolved``."""
-        state = combined_state(self.checks)
-        return UNRESOLVED if state == MET and self.uncounted_defining else state
-
-    @property
-    def uncounted_defining(self) -> list[Check]:
-        """The point's relative (perplexity) checks that do not enter the gate (too few windows, not run)."""
-        return [c for c in self.checks if c.relative and not c.counted and c.state != IDENTICAL]
-
-    @property
-    def underpowered(self) -> list[Check]:
-        """The checks kept out of the gate because they cannot be met at their size."""
-        return [c for c in self.checks if c.measured and c.underpowered and not c.counted]
-
-    @property
-    def within_tolerance(self) -> bool:
-        """Every tolerance is met at this sample size."""
-        return self.state == MET
-
-    def speed_state(self, floor: float) -> str | None:
-        """C2's state of this point's speed-up interval against ``floor`` (None: not timed over prompts)."""
-        return None if self.speed is None else floor_state(self.speed, floor)
-
-    def speed_text(self) -> str:
-        """``1.62× (95% CI 1.55 to 1.70, 16 prompts, load 1.9)``, or the cheap measure when not timed over
-        prompts."""
-        if self.speed is None:
-            return "n/a" if self.speedup is None else f"{self.speedup:.2f}× (one pair, not timed for C2)"
-        ci = (f"95% CI {self.speed.lo:.2f} to {self.speed.hi:.2f}" if self.speed.defined
-              else f"95% CI n/a: {self.speed.method.removeprefix('undefined: ')}")
-        load = f", load {self.load_avg:.1f}" if self.load_avg is not None else ""
-        versus = f" vs {self.speed_reference}" if self.speed_reference else ""
-        others = "".join(f"; vs {name} {value:.2f}×" for name, value in self.speedup_by_reference.items()
-                         if name != self.speed_reference)
-        return f"{self.speed.value:.2f}×{versus} ({ci}, {self.speed.n} prompts{load}{others})"
-
-    @property
-    def worst(self) -> Check | None:
-        """The measured check furthest from being met: for a point the screen ruled out, its worst teacher-forced
-        violation on the selection split; else a violated one before an unresolved one, then by severity, counted
-        checks first. None when nothing was measured."""
-        pool = self.screened if self.state == RULED_OUT and self.screened else \
-            [c for c in self.checks if c.measured]
-        return max(pool, key=lambda c: (c.counted, c.rank), default=None)
-
-    def to_dict(self) -> dict[str, Any]:
-        worst = self.worst
-        return {"label": self.label, "point": self.point, "calibration": self.calibration, "family": self.family,
-                "domains": self.domains, "run_ids": self.run_ids, "mlflow_run_ids": self.mlflow_run_ids,
-                "curve": self.curve, "knob": self.knob, "value": self.value,
-                "flops_ratio": self.flops_ratio, "flops_reduction": self.reduction, "speedup": self.speedup,
-                "speed": self.speed.to_dict() if self.speed else None, "load_avg": self.load_avg,
-                "speed_reference": self.speed_reference, "speedup_by_reference": self.speedup_by_reference,
-                "flops_by_domain": self.flops_by_domain,
-                "state": str(self.state), "within_tolerance": self.within_tolerance,
-                "worst": worst.describe() if worst else None,
-                "underpowered": [f"{c.metric} on {c.domain}: {c.power_text()}" for c in self.underpowered],
-                "checks": [c.to_dict() for c in self.checks],
-                "screened": [c.to_dict() for c in self.screened]}
+PASS, FAIL, UNRESOLVED = Outcome.PASS, Outcome.FAIL, Outcome.UNRESOLVED
 
 
-PASS, FAIL = "pass", "fail"  # a criterion's outcome: PASS, FAIL (falsified) or UNRESOLVED
+def speed_text(p: PointAssessment) -> str:
+    """``1.62× (95% CI 1.55 to 1.70, 16 prompts, load 1.9)``, or the cheap measure when not timed over prompts."""
+    if p.speed is None:
+        return "n/a" if p.speedup is None else f"{p.speedup:.2f}× (one pair, not timed for C2)"
+    level = f"{100 * p.level:.4g}% CI"
+    ci = (f"{level} {p.speed.lo:.2f} to {p.speed.hi:.2f}" if p.speed.defined
+          else f"{level} n/a: {p.speed.method.removeprefix('undefined: ')}")
+    load = f", load {p.load_avg:.1f}" if p.load_avg is not None else ""
+    versus = f" vs {p.speed_reference}" if p.speed_reference else ""
+    others = "".join(f"; vs {name} {value:.2f}×" for name, value in p.speedup_by_reference.items()
+                     if name != p.speed_reference)
+    return f"{p.speed.value:.2f}×{versus} ({ci}, {p.speed.n} prompts{load}{others})"
 
 
 @dataclass
@@ -183,7 +90,7 @@ class CriterionResult:
     """One criterion's outcome (``pass``, ``fail`` = falsified, or ``unresolved``), the point that decides it
     and the sentence that says so."""
 
-    outcome: str
+    outcome: Outcome
     deciding: PointAssessment | None
 
     @property
@@ -198,7 +105,7 @@ class CriterionResult:
         return self.text
 
     def _head(self) -> dict[str, Any]:
-        return {"outcome": self.outcome, "passed": self.passed, "falsified": self.falsified,
+        return {"outcome": str(self.outcome), "passed": self.passed, "falsified": self.falsified,
                 "deciding": self.deciding.label if self.deciding else None}
 
 
@@ -288,105 +195,9 @@ class ModelVerdict:
                 "incomplete": self.incomplete, "points": [p.to_dict() for p in self.points]}
 
 
-def _token_weights(runs: Sequence[dict]) -> list[float]:
-    tokens = [r.get("cost", {}).get("tokens") for r in runs]
-    if all(isinstance(t, int | float) and t > 0 for t in tokens):
-        return [float(t) for t in tokens]
-    return [1.0] * len(runs)
-
-
-def _reference_tps(run: dict, base: dict) -> float:
-    """Full-depth tokens/s to compare ``run`` with: its in-process reference when it measured its own speed-up."""
-    own = run.get("cost", {}).get("speedup")
-    if finite(own) and own > 0:
-        return run["cost"]["tokens_per_s"] / own
-    return base["cost"]["tokens_per_s"]
-
-
-def _aggregate_speedup(runs: Sequence[dict], bases: Sequence[dict], weights: Sequence[float]) -> float | None:
-    try:
-        full_time = sum(w / _reference_tps(r, b) for w, r, b in zip(weights, runs, bases))
-        time = sum(w / r["cost"]["tokens_per_s"] for w, r in zip(weights, runs))
-    except (KeyError, TypeError, ZeroDivisionError):
-        return None
-    return full_time / time if time > 0 else None
-
-
-def _prompt_speed(runs: Sequence[dict], level: float = LEVEL) -> Interval | None:
-    """The speed-up's 95% interval over the distinct prompts the runs were timed on (one pair per prompt, all
-    domains together), or None when a run was not timed over prompts or on fewer than
-    :data:`~emad.evaluation.checks.MIN_SPEED_PROMPTS`."""
-    costs = [r.get("cost", {}) for r in runs]
-    if any(c.get("speed_unit") != "prompt" or len(c.get("speed_pairs") or []) < MIN_SPEED_PROMPTS for c in costs):
-        return None
-    return ratio_interval([own / ref for c in costs for own, ref in c["speed_pairs"]], level)
-
-
-def assess_point(runs: Sequence[dict], base: dict[tuple[str, str], dict], thr: Thresholds,
-                 level: float = LEVEL) -> PointAssessment:
-    """Aggregate one operating point's runs (one per domain) and check every tolerance on the confirmation split,
-    intervals at ``level``."""
-    runs = sorted(runs, key=lambda r: r["domain"])
-    bases = [base[(r["model"], r["domain"])] for r in runs]
-    weights = _token_weights(runs)
-    flops = sum(w * r["cost"]["flops_ratio"] for w, r in zip(weights, runs)) / sum(weights)
-    checks = [build_check(r["domain"], m, r, b, thr.tolerance(m), level=level)
-              for r, b in zip(runs, bases) for m in sorted(b.get("quality", {}))]
-    first = runs[0]
-    screened = [c for r, b in zip(runs, bases) if r.get("not_run") for c in _screened(r, b, thr)]
-    return PointAssessment(point_label(first), first["point"], first.get("calibration"),
-                           ", ".join(sorted({r["family"] for r in runs})), [r["domain"] for r in runs],
-                           [r["run_id"] for r in runs], [r["mlflow_run_id"] for r in runs if r.get("mlflow_run_id")],
-                           flops, _aggregate_speedup(runs, bases, weights), checks,
-                           {r["domain"]: r["cost"]["flops_ratio"] for r in runs}, first.get("curve"),
-                           first.get("knob"), first.get("value"), _prompt_speed(runs, level),
-                           max((r["cost"]["load_avg"] for r in runs if finite(r.get("cost", {}).get("load_avg"))),
-                               default=None),
-                           {r["domain"]: r.get("depth_histogram") or {} for r in runs},
-                           *_references(runs), screened, level, list(runs))
-
-
-def _screened(run: dict, base: dict, thr: Thresholds) -> list[Check]:
-    """The teacher-forced checks of a run the screen ruled out, on the selection split it was ruled out on, that
-    are violated there (what the decode stage measured when it stopped the point)."""
-    units = Units(SELECTION, int((run.get("split") or {}).get("seed", 0)))
-    forced = [m for m in sorted(base.get("quality", {})) if m in run.get("quality", {})]
-    checks = [build_check(run["domain"], m, run, base, thr.tolerance(m), units) for m in forced]
-    return [c for c in checks if c.counted and c.state == VIOLATED]
-
-
-def _references(runs: Sequence[dict]) -> tuple[str | None, dict[str, float]]:
-    """The full-depth decoder the runs' C2 pairs are against (when they agree on one) and the speed-up against every
-    decoder they were timed beside: the geometric mean over the runs' per-domain speed-ups."""
-    costs = [r.get("cost", {}) for r in runs]
-    names = {c.get("speed_reference") for c in costs}
-    reference = names.pop() if len(names) == 1 else None
-    by_ref: dict[str, list[float]] = {}
-    for c in costs:
-        for name, value in (c.get("speedup_by_reference") or {}).items():
-            by_ref.setdefault(name, []).append(value)
-    return reference, {n: math.exp(sum(map(math.log, v)) / len(v)) for n, v in by_ref.items() if len(v) == len(runs)}
-
-
-def _by_reduction(points: list[PointAssessment]) -> list[PointAssessment]:
-    return sorted(points, key=lambda p: (-p.reduction, p.label))
-
-
-Reassess = Callable[[list[PointAssessment], float], list[PointAssessment]]
-
-
-def _family_wise(points: list[PointAssessment], reassess: Reassess | None) -> tuple[list[PointAssessment], float]:
-    """``points`` judged so that one claim over all of them holds at 95% (Bonferroni: each at 1 − 0.05/m, the
-    first step of Holm's procedure, which decides an existence claim), and that level."""
-    level = 1.0 - (1.0 - LEVEL) / max(len(points), 1)
-    if len(points) <= 1 or reassess is None:
-        return points, LEVEL
-    return reassess(points, level), level
-
-
 def _kept_out(p: PointAssessment) -> str:
-    """``; kept out as underpowered: …`` for the point's underpowered checks, and why its perplexity is not
-    counted."""
+    """`` (kept out of the gate as underpowered: …)`` for the point's underpowered checks, and why its perplexity
+    is not counted."""
     parts = []
     if p.underpowered:
         parts.append("kept out of the gate as underpowered: " + "; ".join(
@@ -400,86 +211,63 @@ def _level_text(level: float, m: int) -> str:
     return "" if m <= 1 else f" (each of the {m} candidates judged at {100 * level:.4g}%, Bonferroni: 95% family-wise)"
 
 
-def _c1(points: list[PointAssessment], thr: Thresholds, methods: str, domains: list[str],
-        reassess: Reassess | None = None) -> C1Result:
-    need = thr.min_flops_reduction
-    big = [p for p in points if p.reduction >= need - EPS]
-    judged, level = _family_wise([p for p in big if p.state != RULED_OUT], reassess)
-    met = _by_reduction([p for p in judged if p.state == MET])
-    unresolved = _by_reduction([p for p in judged if p.state == UNRESOLVED])
-    literal = sorted(p.label for p in big if p.state in (VIOLATED, RULED_OUT))
-    open_labels = sorted(p.label for p in unresolved)
-    family = _level_text(level, len(judged))
-    if met:
-        p, w = met[0], met[0].worst
+def c1_result(d: C1Decision, thr: Thresholds, methods: str, domains: list[str]) -> C1Result:
+    """C1's decision in words."""
+    need, p = thr.min_flops_reduction, d.deciding
+    family = _level_text(d.level, d.candidates)
+    if d.reason == C1Reason.MET:
+        w = p.worst
         text = (f"C1 passes (not falsified): {p.named} cuts FLOPs by {p.reduction:.1%} (token-weighted over "
                 f"{len(p.domains)} domains) with every counted tolerance met on the confirmation split{family}"
                 + (f"; tightest check: {w.describe()}" if w else "") + f"{_kept_out(p)}.")
-        return C1Result(PASS, p, bool(literal), literal, text, open_labels)
-    if unresolved:
-        p = unresolved[0]
-        worst = p.worst.describe() if p.worst else "none measured"
+    elif d.reason == C1Reason.OPEN:
+        n = len(d.unresolved)
         text = (f"C1 unresolved at this sample size (neither shown nor falsified): no operating point with "
-                f"≥ {need:.0%} FLOP reduction is shown within every tolerance{family}, but {len(unresolved)} "
-                f"{'is' if len(unresolved) == 1 else 'are'} not shown beyond them either; largest reduction: "
-                f"{p.named}, {p.reduction:.1%}, its least certain check: {worst}{_kept_out(p)}.")
-        return C1Result(UNRESOLVED, p, bool(literal), literal, text, open_labels)
-    measured = [p for p in big if p.worst is not None and p.worst.severity is not None]
-    if measured:
-        p = min(measured, key=lambda p: (p.worst.severity, -p.reduction, p.label))
+                f"≥ {need:.0%} FLOP reduction is shown within every tolerance{family}, but {n} "
+                f"{'is' if n == 1 else 'are'} not shown beyond them either; largest reduction: {p.named}, "
+                f"{p.reduction:.1%}, its least certain check: {p.worst.describe() if p.worst else 'none measured'}"
+                f"{_kept_out(p)}.")
+    elif d.reason == C1Reason.BEYOND:
         text = (f"C1 fails (falsified): every operating point with ≥ {need:.0%} FLOP reduction violates a "
                 f"tolerance (or the teacher-forced screen measured it beyond one); closest: {p.named}, "
                 f"{p.reduction:.1%} reduction, worst violation: {p.worst.describe()}.")
-        return C1Result(FAIL, p, True, literal, text)
-    if big:
-        text = (f"C1 unresolved: the {len(big)} operating points with ≥ {need:.0%} FLOP reduction have no measured "
-                "check.")
-        return C1Result(UNRESOLVED, None, False, literal, text)
-    if points:
-        p = _by_reduction(points)[0]
+    elif d.reason == C1Reason.UNMEASURED:
+        text = f"C1 unresolved: the operating points with ≥ {need:.0%} FLOP reduction have no measured check."
+    elif d.reason == C1Reason.SHORT:
         text = (f"C1 fails (falsified): no operating point reaches a {need:.0%} FLOP reduction; the largest is "
                 f"{p.named} with {p.reduction:.1%}.")
-        return C1Result(FAIL, p, False, [], text)
-    text = (f"C1 fails (falsified): no operating point of family {methods} was evaluated on every domain "
-            f"({', '.join(domains)}).")
-    return C1Result(FAIL, None, False, [], text)
+    else:
+        text = (f"C1 fails (falsified): no operating point of family {methods} was evaluated on every domain "
+                f"({', '.join(domains)}).")
+    return C1Result(d.outcome, p, bool(d.literal), list(d.literal), text, list(d.unresolved))
 
 
-def _c2(points: list[PointAssessment], thr: Thresholds, reassess: Reassess | None = None) -> C2Result:
-    need = 1.0 + thr.min_speed_gain
-    eligible = [p for p in points if p.state in (MET, UNRESOLVED)]
-    labels = sorted(p.label for p in eligible if p.state == MET)
-    open_labels = sorted(p.label for p in eligible if p.state == UNRESOLVED)
-    timed, level = _family_wise([p for p in eligible if p.speed is not None and p.speed.value is not None], reassess)
-    timed.sort(key=lambda p: (-(p.speed.lo if p.speed.defined else 0.0), -p.speed.value, p.label))
-    gain, family = f"{thr.min_speed_gain:.0%}", _level_text(level, len(timed))
-    passing = [p for p in timed if p.state == MET and p.speed_state(need) == MET]
-    if passing:
-        p = passing[0]
-        return C2Result(PASS, p, labels, f"C2 passes (not falsified): at matched accuracy (every counted tolerance "
-                        f"met) {p.named} runs {p.speed_text()} the full-depth tokens/s: the whole interval is at or "
-                        f"above the gain of {gain}{family}{_kept_out(p)}.", open_labels)
-    open_ = [p for p in timed if p.speed_state(need) != VIOLATED]
-    if open_:
-        p = max(open_, key=lambda p: (p.speed.value, p.label))
+def c2_result(d: C2Decision, thr: Thresholds) -> C2Result:
+    """C2's decision in words."""
+    p, gain = d.deciding, f"{thr.min_speed_gain:.0%}"
+    family = _level_text(d.level, d.timed)
+    if d.reason == C2Reason.FAST:
+        text = (f"C2 passes (not falsified): at matched accuracy (every counted tolerance met) {p.named} runs "
+                f"{speed_text(p)} the full-depth tokens/s: the whole interval is at or above the gain of "
+                f"{gain}{family}{_kept_out(p)}.")
+    elif d.reason == C2Reason.OPEN:
         why = (f"whether it keeps accuracy is unresolved ({p.worst.describe() if p.worst else 'none measured'})"
                if p.state == UNRESOLVED else f"its interval straddles the gain of {gain}")
-        return C2Result(UNRESOLVED, p, labels, f"C2 unresolved at this sample size: {p.named} runs "
-                        f"{p.speed_text()} the full-depth tokens/s{family}, but {why}.", open_labels)
-    if not eligible:
-        return C2Result(FAIL, None, [], "C2 fails (falsified): no operating point stays within the quality "
-                                        "tolerances (every one violates a tolerance or was ruled out by the "
-                                        "screen).")
-    if not timed:
-        return C2Result(UNRESOLVED, None, labels, "C2 unresolved: not timed — no point within (or possibly within) "
-                        f"the tolerances ({', '.join(labels + open_labels)}) was timed on {MIN_SPEED_PROMPTS} "
-                        "distinct prompts per domain (the decode stage times the points that exit early and spend "
-                        "fewer FLOPs than full depth, decode.speed_flops_below, and every strategy; a domain needs a "
-                        "task with speed prompts).", open_labels)
-    p = max(timed, key=lambda p: (p.speed.value, p.label))
-    return C2Result(FAIL, p, labels, f"C2 fails (falsified): every timed point within (or possibly within) the "
-                    f"tolerances is slower than the gain of {gain} requires{family}; the best, {p.named} "
-                    f"({p.state}), runs {p.speed_text()} the full-depth tokens/s.", open_labels)
+        text = f"C2 unresolved at this sample size: {p.named} runs {speed_text(p)} the full-depth tokens/s{family}, " \
+               f"but {why}."
+    elif d.reason == C2Reason.NONE_ELIGIBLE:
+        text = ("C2 fails (falsified): no operating point stays within the quality tolerances (every one violates "
+                "a tolerance or was ruled out by the screen).")
+    elif d.reason == C2Reason.NOT_TIMED:
+        text = ("C2 unresolved: not timed — no point within (or possibly within) the tolerances "
+                f"({', '.join(d.matched + d.unresolved)}) was timed on {MIN_SPEED_PROMPTS} distinct prompts per "
+                "domain (the decode stage times the points that exit early and spend fewer FLOPs than full depth, "
+                "decode.speed_flops_below, and every strategy; a domain needs a task with speed prompts).")
+    else:
+        text = (f"C2 fails (falsified): every timed point within (or possibly within) the tolerances is slower "
+                f"than the gain of {gain} requires{family}; the best, {p.named} ({p.state}), runs {speed_text(p)} "
+                "the full-depth tokens/s.")
+    return C2Result(d.outcome, p, list(d.matched), text, list(d.unresolved))
 
 
 def _model_domains(runs: Sequence[dict], base: dict, model: str) -> list[str]:
@@ -518,7 +306,8 @@ def model_verdict(runs: Sequence[dict], model: str, methods: Sequence[str] = ("e
         return [assess_point(p.runs, base, thr, level) for p in these]
 
     return ModelVerdict(model, tuple(methods), domains, thr, points, incomplete,
-                        _c1(points, thr, fam, domains, reassess), _c2(points, thr, reassess), model_domains)
+                        c1_result(decide_c1(points, thr, reassess), thr, fam, domains),
+                        c2_result(decide_c2(points, thr, reassess), thr), model_domains)
 
 
 def families_of(runs: Sequence[dict], methods: Sequence[str]) -> tuple[str, ...]:

@@ -1,0 +1,356 @@
+"""The verdict's decisions as states (DESIGN.md §4): one operating point aggregated over its domains and judged,
+C1 and C2 decided over a family's points. No prose here — :mod:`emad.report.verdict` words the decisions — so the
+report, the decode stage's early stop of C2 and any other reader share one rule.
+
+- A point (:class:`PointAssessment`, :func:`assess_point`): its runs on every domain, token-weighted FLOPs, its
+  checks on the confirmation split (:mod:`emad.evaluation.checks`), its C2 interval over prompts; its state by
+  :func:`gate_state` (a met point needs its perplexity check counted).
+- C1 (:func:`decide_c1`): some point with ≥ ``min_flops_reduction`` met, each of the m candidates judged at
+  1 − 0.05/m (:func:`family_wise`); falsified only when every candidate is measured beyond a tolerance.
+- C2 (:func:`decide_c2`): some met point whose interval over prompts lies at or above ``1 + min_speed_gain``
+  (Bonferroni over the timed candidates); unresolved when no eligible point was timed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from emad.evaluation import identity
+from emad.evaluation.checks import (
+    IDENTICAL,
+    MET,
+    MIN_SPEED_PROMPTS,
+    RULED_OUT,
+    UNRESOLVED,
+    VIOLATED,
+    Check,
+    State,
+    Thresholds,
+    build_check,
+    combined_state,
+)
+from emad.evaluation.intervals import LEVEL, Interval, floor_state, ratio_interval
+from emad.evaluation.units import SELECTION, Units
+
+EPS = 1e-9
+
+
+def finite(x: Any) -> bool:
+    """A real number that is neither inf nor nan (bools are not numbers here)."""
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def uncounted_defining(checks: Sequence[Check]) -> list[Check]:
+    """The relative (perplexity) checks among ``checks`` that do not enter the gate (too few windows, not run)."""
+    return [c for c in checks if c.relative and not c.counted and c.state != IDENTICAL]
+
+
+def gate_state(checks: Sequence[Check]) -> State:
+    """:func:`~emad.evaluation.checks.combined_state`, except that ``met`` needs every perplexity check counted
+    (C1's defining check: without it no point is shown within the tolerances)."""
+    state = combined_state(list(checks))
+    return UNRESOLVED if state == MET and uncounted_defining(checks) else state
+
+
+@dataclass
+class PointAssessment:
+    """One operating point of the model, aggregated over all its domains."""
+
+    label: str
+    point: str
+    calibration: str | None
+    family: str
+    domains: list[str]
+    run_ids: list[str]
+    mlflow_run_ids: list[str]
+    flops_ratio: float
+    speedup: float | None
+    checks: list[Check] = field(default_factory=list)
+    flops_by_domain: dict[str, float] = field(default_factory=dict)
+    curve: str | None = None
+    knob: str | None = None
+    value: float | None = None
+    speed: Interval | None = None
+    load_avg: float | None = None
+    depths: dict[str, dict[str, int]] = field(default_factory=dict)  # domain -> tokens per exit depth
+    speed_reference: str | None = None  # the full-depth decoder C2's pairs are against (the faster one timed)
+    speedup_by_reference: dict[str, float] = field(default_factory=dict)  # every full-depth decoder timed
+    screened: list[Check] = field(default_factory=list)  # a ruled-out point's violations on the selection split
+    level: float = LEVEL  # of its intervals (above 95% where one claim rests on several points)
+    runs: list[dict] = field(default_factory=list, repr=False)  # its run records (one per domain)
+
+    @property
+    def reduction(self) -> float:
+        return 1.0 - self.flops_ratio
+
+    @property
+    def named(self) -> str:
+        """The label with the family (method, readout, estimator): ``emad-topk_1@stdlib-prose (emad:topk)``."""
+        return f"{self.label} ({self.family})"
+
+    @property
+    def state(self) -> State:
+        """``ruled out by the screen`` when a task was not run for it; else ``violated`` if a counted check is,
+        ``met`` if every counted check is and its perplexity check is counted on every domain that has one (C1's
+        defining check: without it no point is shown within the tolerances), else ``unresolved``."""
+        return gate_state(self.checks)
+
+    @property
+    def uncounted_defining(self) -> list[Check]:
+        """The point's relative (perplexity) checks that do not enter the gate (too few windows, not run)."""
+        return uncounted_defining(self.checks)
+
+    @property
+    def underpowered(self) -> list[Check]:
+        """The checks kept out of the gate because they cannot be met at their size."""
+        return [c for c in self.checks if c.measured and c.underpowered and not c.counted]
+
+    @property
+    def within_tolerance(self) -> bool:
+        """Every tolerance is met at this sample size."""
+        return self.state == MET
+
+    def speed_state(self, floor: float) -> str | None:
+        """C2's state of this point's speed-up interval against ``floor`` (None: not timed over prompts)."""
+        return None if self.speed is None else floor_state(self.speed, floor)
+
+    @property
+    def worst(self) -> Check | None:
+        """The measured check furthest from being met: for a point the screen ruled out, its worst teacher-forced
+        violation on the selection split; else a violated one before an unresolved one, then by severity, counted
+        checks first. None when nothing was measured."""
+        pool = self.screened if self.state == RULED_OUT and self.screened else \
+            [c for c in self.checks if c.measured]
+        return max(pool, key=lambda c: (c.counted, c.rank), default=None)
+
+    def to_dict(self) -> dict[str, Any]:
+        worst = self.worst
+        return {"label": self.label, "point": self.point, "calibration": self.calibration, "family": self.family,
+                "domains": self.domains, "run_ids": self.run_ids, "mlflow_run_ids": self.mlflow_run_ids,
+                "curve": self.curve, "knob": self.knob, "value": self.value,
+                "flops_ratio": self.flops_ratio, "flops_reduction": self.reduction, "speedup": self.speedup,
+                "speed": self.speed.to_dict() if self.speed else None, "load_avg": self.load_avg,
+                "speed_reference": self.speed_reference, "speedup_by_reference": self.speedup_by_reference,
+                "flops_by_domain": self.flops_by_domain,
+                "state": str(self.state), "within_tolerance": self.within_tolerance,
+                "worst": worst.describe() if worst else None,
+                "underpowered": [f"{c.metric} on {c.domain}: {c.power_text()}" for c in self.underpowered],
+                "checks": [c.to_dict() for c in self.checks],
+                "screened": [c.to_dict() for c in self.screened]}
+
+
+
+
+def _token_weights(runs: Sequence[dict]) -> list[float]:
+    tokens = [r.get("cost", {}).get("tokens") for r in runs]
+    if all(isinstance(t, int | float) and t > 0 for t in tokens):
+        return [float(t) for t in tokens]
+    return [1.0] * len(runs)
+
+
+def _reference_tps(run: dict, base: dict) -> float:
+    """Full-depth tokens/s to compare ``run`` with: its in-process reference when it measured its own speed-up."""
+    own = run.get("cost", {}).get("speedup")
+    if finite(own) and own > 0:
+        return run["cost"]["tokens_per_s"] / own
+    return base["cost"]["tokens_per_s"]
+
+
+def _aggregate_speedup(runs: Sequence[dict], bases: Sequence[dict], weights: Sequence[float]) -> float | None:
+    try:
+        full_time = sum(w / _reference_tps(r, b) for w, r, b in zip(weights, runs, bases))
+        time = sum(w / r["cost"]["tokens_per_s"] for w, r in zip(weights, runs))
+    except (KeyError, TypeError, ZeroDivisionError):
+        return None
+    return full_time / time if time > 0 else None
+
+
+def _prompt_speed(runs: Sequence[dict], level: float = LEVEL) -> Interval | None:
+    """The speed-up's 95% interval over the distinct prompts the runs were timed on (one pair per prompt, all
+    domains together), or None when a run was not timed over prompts or on fewer than
+    :data:`~emad.evaluation.checks.MIN_SPEED_PROMPTS`."""
+    costs = [r.get("cost", {}) for r in runs]
+    if any(c.get("speed_unit") != "prompt" or len(c.get("speed_pairs") or []) < MIN_SPEED_PROMPTS for c in costs):
+        return None
+    return ratio_interval([own / ref for c in costs for own, ref in c["speed_pairs"]], level)
+
+
+def assess_point(runs: Sequence[dict], base: dict[tuple[str, str], dict], thr: Thresholds,
+                 level: float = LEVEL) -> PointAssessment:
+    """Aggregate one operating point's runs (one per domain) and check every tolerance on the confirmation split,
+    intervals at ``level``."""
+    runs = sorted(runs, key=lambda r: r["domain"])
+    bases = [base[(r["model"], r["domain"])] for r in runs]
+    weights = _token_weights(runs)
+    flops = sum(w * r["cost"]["flops_ratio"] for w, r in zip(weights, runs)) / sum(weights)
+    checks = [build_check(r["domain"], m, r, b, thr.tolerance(m), level=level)
+              for r, b in zip(runs, bases) for m in sorted(b.get("quality", {}))]
+    first = runs[0]
+    screened = [c for r, b in zip(runs, bases) if r.get("not_run") for c in screened_checks(r, b, thr)]
+    return PointAssessment(identity.point_label(str(first["point"]), first.get("calibration")), first["point"], first.get("calibration"),
+                           ", ".join(sorted({r["family"] for r in runs})), [r["domain"] for r in runs],
+                           [r["run_id"] for r in runs], [r["mlflow_run_id"] for r in runs if r.get("mlflow_run_id")],
+                           flops, _aggregate_speedup(runs, bases, weights), checks,
+                           {r["domain"]: r["cost"]["flops_ratio"] for r in runs}, first.get("curve"),
+                           first.get("knob"), first.get("value"), _prompt_speed(runs, level),
+                           max((r["cost"]["load_avg"] for r in runs if finite(r.get("cost", {}).get("load_avg"))),
+                               default=None),
+                           {r["domain"]: r.get("depth_histogram") or {} for r in runs},
+                           *_references(runs), screened, level, list(runs))
+
+
+def screened_checks(run: dict, base: dict, thr: Thresholds) -> list[Check]:
+    """The teacher-forced checks of a run the screen ruled out, on the selection split it was ruled out on, that
+    are violated there (what the decode stage measured when it stopped the point)."""
+    units = Units(SELECTION, int((run.get("split") or {}).get("seed", 0)))
+    forced = [m for m in sorted(base.get("quality", {})) if m in run.get("quality", {})]
+    checks = [build_check(run["domain"], m, run, base, thr.tolerance(m), units) for m in forced]
+    return [c for c in checks if c.counted and c.state == VIOLATED]
+
+
+def _references(runs: Sequence[dict]) -> tuple[str | None, dict[str, float]]:
+    """The full-depth decoder the runs' C2 pairs are against (when they agree on one) and the speed-up against every
+    decoder they were timed beside: the geometric mean over the runs' per-domain speed-ups."""
+    costs = [r.get("cost", {}) for r in runs]
+    names = {c.get("speed_reference") for c in costs}
+    reference = names.pop() if len(names) == 1 else None
+    by_ref: dict[str, list[float]] = {}
+    for c in costs:
+        for name, value in (c.get("speedup_by_reference") or {}).items():
+            by_ref.setdefault(name, []).append(value)
+    return reference, {n: math.exp(sum(map(math.log, v)) / len(v)) for n, v in by_ref.items() if len(v) == len(runs)}
+
+
+def _by_reduction(points: list[PointAssessment]) -> list[PointAssessment]:
+    return sorted(points, key=lambda p: (-p.reduction, p.label))
+
+
+Reassess = Callable[[list[PointAssessment], float], list[PointAssessment]]
+
+
+def family_wise(points: list[PointAssessment], reassess: Reassess | None) -> tuple[list[PointAssessment], float]:
+    """``points`` judged so that one claim over all of them holds at 95% (Bonferroni: each at 1 − 0.05/m, the
+    first step of Holm's procedure, which decides an existence claim), and that level."""
+    if len(points) <= 1 or reassess is None:
+        return points, LEVEL
+    level = 1.0 - (1.0 - LEVEL) / len(points)
+    return reassess(points, level), level
+
+
+class Outcome(StrEnum):
+    """A criterion's outcome."""
+
+    PASS = "pass"
+    FAIL = "fail"  # falsified
+    UNRESOLVED = "unresolved"
+
+
+class C1Reason(StrEnum):
+    """Why C1 came out as it did."""
+
+    MET = "a candidate is met"
+    OPEN = "a candidate is unresolved"
+    BEYOND = "every candidate is measured beyond a tolerance"
+    UNMEASURED = "no candidate has a measured check"
+    SHORT = "no point reaches the reduction"
+    NO_POINTS = "no point evaluated on every domain"
+
+
+class C2Reason(StrEnum):
+    """Why C2 came out as it did."""
+
+    FAST = "a met point reaches the gain"
+    OPEN = "a timed point is not shown below the gain"
+    NONE_ELIGIBLE = "no point within the tolerances"
+    NOT_TIMED = "no eligible point timed"
+    SLOW = "every timed point is below the gain"
+
+
+@dataclass(frozen=True)
+class C1Decision:
+    """C1: ``outcome``, ``reason``, the ``deciding`` point (judged at ``level``), the ``literal`` points (with the
+    reduction, measured beyond a tolerance), the ``unresolved`` candidates and how many were judged (``candidates``)."""
+
+    outcome: Outcome
+    reason: C1Reason
+    deciding: PointAssessment | None
+    literal: list[str] = field(default_factory=list)
+    unresolved: list[str] = field(default_factory=list)
+    candidates: int = 0
+    level: float = LEVEL
+
+
+@dataclass(frozen=True)
+class C2Decision:
+    """C2: ``outcome``, ``reason``, the ``deciding`` point, the ``matched`` (met) and ``unresolved`` points, how many
+    timed candidates were judged (``timed``) and at which ``level``."""
+
+    outcome: Outcome
+    reason: C2Reason
+    deciding: PointAssessment | None
+    matched: list[str] = field(default_factory=list)
+    unresolved: list[str] = field(default_factory=list)
+    timed: int = 0
+    level: float = LEVEL
+
+
+def decide_c1(points: list[PointAssessment], thr: Thresholds, reassess: Reassess | None = None) -> C1Decision:
+    """C1 over ``points`` (see the module docstring); ``reassess`` judges candidates at a stricter level."""
+    need = thr.min_flops_reduction
+    big = [p for p in points if p.reduction >= need - EPS]
+    judged, level = family_wise([p for p in big if p.state != RULED_OUT], reassess)
+    met = _by_reduction([p for p in judged if p.state == MET])
+    unresolved = _by_reduction([p for p in judged if p.state == UNRESOLVED])
+    literal = sorted(p.label for p in big if p.state in (VIOLATED, RULED_OUT))
+    open_labels = sorted(p.label for p in unresolved)
+    m = len(judged)
+    if met:
+        return C1Decision(Outcome.PASS, C1Reason.MET, met[0], literal, open_labels, m, level)
+    if unresolved:
+        return C1Decision(Outcome.UNRESOLVED, C1Reason.OPEN, unresolved[0], literal, open_labels, m, level)
+    measured = [p for p in big if p.worst is not None and p.worst.severity is not None]
+    if measured:
+        p = min(measured, key=lambda p: (p.worst.severity, -p.reduction, p.label))
+        return C1Decision(Outcome.FAIL, C1Reason.BEYOND, p, literal, [], m, level)
+    if big:
+        return C1Decision(Outcome.UNRESOLVED, C1Reason.UNMEASURED, None, literal, [], m, level)
+    if points:
+        return C1Decision(Outcome.FAIL, C1Reason.SHORT, _by_reduction(points)[0])
+    return C1Decision(Outcome.FAIL, C1Reason.NO_POINTS, None)
+
+
+def decide_c2(points: list[PointAssessment], thr: Thresholds, reassess: Reassess | None = None) -> C2Decision:
+    """C2 over ``points`` (see the module docstring); ``reassess`` judges the timed candidates at a stricter
+    level."""
+    need = 1.0 + thr.min_speed_gain
+    eligible = [p for p in points if p.state in (MET, UNRESOLVED)]
+    labels = sorted(p.label for p in eligible if p.state == MET)
+    open_labels = sorted(p.label for p in eligible if p.state == UNRESOLVED)
+    timed, level = family_wise([p for p in eligible if p.speed is not None and p.speed.value is not None], reassess)
+    timed = sorted(timed, key=lambda p: (-(p.speed.lo if p.speed.defined else 0.0), -p.speed.value, p.label))
+    m = len(timed)
+    passing = [p for p in timed if p.state == MET and p.speed_state(need) == MET]
+    if passing:
+        return C2Decision(Outcome.PASS, C2Reason.FAST, passing[0], labels, open_labels, m, level)
+    open_ = [p for p in timed if p.speed_state(need) != VIOLATED]
+    if open_:
+        p = max(open_, key=lambda p: (p.speed.value, p.label))
+        return C2Decision(Outcome.UNRESOLVED, C2Reason.OPEN, p, labels, open_labels, m, level)
+    if not eligible:
+        return C2Decision(Outcome.FAIL, C2Reason.NONE_ELIGIBLE, None)
+    if not timed:
+        return C2Decision(Outcome.UNRESOLVED, C2Reason.NOT_TIMED, None, labels, open_labels)
+    p = max(timed, key=lambda p: (p.speed.value, p.label))
+    return C2Decision(Outcome.FAIL, C2Reason.SLOW, p, labels, open_labels, m, level)
+
+
+def passes_c2(checks: Sequence[Check], pairs: Sequence[Sequence[float]], floor: float) -> bool:
+    """C2 on one domain, as the decode stage's early stop reads it: every counted check met (``checks``, on the
+    selection split) and the speed-up's interval over ≥ :data:`MIN_SPEED_PROMPTS` prompts (``pairs`` of the point's
+    and the reference's tokens/s) at or above ``floor``."""
+    return (len(pairs) >= MIN_SPEED_PROMPTS and gate_state(checks) == MET
+            and floor_state(ratio_interval([a / b for a, b in pairs]), floor) == MET)
