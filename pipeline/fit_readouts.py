@@ -1,11 +1,13 @@
 """Stage ``fit_readouts``: the ``tuned`` readout of one model, fitted on one corpus's calibration split.
 
 Writes ``readouts.safetensors`` (translators, model fingerprint, layers) and ``metrics.json`` (per layer KL, top-1
-agreement with the final layer and perplexity on held-out tokens, for ``logit`` and ``tuned``; the training
-curve; each layer's best epoch, 0 for the identity) into ``--out-dir``, and a figure. Runs as a plain process or
-data-parallel under ``torchrun --nproc_per_node N pipeline/fit_readouts.py ...``. For a model grown by idle layers
-(``<base>+idle<N>``, the positive control), ``--grown-from`` the base model's fit on the same corpus: extended to the
-idle layers, which is what a fit would give bit for bit (:func:`emad.calibration.readout_fit.grown_fit`).
+agreement with the final layer and perplexity on held-out tokens, for ``logit`` and ``tuned``, and the same on the
+selection tokens and the first training tokens; the training curve; each layer's best epoch, 0 for the identity,
+and why and when it stopped, on patience or at the epoch cap; the token ranges of the three splits) into
+``--out-dir``, and a figure. Runs as a plain process or data-parallel under
+``torchrun --nproc_per_node N pipeline/fit_readouts.py ...``. For a model grown by idle layers (``<base>+idle<N>``,
+the positive control), ``--grown-from`` the base model's fit on the same corpus: extended to the idle layers, which
+is what a fit would give bit for bit (:func:`emad.calibration.readout_fit.grown_fit`).
 """
 
 from __future__ import annotations
@@ -66,9 +68,9 @@ def main(argv: list[str] | None = None) -> int:
 
         def on_epoch(entry: dict) -> None:
             for layer, value in entry["train_kl"].items():
-                run.log_metrics({f"train_kl.layer_{layer}": value, f"held_out_kl.layer_{layer}":
-                                 entry["held_out_kl"][layer]}, step=entry["epoch"])
-            bar.set_postfix(epoch=entry["epoch"], held_out_kl=f"{sum(entry['held_out_kl'].values()):.3f}")
+                run.log_metrics({f"train_kl.layer_{layer}": value, f"selection_kl.layer_{layer}":
+                                 entry["selection_kl"][layer]}, step=entry["epoch"])
+            bar.set_postfix(epoch=entry["epoch"], selection_kl=f"{sum(entry['selection_kl'].values()):.3f}")
 
         start = time.perf_counter()
         if base is None:
@@ -85,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             result.lens.save(args.out_dir / "readouts.safetensors")
             metrics = {"model": loaded.fingerprint.as_dict(), "corpus": corpus_hash, **facts, "settings": cfg.model_dump(),
                        "seconds": elapsed, "tokens_per_s": facts["tokens"] * len(result.history) / elapsed,
-                       "best_epoch": {str(k): v for k, v in result.best_epoch.items()}, "history": result.history,
-                       "held_out": {r: {str(k): v for k, v in m.items()} for r, m in result.held_out.items()}}
+                       **fit_metrics(result)}
             if base is not None:  # the fit's own cost is the base fit's
                 metrics |= {"grown_from": str(args.grown_from), "seconds": base[1]["seconds"],
                             "tokens_per_s": base[1]["tokens_per_s"]}
@@ -96,15 +97,36 @@ def main(argv: list[str] | None = None) -> int:
                 for key in ("kl", "agreement", "perplexity"):
                     run.log_series(f"held_out.{readout}.{key}", {k: v[key] for k, v in per_layer.items()})
             run.log_metrics({"seconds": elapsed, "epochs_run": len(result.history), "tokens": facts["tokens"],
-                             **{f"best_epoch.layer_{k}": v for k, v in result.best_epoch.items()}})
+                             "layers_at_cap": sum(s["reason"] == "cap" for s in result.stopped.values()),
+                             **{f"best_epoch.layer_{k}": v for k, v in result.best_epoch.items()},
+                             **{f"stop_epoch.layer_{k}": s["epoch"] for k, s in result.stopped.items()}})
             run.log_dict(metrics["held_out"], "held_out.json")
             run.log_artifact(args.plot)
             deepest = max(facts["layers"])
-            print(f"fit_readouts: {facts['tokens']} tokens, {len(result.history)} epochs in {elapsed:.0f} s; layer "
+            print(f"fit_readouts: {facts['tokens']} tokens, {len(result.history)} epochs in {elapsed:.0f} s "
+                  f"({_stop_summary(result.stopped)}); layer "
                   f"{deepest}: agreement {result.held_out['logit'][deepest]['agreement']:.3f} (logit) -> "
                   f"{result.held_out['tuned'][deepest]['agreement']:.3f} (tuned) -> {args.out_dir}")
     distributed.leave()
     return 0
+
+
+def fit_metrics(result: FitResult) -> dict:
+    """What ``metrics.json`` holds of a fit (layer keys as strings): each layer's best epoch and why and when it
+    stopped, the training curve, and the full-vocabulary metrics on the training, selection and held-out tokens."""
+    def keyed(per_readout: dict) -> dict:
+        return {r: {str(k): v for k, v in m.items()} for r, m in per_readout.items()}
+
+    return {"best_epoch": {str(k): v for k, v in result.best_epoch.items()},
+            "stopped": {str(k): v for k, v in result.stopped.items()}, "history": result.history,
+            "train": keyed(result.train), "selection": keyed(result.selection), "held_out": keyed(result.held_out)}
+
+
+def _stop_summary(stopped: dict) -> str:
+    """``"layers stopped: 7 on patience, 2 at the cap"``: how many layers stopped for each reason."""
+    reasons = [s["reason"] for s in stopped.values()]
+    words = {"patience": "on patience", "cap": "at the cap", "final state": "in the final state"}
+    return "layers stopped: " + ", ".join(f"{reasons.count(r)} {words.get(r, r)}" for r in dict.fromkeys(reasons))
 
 
 def _base_fit(folder: Path, corpus_hash: str) -> tuple[TunedLens, dict]:
@@ -130,7 +152,7 @@ def _grown(spec: str, loaded, cfg: ReadoutsConfig, base: TunedLens, metrics: dic
     n = fingerprint["n_layers"]
     layers = [p for p in resolve_probe_layers(cfg.layers, n) if p < n]
     result = grown_fit(base, metrics, fingerprint, layers, n, cfg.rank, cfg.seed)
-    return result, {"layers": layers, "tokens": metrics["tokens"], "holdout": metrics["holdout"]}
+    return result, {key: metrics[key] for key in ("tokens", "selection", "holdout", "ranges")} | {"layers": layers}
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ BASE = {
     "corpus": {"sources": ["stdlib-prose", "gsm8k"], "calib_tokens": 1000, "eval_tokens": 500},
     "calibrate": {"sources": ["stdlib-prose"], "window": 32, "probe_layers": [1, 2, 3], "readouts": ["logit", "tuned"],
                   "max_tokens": 500},
-    "readouts": {"layers": [1, 2, 3], "tokens": 256, "holdout": 64},
+    "readouts": {"layers": [1, 2, 3], "tokens": 256, "selection": 64, "holdout": 64},
     "smooth": {"statistic": "mean", "min_count": 1},
     "estimators": {"topk": {"k": 16}},
     "decode": {
@@ -139,6 +139,12 @@ PARAMS_CASES = [  # (path with '/' between keys, value, what the message must na
     ("readouts/source", "shakespeare", r"readouts\.source: 'shakespeare' is not a calibration source"),
     ("readouts/layers", [2, 3], r"readouts\.layers = \[2, 3\] must cover calibrate\.probe_layers = \[1, 2, 3\]"),
     ("calibrate/max_tokens", 900, r"corpus\.calib_tokens = 1000 must hold calibrate\.max_tokens \(900\) \+ readouts"),
+    ("readouts/selection", 8, r"readouts\.selection.*greater than or equal to 16"),
+    ("readouts/selection", 700, r"corpus\.calib_tokens = 1000 must hold readouts\.tokens \+ readouts\.selection \+ "
+                                r"readouts\.holdout = 256 \+ 700 \+ 64 = 1020.*at least 1020"),
+    ("readouts/selection", 300, r"corpus\.calib_tokens = 1000 must hold calibrate\.max_tokens \(500\) \+ readouts\."
+                                r"tokens \+ readouts\.selection \+ readouts\.holdout = 256 \+ 300 \+ 64 = 620, 1120 in "
+                                r"all.*valid: corpus\.calib_tokens >= 1120"),
     ("calibrate/readouts", ["tuned", "lens"], r"calibrate\.readouts.*unknown readout 'lens'; valid: logit, tuned"),
     ("decode/points/p/readout", "trained", r"decode\.points\.p\.readout.*'trained'.*valid: logit, tuned"),
     ("models", {"smol.lm": "x"}, r"models\.smol\.lm"),

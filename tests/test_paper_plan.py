@@ -185,7 +185,7 @@ class Collected:
         return self.tokens
 
 
-def untrained_fit(stack, train, held_out, fingerprint, *, rank=None, **_):
+def untrained_fit(stack, train, selection, held_out, fingerprint, *, rank=None, **_):
     """Stands in for training: the translators at their initial value."""
     return readout_fit.FitResult(TunedLens.identity(train.layers, stack.config.hidden_size, fingerprint, rank), {})
 
@@ -227,7 +227,7 @@ def check_fit_readouts(raw, argv, mp):
     mp.setattr(readout_fit, "fit", untrained_fit)
     result, facts = readout_fit.fit_texts(load_model_cached(f["model-dir"], device=cfg.device, dtype=cfg.dtype),
                                           texts, cfg)
-    assert facts["tokens"] == cfg.tokens and facts["holdout"] >= cfg.holdout, facts
+    assert (facts["tokens"], facts["selection"], facts["holdout"]) == (cfg.tokens, cfg.selection, cfg.holdout), facts
     assert cfg.rank is None or cfg.rank <= _shape(raw, f["model-dir"]).hidden
     result.lens.save(Path(f["out-dir"]) / "readouts.safetensors")
 

@@ -5,6 +5,8 @@ invariants under a tuned readout."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,6 +14,7 @@ import torch.multiprocessing as mp
 
 from emad.calibration import readout_fit
 from emad.calibration.calibrate import calibrate, windows
+from emad.calibration.config import ReadoutsConfig
 from emad.calibration.profile import smooth
 from emad.calibration.readout_fit import Sample, batch_loss, collect, fit, split_windows, vocabulary_subset
 from emad.decode import Method, generate, score_adaptive
@@ -210,17 +213,24 @@ def test_rank_outside_one_to_d_is_refused(rank):
         TunedLens.identity([1], D, FINGERPRINT, rank)
 
 
-def test_fitting_reads_the_end_of_the_split_held_out_last():
-    wins = [[w * 10 + i for i in range(100)] for w in range(6)]  # 600 tokens, window w holds w*10 .. w*10+99
-    train, held = split_windows(wins, 150, 180)
-    assert held == wins[4:]  # whole windows from the end, at least 180 tokens
-    assert train == [wins[2][-50:], wins[3]]  # the 150 tokens right before them
-    assert sum(map(len, train)) == 150
+def test_the_three_splits_are_disjoint_ranges_from_the_end_held_out_last():
+    wins = [[w * 100 + i for i in range(100)] for w in range(6)]  # 600 tokens, all distinct, in split order
+    flat = [t for w in wins for t in w]
+    splits = split_windows(wins, 150, 120, 180)
+    assert splits.ranges == {"train": [150, 300], "selection": [300, 420], "held_out": [420, 600]}
+    for name, (lo, hi) in splits.ranges.items():
+        assert [t for w in getattr(splits, name) for t in w] == flat[lo:hi], name
+    assert splits.held_out == [wins[4][-80:], wins[5]]  # a window cut in two: its tail held out, its head selects
+    assert splits.selection == [wins[3], wins[4][:20]]
 
 
-def test_a_corpus_too_small_for_the_held_out_slice_gives_the_minimum():
-    with pytest.raises(ValueError, match=r"has 300 tokens.*at least 1088"):
-        split_windows([[1] * 100] * 3, 4096, 1024)
+@pytest.mark.parametrize("tokens, selection, holdout", [(4096, 1024, 1024), (200, 50, 51)])
+def test_a_split_too_small_for_the_three_ranges_names_the_params_and_the_minimum(tokens, selection, holdout):
+    need = tokens + selection + holdout
+    with pytest.raises(ValueError, match=rf"has 300 tokens.*readouts\.tokens \+ readouts\.selection \+ "
+                                         rf"readouts\.holdout = {tokens} \+ {selection} \+ {holdout} = {need}.*"
+                                         rf"corpus\.calib_tokens >= calibrate\.max_tokens \+ {need}"):
+        split_windows([[1] * 100] * 3, tokens, selection, holdout)
 
 
 # ---------------------------------------------------------------------------------------------- fitting
@@ -228,89 +238,129 @@ def _sample(stack, seed: int, n: int = 6) -> Sample:
     return collect(stack, random_prompts(n, [32], seed=seed), [1, 2, 3], top_k=8)
 
 
+def _samples(stack) -> tuple[Sample, Sample, Sample]:
+    """Training, selection and held-out tokens (disjoint draws)."""
+    return _sample(stack, 1), _sample(stack, 2, 3), _sample(stack, 3, 3)
+
+
 @pytest.mark.parametrize("vocab_sample", [None, 24])
 def test_a_few_steps_lower_the_held_out_kl(stack, vocab_sample):
-    train, held = _sample(stack, 1), _sample(stack, 2, 3)
-    result = fit(stack, train, held, FINGERPRINT, epochs=3, lr=3e-3, batch_tokens=64, vocab_sample=vocab_sample)
+    result = fit(stack, *_samples(stack), FINGERPRINT, epochs=3, lr=3e-3, batch_tokens=64, vocab_sample=vocab_sample)
     assert set(result.best_epoch) == {1, 2, 3} and all(epoch > 0 for epoch in result.best_epoch.values())
     for layer in (1, 2, 3):
         assert result.held_out["tuned"][layer]["kl"] < result.held_out["logit"][layer]["kl"]
+        assert result.selection["tuned"][layer]["kl"] < result.selection["logit"][layer]["kl"]
+        assert result.train["tuned"][layer]["kl"] < result.selection["tuned"][layer]["kl"]  # fitted there
     assert result.held_out["tuned"][4] == result.held_out["logit"][4]  # the final layer is the teacher itself
+    assert result.history[0].keys() == {"epoch", "train_kl", "selection_kl"}
 
 
 def _zero(translator) -> bool:
     return all(not bool(p.any()) for p in translator.parameters())
 
 
-def _idle() -> tuple[LayerStack, Sample, Sample]:
-    """The tiny model with 2 idle layers (5, 6 add exactly 0, so h_4 = h_5 = h_6) and its samples at 1..5."""
+def _idle() -> tuple[LayerStack, Sample, Sample, Sample]:
+    """The tiny model with 2 idle layers (5, 6 add exactly 0, so h_4 = h_5 = h_6) and its training, selection and
+    held-out samples at 1..5."""
     idle = LayerStack(append_idle_layers(tiny_model("llama"), 2))
-    return idle, *(collect(idle, random_prompts(n, [32], seed=s), [1, 2, 3, 4, 5], top_k=8) for n, s in ((6, 1), (3, 2)))
+    return idle, *(collect(idle, random_prompts(n, [32], seed=s), [1, 2, 3, 4, 5], top_k=8)
+                   for n, s in ((6, 1), (3, 2), (3, 3)))
 
 
 @pytest.mark.parametrize("lr", [3e-3, 3e-2])
 def test_layers_whose_state_is_the_final_one_keep_the_identity_bit_for_bit(lr):
-    idle, train, held = _idle()
+    idle, train, chosen, held = _idle()
     assert torch.equal(train.hidden[:, 3], train.final) and torch.equal(train.hidden[:, 4], train.final)
-    result = fit(idle, train, held, FINGERPRINT, epochs=4, lr=lr, batch_tokens=64, vocab_sample=24)
+    result = fit(idle, train, chosen, held, FINGERPRINT, epochs=4, lr=lr, batch_tokens=64, vocab_sample=24)
     for layer in (4, 5):
         assert _zero(result.lens.translators[layer]), layer
         assert result.best_epoch[layer] == 0
+        assert result.stopped[layer] == {"reason": "final state", "epoch": 0}
         assert result.held_out["tuned"][layer] == {**result.held_out["logit"][6], "kl": 0.0}
         assert result.held_out["tuned"][layer]["agreement"] == 1.0
-    assert all(layer not in entry["held_out_kl"] for entry in result.history for layer in (4, 5))  # never trained
+    assert all(layer not in entry["selection_kl"] for entry in result.history for layer in (4, 5))  # never trained
     assert result.best_epoch[1] > 0  # the others did train
 
 
 @pytest.mark.parametrize("rank", [None, 4])
 def test_a_grown_models_fit_is_its_base_models_fit_extended_bit_for_bit(rank):
     """The control's readouts: a fit on the tiny model with 2 idle layers equals the tiny model's own fit, extended
-    to the idle layers (the identity there, the final state's held-out metrics), translators bit for bit."""
+    to the idle layers (the identity there, the final state's metrics on every split, stopped for its final state),
+    translators bit for bit."""
     import json
 
     base = LayerStack(tiny_model("llama"))
-    idle, _, _ = _idle()
+    idle = _idle()[0]
     samples = {}
     for name, stack_, layers in (("base", base, [1, 2, 3]), ("idle", idle, [1, 2, 3, 4, 5])):
-        samples[name] = [collect(stack_, random_prompts(n, [32], seed=s), layers, top_k=8) for n, s in ((6, 1), (3, 2))]
+        samples[name] = [collect(stack_, random_prompts(n, [32], seed=s), layers, top_k=8)
+                         for n, s in ((6, 1), (3, 2), (3, 3))]
     kwargs = {"epochs": 3, "lr": 3e-2, "rank": rank, "batch_tokens": 64, "vocab_sample": 24}
     own = fit(idle, *samples["idle"], {**FINGERPRINT, "n_layers": 6}, **kwargs)
     fitted = fit(base, *samples["base"], FINGERPRINT, **kwargs)
     metrics = json.loads(json.dumps({"model": FINGERPRINT, "best_epoch": fitted.best_epoch, "history": fitted.history,
-                                     "held_out": fitted.held_out}))  # as metrics.json holds them
+                                     "stopped": fitted.stopped, "held_out": fitted.held_out,
+                                     "selection": fitted.selection, "train": fitted.train}))  # as metrics.json
     grown = readout_fit.grown_fit(fitted.lens, metrics, {**FINGERPRINT, "n_layers": 6}, [1, 2, 3, 4, 5], 6, rank)
     assert sorted(grown.lens.layers) == sorted(own.lens.layers) == [1, 2, 3, 4, 5]
     for layer, translator in own.lens.translators.items():
         mine = grown.lens.translators[layer].state_dict()
         assert all(torch.equal(v, mine[k]) for k, v in translator.state_dict().items()), layer
     assert grown.best_epoch == own.best_epoch and own.best_epoch[1] > 0
-    assert json.loads(json.dumps(own.held_out)) == json.loads(json.dumps(grown.held_out))
+    assert grown.stopped == own.stopped and own.stopped[5] == {"reason": "final state", "epoch": 0}
+    for split in ("held_out", "selection", "train"):
+        assert json.loads(json.dumps(getattr(own, split))) == json.loads(json.dumps(getattr(grown, split))), split
     assert json.loads(json.dumps(own.history)) == grown.history
-    assert grown.lens.meta == json.loads(json.dumps(own.lens.meta)) | {"best_epoch": own.best_epoch}
+    assert grown.lens.meta == json.loads(json.dumps(own.lens.meta)) | {"best_epoch": own.best_epoch,
+                                                                        "stopped": own.stopped}
     with pytest.raises(ValueError, match=r"the grown model needs \[1, 3\] below the base's L = 4"):
         readout_fit.grown_fit(fitted.lens, metrics, FINGERPRINT, [1, 3, 5], 6)
 
 
 @pytest.mark.parametrize("lr", [3e-3, 3e-2, 10.0])
-def test_the_tuned_readout_is_never_worse_than_the_logit_lens_on_held_out_tokens(stack, lr):
-    train, held = _sample(stack, 1), _sample(stack, 2, 3)
-    result = fit(stack, train, held, FINGERPRINT, epochs=4, lr=lr, batch_tokens=32, vocab_sample=24)
+def test_the_tuned_readout_is_never_worse_than_the_logit_lens_judged_on_selection_reported_on_held_out(stack, lr):
+    """Each layer keeps its own best fit, the identity among the candidates, judged on the selection tokens (full
+    vocabulary): the tuned readout is never worse there. The held-out tokens only report it (they choose nothing,
+    so on them a translator fitted to 192 random tokens may read worse); a layer that kept the identity reads
+    there exactly as the logit lens."""
+    result = fit(stack, *_samples(stack), FINGERPRINT, epochs=4, lr=lr, batch_tokens=32, vocab_sample=24)
     for layer in (1, 2, 3):
-        assert result.held_out["tuned"][layer]["kl"] <= result.held_out["logit"][layer]["kl"], layer
+        assert result.selection["tuned"][layer]["kl"] <= result.selection["logit"][layer]["kl"], layer
         if result.best_epoch[layer] == 0:
             assert _zero(result.lens.translators[layer])
+            assert result.held_out["tuned"][layer] == result.held_out["logit"][layer]
     if lr > 1:  # every step overshoots: no epoch beats the identity anywhere
         assert result.best_epoch == {1: 0, 2: 0, 3: 0}
         assert all(_zero(t) for t in result.lens.translators.values())
 
 
-def test_a_layer_whose_held_out_kl_rises_keeps_its_earlier_epoch(stack, monkeypatch):
-    train, held = _sample(stack, 1), _sample(stack, 2, 3)
-    real = readout_fit.held_out_kl
+def test_a_translator_worse_than_the_logit_lens_on_selection_goes_back_to_the_identity(stack, monkeypatch):
+    """The subset KL chose an epoch, but on the selection tokens' full vocabulary layer 2 reads worse than the logit
+    lens: it keeps the identity (best epoch 0), whatever the held-out tokens would say."""
+    real = readout_fit.evaluate
+
+    def scorer(stack, readouts, sample, chunk=256):
+        got = real(stack, readouts, sample, chunk)
+        if len(sample) == len(chosen) and torch.equal(sample.final, chosen.final) and "logit" in got:
+            got["logit"][2] = {**got["logit"][2], "kl": 0.0}  # the logit lens is perfect there
+        return got
+
+    train, chosen, held = _samples(stack)
+    monkeypatch.setattr(readout_fit, "evaluate", scorer)
+    result = fit(stack, train, chosen, held, FINGERPRINT, epochs=3, lr=3e-3, batch_tokens=64, vocab_sample=24)
+    assert result.best_epoch[2] == 0 and _zero(result.lens.translators[2])
+    assert result.best_epoch[1] > 0 and result.best_epoch[3] > 0
+    assert result.held_out["tuned"][2] == result.held_out["logit"][2]
+
+
+def test_a_layer_whose_selection_kl_rises_keeps_its_earlier_epoch(stack, monkeypatch):
+    train, chosen, held = _samples(stack)
+    real = readout_fit.selection_kl
     scripted = {2: [1e-3, 2e-3, 3e-3]}  # layer 2 after epochs 1, 2, 3; the other layers score for real
     seen = {}
 
     def scorer(stack, lens, sample, rows, chunk=512, layers=None):
+        assert sample is chosen  # the selection tokens score every epoch, never the held-out ones
         scores = real(stack, lens, sample, rows, chunk, layers)
         epoch = len(seen.setdefault("calls", [])) - 1  # call 0 scores the identity
         seen["calls"].append({k: v.clone() for k, v in lens.translators[2].state_dict().items()})
@@ -319,35 +369,50 @@ def test_a_layer_whose_held_out_kl_rises_keeps_its_earlier_epoch(stack, monkeypa
                 scores[i] = scripted[layer][epoch]
         return scores
 
-    monkeypatch.setattr(readout_fit, "held_out_kl", scorer)
-    result = fit(stack, train, held, FINGERPRINT, epochs=3, lr=3e-3, batch_tokens=64, vocab_sample=None,
+    monkeypatch.setattr(readout_fit, "selection_kl", scorer)
+    result = fit(stack, train, chosen, held, FINGERPRINT, epochs=3, lr=3e-3, batch_tokens=64, vocab_sample=None,
                  patience=5)
     assert result.best_epoch == {1: 3, 2: 1, 3: 3}
     kept = result.lens.translators[2].state_dict()
-    assert all(torch.equal(kept[k], seen["calls"][1][k]) for k in kept)  # the translator held-out scored at epoch 1
+    assert all(torch.equal(kept[k], seen["calls"][1][k]) for k in kept)  # the translator scored at epoch 1
     assert not torch.equal(seen["calls"][1]["weight"], seen["calls"][3]["weight"])  # it did train on
+    assert result.stopped == {layer: {"reason": "cap", "epoch": 3} for layer in (1, 2, 3)}
 
 
-def test_fitting_stops_on_a_plateau(stack):
-    train, held = _sample(stack, 1), _sample(stack, 2, 3)
-    result = fit(stack, train, held, FINGERPRINT, epochs=40, lr=3e-2, batch_tokens=32, vocab_sample=24, patience=2)
+def test_fitting_stops_on_a_plateau_before_the_cap(stack):
+    result = fit(stack, *_samples(stack), FINGERPRINT, epochs=40, lr=3e-2, batch_tokens=32, vocab_sample=24,
+                 patience=2)
     assert len(result.history) < 40
-    last = {layer: max(e["epoch"] for e in result.history if layer in e["held_out_kl"]) for layer in (1, 2, 3)}
+    last = {layer: max(e["epoch"] for e in result.history if layer in e["selection_kl"]) for layer in (1, 2, 3)}
     assert last == {layer: result.best_epoch[layer] + 2 for layer in (1, 2, 3)}  # 2 epochs without improvement
+    assert result.stopped == {layer: {"reason": "patience", "epoch": last[layer]} for layer in (1, 2, 3)}
     assert len(result.history) == max(last.values())  # and the fit ends when the last layer stops
+    assert result.lens.meta["stopped"] == result.stopped and result.lens.meta["epochs_run"] == len(result.history)
+
+
+def test_the_learning_rate_is_constant_so_no_epoch_is_favoured(stack, monkeypatch):
+    rates = []
+    step = torch.optim.Adam.step
+
+    def record(self, *args, **kwargs):
+        rates.append(self.param_groups[0]["lr"])
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.Adam, "step", record)
+    fit(stack, *_samples(stack), FINGERPRINT, epochs=3, lr=3e-3, batch_tokens=64, vocab_sample=24, patience=5)
+    assert len(rates) == 3 * 3 and set(rates) == {3e-3}  # 192 tokens in batches of 64, 3 epochs
 
 
 def test_fitting_is_seeded(stack):
-    train, held = _sample(stack, 1), _sample(stack, 2, 3)
-    a = fit(stack, train, held, FINGERPRINT, epochs=1, batch_tokens=64, vocab_sample=24, seed=3)
-    b = fit(stack, train, held, FINGERPRINT, epochs=1, batch_tokens=64, vocab_sample=24, seed=3)
+    a = fit(stack, *_samples(stack), FINGERPRINT, epochs=1, batch_tokens=64, vocab_sample=24, seed=3)
+    b = fit(stack, *_samples(stack), FINGERPRINT, epochs=1, batch_tokens=64, vocab_sample=24, seed=3)
     assert a.lens.digest == b.lens.digest
 
 
 def test_fitting_resumes_from_its_checkpoint(stack, tmp_path):
-    train, held = _sample(stack, 1), _sample(stack, 2, 3)
+    samples = _samples(stack)
     kwargs = dict(epochs=3, batch_tokens=64, vocab_sample=24, patience=5)
-    whole = fit(stack, train, held, FINGERPRINT, **kwargs)
+    whole = fit(stack, *samples, FINGERPRINT, **kwargs)
     ckpt = tmp_path / "readouts.ckpt"
 
     def stop_after_two(entry):
@@ -355,12 +420,27 @@ def test_fitting_resumes_from_its_checkpoint(stack, tmp_path):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        fit(stack, train, held, FINGERPRINT, checkpoint=ckpt, on_epoch=stop_after_two, **kwargs)
+        fit(stack, *samples, FINGERPRINT, checkpoint=ckpt, on_epoch=stop_after_two, **kwargs)
     assert ckpt.is_file()
-    resumed = fit(stack, train, held, FINGERPRINT, checkpoint=ckpt, **kwargs)
+    resumed = fit(stack, *samples, FINGERPRINT, checkpoint=ckpt, **kwargs)
     assert [e["epoch"] for e in resumed.history] == [1, 2, 3]
-    assert resumed.lens.digest == whole.lens.digest
+    assert resumed.lens.digest == whole.lens.digest and resumed.stopped == whole.stopped
     assert not ckpt.exists()
+
+
+def test_a_fit_on_texts_reads_three_disjoint_ranges_and_records_them():
+    texts = [" ".join(f"t{i}" for i in prompt) for prompt in random_prompts(12, [40], seed=8)]  # 480 tokens
+    loaded = SimpleNamespace(model=tiny_model("llama"), fingerprint=SimpleNamespace(as_dict=lambda: FINGERPRINT),
+                             tokenizer=lambda text: {"input_ids": [int(w[1:]) for w in text.split()]})
+    cfg = ReadoutsConfig(layers=[1, 2, 3], tokens=200, selection=96, holdout=64, window=32, epochs=2,
+                         batch_tokens=64, vocab_sample=24, top_k=8, device="cpu", dtype="float32")
+    result, facts = readout_fit.fit_texts(loaded, texts, cfg)
+    assert (facts["tokens"], facts["selection"], facts["holdout"]) == (200, 96, 64)
+    assert facts["ranges"] == {"train": [120, 320], "selection": [320, 416], "held_out": [416, 480]}
+    assert result.lens.meta | {"tokens": 200, "selection": 96, "holdout": 64} == result.lens.meta
+    assert set(result.stopped) == {1, 2, 3}
+    with pytest.raises(ValueError, match=r"has 480 tokens.*= 512.*corpus\.calib_tokens"):
+        readout_fit.fit_texts(loaded, texts, cfg.model_copy(update={"selection": 248}))
 
 
 def _grads(stack, lens, sample, batch, rows) -> dict[str, torch.Tensor]:
@@ -435,8 +515,18 @@ def test_two_process_gradients_equal_one_process_gradients(tmp_path):
     assert any(float(g.abs().max()) > 0 for g in one.values())
 
 
-def test_the_report_shows_each_layers_best_epoch():
+def test_the_report_shows_each_layers_kl_on_every_split_its_best_epoch_and_why_it_stopped():
     metrics = {"held_out": {r: {str(k): {"kl": 0.5, "agreement": 0.5, "perplexity": 9.0} for k in (3, 6, 9)}
-                            for r in ("logit", "tuned")}, "best_epoch": {"3": 7, "6": 0}}
-    rows = [line.split("|")[-2].strip() for line in layer_table(metrics).splitlines()[2:]]
-    assert rows == ["7", "0", "–"]  # layer 9 = L is never translated
+                            for r in ("logit", "tuned")}, "best_epoch": {"3": 7, "6": 0},
+               "train": {"tuned": {"3": {"kl": 0.25}, "6": {"kl": 0.125}}},
+               "selection": {"tuned": {"3": {"kl": 0.375}, "6": {"kl": 0.5}}},
+               "stopped": {"3": {"reason": "patience", "epoch": 10}, "6": {"reason": "cap", "epoch": 40}}}
+    lines = layer_table(metrics).splitlines()
+    header = [cell.strip() for cell in lines[0].split("|")[1:-1]]
+    rows = [dict(zip(header, (cell.strip() for cell in line.split("|")[1:-1]))) for line in lines[2:]]
+    assert [r["best epoch"] for r in rows] == ["7", "0", "–"]  # layer 9 = L is never translated
+    assert [r["stopped"] for r in rows] == ["patience @ 10", "cap @ 40", "–"]
+    assert [(r["KL (tuned) train"], r["KL (tuned) selection"], r["KL (tuned) held-out"]) for r in rows] == [
+        ("0.25", "0.38", "0.50"), ("0.12", "0.50", "0.50"), ("–", "–", "0.50")]
+    older = layer_table({k: v for k, v in metrics.items() if k in ("held_out", "best_epoch")})
+    assert older.splitlines()[2].endswith("| 7 | – |")  # a fit from before the selection split: nothing invented

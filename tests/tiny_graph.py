@@ -25,7 +25,7 @@ def params(model_dir: Path) -> dict:
         "models": {"tiny": str(model_dir)},
         "corpus": {"seed": 0, "calib_tokens": 600, "eval_tokens": 1200, "tokenizer_model": str(model_dir),
                    "sources": ["stdlib-prose"]},
-        "readouts": {"layers": 1, "tokens": 256, "holdout": 64, "window": 32, "epochs": 2, "batch_tokens": 64,
+        "readouts": {"layers": 1, "tokens": 192, "selection": 64, "holdout": 64, "window": 32, "epochs": 2, "batch_tokens": 64,
                      "vocab_sample": 32, "top_k": 4, "source": "stdlib-prose", "device": "cpu", "dtype": "float32"},
         "calibrate": {"sources": ["stdlib-prose"], "window": 32, "batch_size": 4, "probe_layers": 1,
                       "readouts": ["logit", "tuned"], "max_tokens": 256, "device": "cpu", "dtype": "float32"},

@@ -79,20 +79,27 @@ class ReadoutsConfig(Section):
 
     Attributes:
         layers: translated layers, as ``calibrate.probe_layers`` (a list, or every k-th layer); L never is.
-        tokens: training tokens (the calibration split's last ones before the held-out tokens).
-        holdout: held-out tokens (the last of the split) for early stopping and the metrics.
+        tokens: training tokens, the calibration split's last ones before the selection tokens (the three ranges
+            are disjoint: training | selection | held-out, from the end of the split).
+        selection: selection tokens, right before the held-out ones: each layer's best epoch, its patience and its
+            judgement against the logit lens are scored here.
+        holdout: held-out tokens (the last of the split): only reported, never used to choose.
         window: tokens per teacher-forcing window.
-        epochs: at most this many passes over the training tokens, each followed by a held-out evaluation; every
-            layer keeps the epoch of its own lowest held-out KL (0: the identity) and stops after ``patience``
-            evaluations without improvement; fitting ends when all have stopped.
-        lr: Adam's learning rate at the first step; it falls linearly to 0 over ``epochs``.
+        epochs: the epoch cap: at most this many passes over the training tokens, each followed by a selection
+            evaluation; every layer keeps the epoch of its own lowest selection KL (0: the identity) and stops after
+            ``patience`` evaluations without improvement; fitting ends when all have stopped (each layer's reason,
+            patience or the cap, is recorded).
+        lr: Adam's learning rate, constant (no schedule tied to the cap favours the last epoch).
         rank: translator rank r (A = U·Vᵀ); null = full rank (d × d).
         seed: seeds initialisation, batch order and vocabulary draws.
         batch_tokens: tokens per optimiser step.
         vocab_sample: uniform vocabulary draws per step for the KL, beside the teacher's ``top_k`` of each token
             (null = the full vocabulary: exact and about V / (sample + k·batch) times slower).
         top_k: teacher tokens per token always in the KL's vocabulary subset.
-        patience: epochs without held-out improvement before a layer stops.
+        patience: epochs without improvement before a layer stops: none of them lowered its selection KL by more
+            than ``min_delta`` below the last epoch that did (the identity's at first).
+        min_delta: the relative fall of the selection KL that counts as an improvement (0.01: 1%); the kept epoch
+            is the lowest scoring one either way.
         source: the calibration source the translators are fitted on (one fit per model): they serve every
             calibration source's tuned profile and every point.
         device, dtype: where and how the model runs.
@@ -100,6 +107,7 @@ class ReadoutsConfig(Section):
 
     layers: ProbeLayers = 3
     tokens: int = Field(8192, ge=16)
+    selection: int = Field(1024, ge=16)
     holdout: int = Field(1024, ge=16)
     window: int = Field(256, ge=2)
     epochs: int = Field(8, ge=1)
@@ -110,6 +118,7 @@ class ReadoutsConfig(Section):
     vocab_sample: int | None = Field(4096, ge=1)
     top_k: int = Field(32, ge=1)
     patience: int = Field(3, ge=1)
+    min_delta: float = Field(0.0, ge=0, lt=1)
     source: str = "stdlib-prose"
     device: str = "auto"
     dtype: str = "auto"

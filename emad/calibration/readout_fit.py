@@ -2,17 +2,18 @@
 
 The loss of a token is Σ_ℓ KL(p_L ‖ p_ℓ), where p_L is the model's final distribution and
 p_ℓ = softmax(head(final_norm(T_ℓ(h_ℓ)))). Hidden states are collected once (one teacher-forcing pass over the
-calibration windows); training then only runs translators, final norm and head.
+calibration windows, :mod:`emad.calibration.readout_data`); training then only runs translators, final norm and
+head, on a vocabulary subset (:mod:`emad.calibration.readout_scores`; a fresh draw per step, the same on every rank).
 
-The head's softmax over the vocabulary dominates the cost. With ``vocab_sample`` set, the KL of a batch is taken
-over a subset of the vocabulary: the union of the teacher's top ``top_k`` tokens of every token in the batch plus
-``vocab_sample`` tokens drawn uniformly (a fresh draw per step, the same on every rank); both distributions are
-renormalised on it. Held-out metrics always use the full vocabulary.
+Three disjoint token ranges: training tokens fit the translators; selection tokens score every epoch, so that each
+layer keeps the epoch of its own lowest selection KL (the identity among the candidates) and stops on its own after
+``patience`` epochs without improvement, and judge the kept translator against the logit lens; held-out tokens are
+only reported. The learning rate is constant, so no epoch is favoured by the schedule: a layer stops on a plateau
+of its selection KL, or at the epoch cap (each layer's reason is recorded).
 
 Data-parallel under ``torch.distributed``: every rank takes its share of each batch's tokens, the loss is
 normalised by the global batch size and gradients are all-reduced (summed), so a step equals the single-process
-step. Each layer keeps the epoch of its own lowest held-out KL (the identity among the candidates) and stops on
-its own. Seeded; resumable from a per-epoch checkpoint.
+step. Seeded; resumable from a per-epoch checkpoint.
 """
 
 from __future__ import annotations
@@ -28,162 +29,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from emad.calibration.readout_data import Sample, Splits, collect, split_windows
+from emad.calibration.readout_scores import batch_loss, evaluate, kl, selection_kl, vocabulary_subset
 from emad.engine.stack import LayerStack
-from emad.exits.readouts import LogitLens, Readout, TunedLens
+from emad.exits.readouts import LogitLens, TunedLens
 from emad.io import atomic_write_bytes
+
+__all__ = ["FitResult", "Sample", "Splits", "batch_loss", "collect", "evaluate", "fit", "fit_texts", "grown_fit",
+           "kl", "selection_kl", "split_windows", "vocabulary_subset"]
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class Sample:
-    """What fitting reads, per token (N tokens, P translated layers).
-
-    Attributes:
-        hidden: ``[N, P, d]`` hidden states after each layer of ``layers`` (float32, CPU).
-        final: ``[N, d]`` hidden state after layer L.
-        top: ``[N, k]`` the teacher's top-k token ids.
-        targets: ``[N]`` the next token (-1 where the window ends).
-        layers: the P layers.
-    """
-
-    hidden: torch.Tensor
-    final: torch.Tensor
-    top: torch.Tensor
-    targets: torch.Tensor
-    layers: list[int]
-
-    def __len__(self) -> int:
-        return self.final.shape[0]
-
-    def take(self, idx: torch.Tensor | slice) -> Sample:
-        return Sample(self.hidden[idx], self.final[idx], self.top[idx], self.targets[idx], self.layers)
-
-
-@torch.no_grad()  # not inference_mode: the kept states feed autograd later
-def collect(stack: LayerStack, token_windows: Sequence[Sequence[int]], layers: Sequence[int], top_k: int = 32,
-            batch_size: int = 4) -> Sample:
-    """Run the frozen model over ``token_windows`` and keep what fitting needs (see :class:`Sample`)."""
-    hidden, final, top, targets = [], [], [], []
-    for i in range(0, len(token_windows), batch_size):
-        batch = [list(w) for w in token_windows[i:i + batch_size]]
-        width = max(len(w) for w in batch)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        real = torch.zeros(len(batch), width, dtype=torch.bool)
-        nxt = torch.full((len(batch), width), -1, dtype=torch.long)
-        for r, w in enumerate(batch):
-            ids[r, : len(w)] = torch.tensor(w)
-            real[r, : len(w)] = True
-            nxt[r, : len(w) - 1] = torch.tensor(w[1:])
-        ids, real = ids.to(stack.device), real.to(stack.device)
-        positions = torch.arange(width, device=stack.device).expand(len(batch), -1)  # [B, T]
-        cache = stack.new_cache(len(batch), width)
-        slots = cache.allocate(torch.ones_like(real))
-        h, done, kept = stack.embed(ids, positions), 0, []
-        for layer in [*layers, stack.n_layers]:
-            h = stack.run(h, done, layer, cache, positions, slots)
-            done = layer
-            kept.append(h[real].float().cpu())  # [n, d]
-        logits = stack.readout(h[real])  # [n, V], through the final layer (never translated)
-        hidden.append(torch.stack(kept[:-1], dim=1))
-        final.append(kept[-1])
-        top.append(logits.topk(top_k, dim=-1).indices.cpu())
-        targets.append(nxt[real.cpu()])
-    return Sample(torch.cat(hidden), torch.cat(final), torch.cat(top), torch.cat(targets), list(layers))
-
-
-def _logits(stack: LayerStack, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """head(final_norm(x)) through the head's rows ``weight`` ``[R, d]`` (all or a subset), softcap applied:
-    ``[n, R]``."""
-    logits = stack.final_norm(x) @ weight.T
-    if stack.softcap is not None:
-        logits = torch.tanh(logits / stack.softcap) * stack.softcap
-    return logits.float()
-
-
-def kl(logp: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
-    """KL(p ‖ softmax(student)) per row, nats, from the teacher's log-probabilities ``logp``: ``[n]``."""
-    return (logp.exp() * (logp - torch.log_softmax(student, -1))).sum(-1)
-
-
-def vocabulary_subset(top: torch.Tensor, vocab_size: int, sample: int | None,
-                      generator: torch.Generator) -> torch.Tensor | None:
-    """The union of the batch's teacher top-k ids and ``sample`` uniform draws; None means the whole vocabulary."""
-    if sample is None or sample + top.numel() >= vocab_size:
-        return None
-    drawn = torch.randint(vocab_size, (sample,), generator=generator)
-    return torch.unique(torch.cat([top.flatten(), drawn]))
-
-
-def batch_loss(stack: LayerStack, lens: TunedLens, part: Sample, rows: torch.Tensor | None, scale: float,
-               layers: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Σ_ℓ mean-KL of the tokens of ``part`` on vocabulary ``rows`` over ``layers`` (None: all of ``part.layers``),
-    times ``scale`` (1/global batch × local tokens makes rank losses add up to the batch mean); also the per-layer
-    KL sums ``[len(layers)]`` (detached)."""
-    device = stack.device
-    weight = stack.head.weight if rows is None else stack.head.weight[rows.to(device)]  # [R, d], indexed once
-    with torch.no_grad():
-        logp = torch.log_softmax(_logits(stack, part.final.to(device, stack.dtype), weight), -1)  # [n, R]
-    per_layer = []
-    for layer in part.layers if layers is None else layers:
-        h = part.hidden[:, part.layers.index(layer)].to(device, torch.float32)  # [n, d]
-        per_layer.append(kl(logp, _logits(stack, lens.translators[layer](h).to(stack.dtype), weight)).sum())
-    sums = torch.stack(per_layer)  # [len(layers)]
-    return sums.sum() * scale, sums.detach()
-
-
-@torch.no_grad()
-def held_out_kl(stack: LayerStack, lens: TunedLens, sample: Sample, rows: torch.Tensor | None,
-                chunk: int = 512, layers: Sequence[int] | None = None) -> torch.Tensor:
-    """Mean KL per layer ``[len(layers)]`` of ``sample`` on vocabulary ``rows`` (the early-stopping score)."""
-    sums = sum(batch_loss(stack, lens, sample.take(slice(i, i + chunk)), rows, 1.0, layers)[1].double().cpu()
-               for i in range(0, len(sample), chunk))
-    return sums / len(sample)
-
-
-def _score(logits: torch.Tensor, logp: torch.Tensor, p: torch.Tensor, top1: torch.Tensor, tgt: torch.Tensor,
-           has: torch.Tensor) -> torch.Tensor:
-    """Sums over tokens of KL(final ‖ read), top-1 agreements and next-token NLL: ``[3]`` (float64, CPU), from the
-    final log-probabilities ``logp`` and probabilities ``p`` ``[n, V]``."""
-    logq = torch.log_softmax(logits, -1)  # [n, V]
-    nll = -logq.gather(-1, tgt[:, None])[:, 0]  # [n]
-    return torch.stack([(p * (logp - logq)).sum(), (logits.argmax(-1) == top1).sum(),
-                        nll[has].sum()]).double().cpu()
-
-
-@torch.no_grad()
-def evaluate(stack: LayerStack, readouts: Mapping[str, Readout], sample: Sample,
-             chunk: int = 256) -> dict[str, dict[int, dict[str, float]]]:
-    """Per readout and layer (and L): mean KL to the final layer, top-1 agreement with it, and perplexity of the next
-    token, on the full vocabulary. The final distribution is computed once per chunk, and states that two readouts
-    translate alike (an identity translator), or that equal the final state, are read out once:
-    ``{name: {layer: metrics}}``."""
-    device, layers = stack.device, sample.layers
-    sums = {name: {layer: torch.zeros(3, dtype=torch.float64) for layer in [*layers, stack.n_layers]}
-            for name in readouts}  # KL, agreements, NLL
-    n, n_next = len(sample), int((sample.targets >= 0).sum())
-    for i in range(0, n, chunk):
-        part = sample.take(slice(i, i + chunk))
-        teacher = _logits(stack, part.final.to(device, stack.dtype), stack.head.weight)  # [n, V]
-        logp = torch.log_softmax(teacher, -1)  # log p_L [n, V]
-        given = (logp, logp.exp(), teacher.argmax(-1), part.targets.clamp_min(0).to(device),
-                 (part.targets >= 0).to(device))  # log p_L, p_L [n, V], its top-1 [n], next token [n], has one [n]
-        final = _score(teacher, *given)
-        last = part.final.to(device, torch.float32)  # [n, d]: a layer whose state is the final one reads out as L
-        for p, layer in enumerate(layers):
-            h, seen = part.hidden[:, p].to(device, torch.float32), [(last, final)]  # [n, d]; (state, its score)
-            for name, readout in readouts.items():
-                x = readout.translate(h, layer)
-                hit = next((got for y, got in seen if torch.equal(x, y)), None)
-                if hit is None:
-                    hit = _score(_logits(stack, x.to(stack.dtype), stack.head.weight), *given)
-                    seen.append((x, hit))
-                sums[name][layer] += hit
-        for name in readouts:
-            sums[name][stack.n_layers] += final
-    return {name: {layer: {"kl": float(t[0]) / n, "agreement": float(t[1]) / n,
-                           "perplexity": float(torch.exp(t[2] / max(n_next, 1)))} for layer, t in per.items()}
-            for name, per in sums.items()}
+PATIENCE, CAP, FINAL_STATE = "patience", "cap", "final state"  # why a layer stopped training
 
 
 @dataclass
@@ -191,37 +48,49 @@ class FitResult:
     """The fitted readout and what fitting measured.
 
     Attributes:
-        lens: per layer, the translator of its best epoch (lowest held-out KL of that layer; 0: the identity).
-        held_out: ``{"logit": {layer: metrics}, "tuned": {layer: metrics}}`` (see :func:`evaluate`).
-        history: per epoch, ``{"epoch", "train_kl": {layer: mean}, "held_out_kl": {layer: mean}}`` of the layers
+        lens: per layer, the translator of its best epoch (lowest selection KL of that layer; 0: the identity).
+        held_out: ``{"logit": {layer: metrics}, "tuned": {layer: metrics}}`` on the held-out tokens, full
+            vocabulary (see :func:`~emad.calibration.readout_scores.evaluate`): reported, never used to choose.
+        history: per epoch, ``{"epoch", "train_kl": {layer: mean}, "selection_kl": {layer: mean}}`` of the layers
             still training (KL on the vocabulary subset when ``vocab_sample`` is set: the early-stopping score).
         best_epoch: layer → the epoch whose translator it kept (0: the identity).
+        selection: as ``held_out``, on the selection tokens (where each layer was judged against the logit lens).
+        train: ``{"tuned": {layer: metrics}}`` on the first training tokens (as many as the held-out ones).
+        stopped: layer → ``{"reason", "epoch"}``: ``patience`` (no lower selection KL in ``patience`` epochs up to
+            that epoch), ``cap`` (still improving at the epoch cap) or ``final state`` (its state is the final one:
+            never trained, epoch 0).
     """
 
     lens: TunedLens
     held_out: dict[str, dict[int, dict[str, float]]]
     history: list[dict] = field(default_factory=list)
     best_epoch: dict[int, int] = field(default_factory=dict)
+    selection: dict[str, dict[int, dict[str, float]]] = field(default_factory=dict)
+    train: dict[str, dict[int, dict[str, float]]] = field(default_factory=dict)
+    stopped: dict[int, dict] = field(default_factory=dict)
 
 
-def fit(stack: LayerStack, train: Sample, held_out: Sample, fingerprint: dict, *, epochs: int = 8,
-        lr: float = 2e-3, rank: int | None = None, seed: int = 0, batch_tokens: int = 256,
-        vocab_sample: int | None = 4096, patience: int = 2, checkpoint: str | Path | None = None,
-        meta: dict | None = None, on_epoch: Callable[[dict], None] | None = None,
-        on_batch: Callable[[int], None] | None = None) -> FitResult:
-    """Train translators at ``train.layers`` with Adam; each layer keeps the epoch of its own lowest held-out KL.
+def fit(stack: LayerStack, train: Sample, selection: Sample, held_out: Sample, fingerprint: dict, *,
+        epochs: int = 8, lr: float = 2e-3, lr_decay: float = 1.0, rank: int | None = None, seed: int = 0,
+        batch_tokens: int = 256, vocab_sample: int | None = 4096, patience: int = 2, min_delta: float = 0.0,
+        checkpoint: str | Path | None = None, meta: dict | None = None,
+        on_epoch: Callable[[dict], None] | None = None, on_batch: Callable[[int], None] | None = None) -> FitResult:
+    """Train translators at ``train.layers`` with Adam; each layer keeps the epoch of its own lowest selection KL.
 
-    The identity (epoch 0) is every layer's first candidate; a layer whose held-out KL is 0 there (its state is the
-    final one) is never trained and keeps A = 0, b = 0 bit for bit. A layer stops (no more updates) after
-    ``patience`` epochs without a lower held-out KL; fitting ends when every layer has stopped or after ``epochs``.
-    The learning rate falls linearly from ``lr`` to 0 over the ``epochs`` budget. Last, a layer whose kept
-    translator reads worse than the logit lens on the full vocabulary is reset to the identity.
+    The identity (epoch 0) is every layer's first candidate; a layer whose selection KL is 0 there (its state is the
+    final one) is never trained and keeps A = 0, b = 0 bit for bit. A layer stops (no more updates) on a plateau:
+    after ``patience`` epochs none of which lowered its selection KL by more than ``min_delta`` (relative) below the
+    last epoch that did; fitting ends when every layer has stopped or after ``epochs``.
+    The learning rate is ``lr`` throughout. Last, a layer whose kept translator reads worse than the logit lens on
+    the selection tokens' full vocabulary is reset to the identity; ``held_out`` is only evaluated, at the end.
 
-    Under ``torch.distributed`` every rank must hold the same ``train`` and ``held_out``; each takes tokens
-    ``rank::world`` of every batch, gradients are summed across ranks and rank 0's held-out scores decide.
+    Under ``torch.distributed`` every rank must hold the same samples; each takes tokens ``rank::world`` of every
+    batch, gradients are summed across ranks and rank 0's selection scores decide.
 
     Args:
-        epochs: at most this many passes over ``train``, each followed by a held-out evaluation.
+        epochs: at most this many passes over ``train``, each followed by a selection evaluation (the cap).
+        min_delta: the relative fall of the selection KL that counts as an improvement for ``patience`` (0: any
+            fall); the kept translator is the lowest scoring one either way.
         rank: translator rank (None: full rank).
         batch_tokens: tokens per optimiser step (over all ranks).
         vocab_sample: uniform vocabulary draws per step for the subset KL (None: full vocabulary).
@@ -235,91 +104,127 @@ def fit(stack: LayerStack, train: Sample, held_out: Sample, fingerprint: dict, *
         stack.device, torch.float32)
     modules = lens.modules()
     opt = torch.optim.Adam(modules.parameters(), lr=lr)
-    eval_rows = vocabulary_subset(held_out.top, stack.vocab_size, vocab_sample, torch.Generator().manual_seed(seed))
+    rows = vocabulary_subset(selection.top, stack.vocab_size, vocab_sample, torch.Generator().manual_seed(seed))
     initial = {layer: _copy_state(t) for layer, t in lens.translators.items()}
-    start = _agreed(held_out_kl(stack, lens, held_out, eval_rows), stack.device, world).tolist()
-    state = {"epoch": 0, "step": 0, "history": [], "best": dict(zip(train.layers, start)),
-             "best_epoch": dict.fromkeys(train.layers, 0), "best_state": dict(initial),
-             "stale": dict.fromkeys(train.layers, 0),
-             "active": [layer for layer, kl0 in zip(train.layers, start) if kl0 > 0]}  # KL 0 cannot improve
-    key = _key(fingerprint, train, held_out, epochs, lr, rank, seed, batch_tokens, vocab_sample, patience, world)
+    state = _start_state(_agreed(selection_kl(stack, lens, selection, rows), stack.device, world).tolist(),
+                         train.layers, initial)
+    key = _key(fingerprint, (train, selection, held_out), epochs, lr, lr_decay, rank, seed, batch_tokens, vocab_sample,
+               patience, min_delta, world)
     ckpt = None if checkpoint is None else Path(f"{checkpoint}.rank{rank_id}" if world > 1 else checkpoint)
     _resume(ckpt, key, modules, opt, state)
-    total_steps = epochs * -(-len(train) // batch_tokens)
     for epoch in range(state["epoch"] + 1, epochs + 1):
         active = state["active"]
         if not active:
             break
         gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-        order = torch.randperm(len(train), generator=gen)
-        sums = torch.zeros(len(active), dtype=torch.float64)  # [len(active)]
-        for begin in range(0, len(train), batch_tokens):
-            batch = order[begin:begin + batch_tokens]
-            for group in opt.param_groups:
-                group["lr"] = lr * (1 - state["step"] / total_steps)
-            opt.zero_grad(set_to_none=True)  # a stopped layer keeps grad None: Adam leaves it alone
-            rows = vocabulary_subset(train.top[batch], stack.vocab_size, vocab_sample, gen)
-            loss, layer_sums = batch_loss(stack, lens, train.take(batch[rank_id::world]), rows, 1.0 / len(batch),
-                                          active)
-            loss.backward()
-            if world > 1:
-                for p in (p for p in modules.parameters() if p.grad is not None):
-                    dist.all_reduce(p.grad)
-                dist.all_reduce(layer_sums)
-            opt.step()
-            state["step"] += 1
-            sums += layer_sums.double().cpu()
-            if on_batch is not None:
-                on_batch(len(batch))
-        scores = _agreed(held_out_kl(stack, lens, held_out, eval_rows, layers=active), stack.device, world)
-        entry = {"epoch": epoch, "train_kl": dict(zip(active, (sums / len(train)).tolist())),
-                 "held_out_kl": dict(zip(active, scores.tolist()))}
-        _keep_best(state, lens, epoch, entry["held_out_kl"], patience)
+        for group in opt.param_groups:
+            group["lr"] = lr * lr_decay ** (epoch - 1)
+        train_kl = _train_epoch(stack, lens, opt, train, active, gen, batch_tokens, vocab_sample, on_batch)
+        scores = _agreed(selection_kl(stack, lens, selection, rows, layers=active), stack.device, world)
+        entry = {"epoch": epoch, "train_kl": dict(zip(active, train_kl)),
+                 "selection_kl": dict(zip(active, scores.tolist()))}
+        _keep_best(state, lens, epoch, entry["selection_kl"], patience, min_delta)
         state["history"].append(entry)
         state["epoch"] = epoch
         if on_epoch is not None:
             on_epoch(entry)
         _save_checkpoint(ckpt, key, modules, opt, state)
-    for layer, saved in state["best_state"].items():
-        lens.translators[layer].load_state_dict(saved)
-    held = _never_worse(stack, lens, held_out, initial, state["best_epoch"])
-    best = TunedLens({layer: t.to(torch.float32) for layer, t in lens.translators.items()}, fingerprint,
-                     {**(meta or {}), "best_epoch": state["best_epoch"], "epochs_run": state["epoch"]})
+    stopped = {**state["stopped"], **{layer: {"reason": CAP, "epoch": state["epoch"]} for layer in state["active"]}}
+    result = _finish(stack, lens, state, train, selection, held_out, initial)
+    result.stopped = dict(sorted(stopped.items()))
+    result.lens.meta = {**(meta or {}), "best_epoch": result.best_epoch, "epochs_run": state["epoch"],
+                        "stopped": result.stopped}
     if ckpt is not None:
         ckpt.unlink(missing_ok=True)
-    return FitResult(best, held, state["history"], dict(state["best_epoch"]))
+    return result
 
 
-def _never_worse(stack: LayerStack, lens: TunedLens, held_out: Sample, initial: dict[int, dict],
-                 best_epoch: dict[int, int]) -> dict[str, dict[int, dict[str, float]]]:
-    """Held-out metrics of both readouts (:func:`evaluate`); a layer whose translator reads worse than the logit lens
-    on the full vocabulary (the subset KL chose it) goes back to the identity, ``best_epoch`` 0."""
+def _start_state(start: list[float], layers: Sequence[int], initial: dict[int, dict]) -> dict:
+    """The fit's progress before epoch 1: the identity is every layer's best (selection KL ``start``); a layer
+    whose KL is 0 there (its state is the final one) cannot improve and never trains."""
+    return {"epoch": 0, "history": [], "best": dict(zip(layers, start)), "best_epoch": dict.fromkeys(layers, 0),
+            "reference": dict(zip(layers, start)),
+            "best_state": dict(initial), "stale": dict.fromkeys(layers, 0),
+            "active": [layer for layer, kl0 in zip(layers, start) if kl0 > 0],
+            "stopped": {layer: {"reason": FINAL_STATE, "epoch": 0} for layer, kl0 in zip(layers, start) if kl0 <= 0}}
+
+
+def _train_epoch(stack: LayerStack, lens: TunedLens, opt: torch.optim.Optimizer, train: Sample,
+                 active: list[int], gen: torch.Generator, batch_tokens: int, vocab_sample: int | None,
+                 on_batch: Callable[[int], None] | None) -> list[float]:
+    """One pass over ``train`` in the order ``gen`` draws, updating the ``active`` layers' translators; their mean
+    training KL over the pass (vocabulary subset), per layer."""
+    world, rank_id = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    params = list(lens.modules().parameters())
+    order = torch.randperm(len(train), generator=gen)
+    sums = torch.zeros(len(active), dtype=torch.float64)  # [len(active)]
+    for begin in range(0, len(train), batch_tokens):
+        batch = order[begin:begin + batch_tokens]
+        opt.zero_grad(set_to_none=True)  # a stopped layer keeps grad None: Adam leaves it alone
+        rows = vocabulary_subset(train.top[batch], stack.vocab_size, vocab_sample, gen)
+        loss, layer_sums = batch_loss(stack, lens, train.take(batch[rank_id::world]), rows, 1.0 / len(batch), active)
+        loss.backward()
+        if world > 1:
+            for p in (p for p in params if p.grad is not None):
+                dist.all_reduce(p.grad)
+            dist.all_reduce(layer_sums)
+        opt.step()
+        sums += layer_sums.double().cpu()
+        if on_batch is not None:
+            on_batch(len(batch))
+    return (sums / len(train)).tolist()
+
+
+def _finish(stack: LayerStack, lens: TunedLens, state: dict, train: Sample, selection: Sample, held_out: Sample,
+            initial: dict[int, dict]) -> FitResult:
+    """Each layer's best translator, judged against the logit lens on the selection tokens (a worse one goes back
+    to the identity, best epoch 0), then measured on the training, selection and held-out tokens."""
+    for layer, saved in state["best_state"].items():
+        lens.translators[layer].load_state_dict(saved)
+    best_epoch = dict(state["best_epoch"])
+    chosen = _never_worse(stack, lens, selection, initial, best_epoch)
     held = evaluate(stack, {"logit": LogitLens(), "tuned": lens}, held_out)
+    seen = evaluate(stack, {"tuned": lens}, train.take(slice(0, min(len(train), len(held_out)))))
+    kept = TunedLens({layer: t.to(torch.float32) for layer, t in lens.translators.items()}, lens.fingerprint)
+    return FitResult(kept, held, state["history"], best_epoch, chosen, seen)
+
+
+def _never_worse(stack: LayerStack, lens: TunedLens, selection: Sample, initial: dict[int, dict],
+                 best_epoch: dict[int, int]) -> dict[str, dict[int, dict[str, float]]]:
+    """Selection metrics of both readouts (full vocabulary); a layer whose translator reads worse than the logit
+    lens there (the subset KL chose it) goes back to the identity, ``best_epoch`` 0."""
+    chosen = evaluate(stack, {"logit": LogitLens(), "tuned": lens}, selection)
     for layer in lens.layers:
-        if held["tuned"][layer]["kl"] > held["logit"][layer]["kl"]:
-            log.warning("readout layer %d: the fitted translator reads worse than the logit lens on the full "
-                        "vocabulary; keeping the identity", layer)
+        if chosen["tuned"][layer]["kl"] > chosen["logit"][layer]["kl"]:
+            log.warning("readout layer %d: the fitted translator reads worse than the logit lens on the selection "
+                        "tokens' full vocabulary; keeping the identity", layer)
             lens.translators[layer].load_state_dict(initial[layer])
             best_epoch[layer] = 0
-            held["tuned"][layer] = dict(held["logit"][layer])
-    return held
+            chosen["tuned"][layer] = dict(chosen["logit"][layer])
+    return chosen
 
 
-def _keep_best(state: dict, lens: TunedLens, epoch: int, scores: dict[int, float], patience: int) -> None:
-    """Per layer: keep this epoch's translator if its held-out KL is the lowest yet, else count a stale epoch and
-    stop the layer after ``patience`` of them (a non-finite score never improves)."""
+def _keep_best(state: dict, lens: TunedLens, epoch: int, scores: dict[int, float], patience: int,
+               min_delta: float = 0.0) -> None:
+    """Per layer: keep this epoch's translator if its selection KL is the lowest yet; an epoch that lowers it by more
+    than ``min_delta`` (relative) below the reference (the last such epoch's, or the identity's) resets the count
+    of stale epochs, any other adds one, and the layer stops after ``patience`` of them (a non-finite score never
+    improves)."""
     for layer, score in scores.items():
         if score < state["best"][layer]:
             state["best"][layer], state["best_epoch"][layer] = score, epoch
             state["best_state"][layer] = _copy_state(lens.translators[layer])
-            state["stale"][layer] = 0
+        if score < state["reference"][layer] * (1 - min_delta):
+            state["reference"][layer], state["stale"][layer] = score, 0
         else:
             state["stale"][layer] += 1
+            if state["stale"][layer] >= patience:
+                state["stopped"][layer] = {"reason": PATIENCE, "epoch": epoch}
     state["active"] = [layer for layer in state["active"] if state["stale"][layer] < patience]
 
 
 def _agreed(scores: torch.Tensor, device: torch.device, world: int) -> torch.Tensor:
-    """Rank 0's held-out scores on every rank, so that all ranks keep and stop the same layers."""
+    """Rank 0's selection scores on every rank, so that all ranks keep and stop the same layers."""
     if world > 1:
         dist.broadcast(shared := scores.to(device), 0)
         scores = shared.cpu()
@@ -330,9 +235,9 @@ def _copy_state(module: torch.nn.Module) -> dict:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-def _key(fingerprint, train, held_out, *settings) -> str:
-    ident = {"model": fingerprint, "layers": train.layers, "n": len(train), "held_out": len(held_out),
-             "train_sum": float(train.final.double().sum()), "settings": list(settings)}
+def _key(fingerprint, samples: Sequence[Sample], *settings) -> str:
+    ident = {"model": fingerprint, "layers": samples[0].layers, "n": [len(s) for s in samples],
+             "sums": [float(s.final.double().sum()) for s in samples], "settings": list(settings)}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
 
@@ -367,8 +272,9 @@ def grown_fit(base: TunedLens, metrics: Mapping, fingerprint: dict, layers: Sequ
     Below the base's L the grown model's states are the base model's, and every later state is the final one, bit
     for bit. A fit on it therefore gives each layer below the base's L the base fit's translator (a layer's updates
     read only its own states, the final states, and the batch order and vocabulary draws all layers share), and
-    every later layer the identity (its held-out KL is 0 from the start: never trained), with the held-out metrics
-    of the final state; the training history and best epochs are the base fit's.
+    every later layer the identity (its selection KL is 0 from the start: never trained, stopped for its
+    ``final state``), with the final state's training, selection and held-out metrics; the training history, best
+    epochs and stop reasons below are the base fit's.
 
     Raises:
         ValueError: the grown model's layers below the base's L are not the base fit's (other readouts settings).
@@ -381,40 +287,25 @@ def grown_fit(base: TunedLens, metrics: Mapping, fingerprint: dict, layers: Sequ
     lens = TunedLens.identity(layers, int(fingerprint["hidden_size"]), fingerprint, rank, seed)
     for layer in below:
         lens.translators[layer].load_state_dict(base.translators[layer].state_dict())
-    best = {**{int(k): v for k, v in metrics["best_epoch"].items()}, **{ly: 0 for ly in layers if ly >= n_base}}
-    lens.meta = {**base.meta, "best_epoch": best}
-    held = {}
-    for name, per in metrics["held_out"].items():  # the final state's metrics at the base's L and every later layer
+    idle = [layer for layer in layers if layer >= n_base]
+    best = {**{int(k): v for k, v in metrics["best_epoch"].items()}, **dict.fromkeys(idle, 0)}
+    stopped = {**{int(k): dict(v) for k, v in metrics["stopped"].items()},
+               **{layer: {"reason": FINAL_STATE, "epoch": 0} for layer in idle}}
+    lens.meta = {**base.meta, "best_epoch": best, "stopped": stopped}
+    extended = {key: _extended(metrics[key], n_base, [*idle, n_layers]) for key in ("held_out", "selection", "train")}
+    return FitResult(lens, extended["held_out"], list(metrics["history"]), best, extended["selection"],
+                     extended["train"], stopped)
+
+
+def _extended(per_readout: Mapping, n_base: int, later: Sequence[int]) -> dict[str, dict[int, dict[str, float]]]:
+    """Metrics ``{readout: {layer: metrics}}`` of the base fit (layer keys as JSON strings) with the final state's
+    metrics (the base's L) at every ``later`` layer of the grown model."""
+    out = {}
+    for name, per in per_readout.items():
         final = per[str(n_base)]
-        held[name] = {**{int(k): v for k, v in per.items() if int(k) < n_base},
-                      **{layer: dict(final) for layer in [*layers, n_layers] if layer >= n_base}}
-    return FitResult(lens, held, list(metrics["history"]), best)
-
-
-def split_windows(token_windows: list[list[int]], tokens: int, holdout: int) -> tuple[list[list[int]], list[list[int]]]:
-    """Held-out windows (the last whole windows holding at least ``holdout`` tokens) and, before them, training
-    windows (at most ``tokens`` tokens): both come from the end of the split, so a calibration capped at the
-    split's first tokens (``calibrate.max_tokens``) never reads the tokens the translators were fitted on.
-
-    Raises:
-        ValueError: fewer than ``holdout`` + 64 tokens in all, naming that minimum.
-    """
-    total, minimum = sum(len(w) for w in token_windows), holdout + 64
-    rest, held, kept = list(token_windows), [], 0
-    while rest and kept < holdout:
-        held.insert(0, rest.pop())
-        kept += len(held[0])
-    if total < minimum or sum(len(w) for w in rest) < 64:
-        raise ValueError(f"fit_readouts: the calibration split has {total} tokens; readouts.holdout = {holdout} "
-                         f"needs at least {minimum} (holdout + 64 training tokens, in whole windows of "
-                         f"readouts.window): sample more calibration tokens (corpus.calib_tokens) or lower "
-                         f"readouts.holdout")
-    train, kept = [], 0
-    while rest and kept < tokens:
-        w = rest.pop()[-(tokens - kept):]
-        train.insert(0, w)
-        kept += len(w)
-    return [w for w in train if len(w) >= 2], held
+        out[name] = {**{int(k): v for k, v in per.items() if int(k) < n_base},
+                     **{layer: dict(final) for layer in later}}
+    return out
 
 
 def fit_texts(loaded, texts: Sequence[str], cfg, *, checkpoint: str | Path | None = None,
@@ -422,8 +313,8 @@ def fit_texts(loaded, texts: Sequence[str], cfg, *, checkpoint: str | Path | Non
               on_start: Callable[[int], None] | None = None) -> tuple[FitResult, dict]:
     """Fit readouts for a loaded model on texts with a :class:`~emad.calibration.config.ReadoutsConfig`.
 
-    Checks layers, rank and the corpus size before any work; returns the fit and facts for the metrics file
-    (layers, tokens, seconds of collection).
+    Checks layers, rank and the corpus size (training + selection + held-out tokens) before any work; returns the
+    fit and facts for the metrics file (layers, tokens of each split and their token ranges in the split).
     """
     from emad.calibration.calibrate import resolve_probe_layers, windows
 
@@ -435,14 +326,15 @@ def fit_texts(loaded, texts: Sequence[str], cfg, *, checkpoint: str | Path | Non
     if not layers:
         raise ValueError(f"readouts.layers = {cfg.layers!r} leaves no layer below L = {stack.n_layers} to translate")
     docs = [loaded.tokenizer(t)["input_ids"] for t in texts]
-    train_w, held_w = split_windows(windows(docs, cfg.window), cfg.tokens, cfg.holdout)
+    splits = split_windows(windows(docs, cfg.window), cfg.tokens, cfg.selection, cfg.holdout)
     if on_start is not None:
-        on_start(sum(len(w) for w in train_w))
-    train = collect(stack, train_w, layers, cfg.top_k)
-    held = collect(stack, held_w, layers, cfg.top_k)
-    fingerprint = loaded.fingerprint.as_dict()
-    result = fit(stack, train, held, fingerprint, epochs=cfg.epochs, lr=cfg.lr, rank=cfg.rank, seed=cfg.seed,
-                 batch_tokens=cfg.batch_tokens, vocab_sample=cfg.vocab_sample, patience=cfg.patience,
-                 checkpoint=checkpoint, meta={"tokens": len(train), "holdout": len(held)}, on_epoch=on_epoch,
-                 on_batch=on_batch)
-    return result, {"layers": layers, "tokens": len(train), "holdout": len(held)}
+        on_start(sum(len(w) for w in splits.train))
+    train, chosen, held = (collect(stack, w, layers, cfg.top_k) for w in (splits.train, splits.selection,
+                                                                           splits.held_out))
+    facts = {"layers": layers, "tokens": len(train), "selection": len(chosen), "holdout": len(held),
+             "ranges": splits.ranges}
+    result = fit(stack, train, chosen, held, loaded.fingerprint.as_dict(), epochs=cfg.epochs, lr=cfg.lr,
+                 rank=cfg.rank, seed=cfg.seed, batch_tokens=cfg.batch_tokens, vocab_sample=cfg.vocab_sample,
+                 patience=cfg.patience, min_delta=cfg.min_delta, checkpoint=checkpoint, on_epoch=on_epoch, on_batch=on_batch,
+                 meta={k: facts[k] for k in ("tokens", "selection", "holdout")})
+    return result, facts

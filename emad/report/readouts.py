@@ -15,18 +15,35 @@ TUNED = "tuned"
 
 
 def layer_table(fit: Mapping[str, Any]) -> str:
-    """One row per layer: held-out top-1 agreement with layer L, KL to it and perplexity, logit vs tuned, and the
-    epoch whose translator the layer kept (0: the identity; – at L, which is never translated)."""
-    held, best = fit["held_out"], fit.get("best_epoch")
+    """One row per layer: held-out top-1 agreement with layer L, KL to it and perplexity, logit vs tuned; the tuned
+    readout's KL on the training, selection and held-out tokens; the epoch whose translator the layer kept (0: the
+    identity; – at L, which is never translated) and why and when it stopped (– where the fit recorded none)."""
+    held, best, stopped = fit["held_out"], fit.get("best_epoch"), fit.get("stopped") or {}
     final = max(held["logit"], key=int)
     rows = []
     for layer in sorted(held["logit"], key=int):
         lo, tu = held["logit"][layer], held["tuned"][layer]
         epoch = best.get(str(layer), best.get(int(layer))) if isinstance(best, Mapping) else best  # older: one epoch
-        rows.append([str(layer), fmt(lo["agreement"]), fmt(tu["agreement"]), fmt(lo["kl"], ".2f"), fmt(tu["kl"], ".2f"),
-                     fmt(lo["perplexity"], ".4g"), fmt(tu["perplexity"], ".4g"), fmt(None if layer == final else epoch, "d")])
-    return markdown_table(["layer", "agreement (logit)", "agreement (tuned)", "KL (logit)", "KL (tuned)",
-                           "perplexity (logit)", "perplexity (tuned)", "best epoch"], rows)
+        rows.append([str(layer), fmt(lo["agreement"]), fmt(tu["agreement"]), fmt(lo["kl"], ".2f"),
+                     _kl(fit, "train", layer), _kl(fit, "selection", layer), fmt(tu["kl"], ".2f"),
+                     fmt(lo["perplexity"], ".4g"), fmt(tu["perplexity"], ".4g"),
+                     fmt(None if layer == final else epoch, "d"), _stop(stopped.get(str(layer)))])
+    return markdown_table(["layer", "agreement (logit)", "agreement (tuned)", "KL (logit)", "KL (tuned) train",
+                           "KL (tuned) selection", "KL (tuned) held-out", "perplexity (logit)",
+                           "perplexity (tuned)", "best epoch", "stopped"], rows)
+
+
+def _kl(fit: Mapping[str, Any], split: str, layer: str) -> str:
+    """The tuned readout's KL at ``layer`` on ``split`` (``train`` or ``selection``); – where not recorded."""
+    per = (fit.get(split) or {}).get(TUNED, {}).get(layer)
+    return fmt(None if per is None else per["kl"], ".2f")
+
+
+def _stop(stop: Mapping[str, Any] | None) -> str:
+    """``patience @ 12``, ``cap @ 40`` or ``final state`` (never trained); – where the fit recorded none."""
+    if stop is None:
+        return "–"
+    return stop["reason"] if stop["reason"] == "final state" else f"{stop['reason']} @ {stop['epoch']}"
 
 
 def _closest(v: ModelVerdict) -> str:
@@ -70,12 +87,17 @@ def readouts_markdown(fits: Mapping[str, Mapping[str, Any]], runs: Sequence[dict
             through the tuned readout.
     """
     parts = ["Held-out tokens of the calibration split, read out at each layer through the final norm and head "
-             "(`logit`) or through the fitted translator first (`tuned`). Agreement = top-1 equal to layer L's."]
+             "(`logit`) or through the fitted translator first (`tuned`). Agreement = top-1 equal to layer L's. "
+             "The tuned readout's KL also on its training tokens (the first, as many as held out) and on the "
+             "selection tokens, which chose each layer's epoch and stopped it (on patience: that many epochs "
+             "without a lower selection KL; or at the epoch cap); held-out tokens choose nothing."]
     for name, fit in sorted(fits.items()):
         grown = (f" (the fit of `{fit['grown_from']}`, extended to the idle layers: what a fit here gives, bit for "
                  f"bit)") if fit.get("grown_from") else ""
-        parts += [f"### {name}: {fit['tokens']} training tokens, {len(fit['history'])} epochs, "
-                  f"{fit['seconds']:.0f} s{grown}", layer_table(fit)]
+        tokens = f"{fit['tokens']} training, {fit['selection']} selection, {fit['holdout']} held-out tokens" \
+            if "selection" in fit else f"{fit['tokens']} training tokens"
+        parts += [f"### {name}: {tokens}, {len(fit['history'])} epochs, {fit['seconds']:.0f} s{grown}",
+                  layer_table(fit)]
     bounds = oracle_bounds(runs)
     if bounds:
         rows = [[model, cal, fmt(ratio)] for model, per in bounds.items() for cal, ratio in per.items()]
