@@ -39,7 +39,7 @@ BASE = {
     "smooth": {"statistic": "mean", "min_count": 1},
     "estimators": {"topk": {"k": 16}},
     "decode": {
-        "domains": {"stdlib-prose": ["perplexity", "fidelity"], "gsm8k": ["gsm8k"]},
+        "domains": {"stdlib-prose": ["perplexity", "fidelity"], "gsm8k": ["gsm8k", "fidelity"]},
         "tasks": {"perplexity": {"tokens": 64, "window": 32, "prefix": 8},
                   "fidelity": {"prompts": 8, "prompt_tokens": 8, "new_tokens": 4}},
         "baselines": {"full": {"method": "full"}},
@@ -55,7 +55,7 @@ BASE = {
     "risk": {"domain": "stdlib-prose", "prompts": 22, "delta": 0.1, "epsilon": 0.1,
              "searches": {"m": {"point": {"method": "emad"}, "knob": "margin", "values": [1.0, 0.5]}}},
     "control": {"model": "tiny+idle2", "spec": "tiny-folder+idle2", "base": "tiny", "source": "stdlib-prose",
-                "decode": {"domains": {"stdlib-prose": ["perplexity"]}, "baselines": {"full": {"method": "full"}},
+                "decode": {"domains": {"stdlib-prose": ["perplexity", "fidelity"]}, "baselines": {"full": {"method": "full"}},
                            "points": {"p": {"method": "emad", "margin": 1}}}},
     "aggregate": {"min_flops_reduction": 0.15},
 }
@@ -93,7 +93,9 @@ PARAMS_CASES = [  # (path with '/' between keys, value, what the message must na
                                                r"calibrate\.readouts \(logit, tuned\)"),
     ("corpus/sources", ["stdlib-prose", "wikitxt"], r"corpus\.sources\[1\].*wikitxt.*valid: "),
     ("corpus/calib_tokens", -5, r"corpus\.calib_tokens"),
-    ("decode/domains/shakespeare", ["perplexity"], r"decode\.domains\.shakespeare: the domain is not sampled"),
+    ("decode/domains/shakespeare", ["perplexity", "fidelity"], r"decode\.domains\.shakespeare: the domain is not sampled"),
+    ("decode/domains/stdlib-code", ["perplexity"], r"decode\.domains\.stdlib-code: none of its tasks \(perplexity\) "
+     r"gives the prompts C2 times a point on; add one of .*fidelity"),
     ("decode/domains/stdlib-prose", ["perplexty"], r"perplexty.*valid: "),
     ("decode/points/p/method", "emda", r"decode\.points\.p\.method.*'emda'.*valid: "),
     ("decode/points/p/margin", "wide", r"decode\.points\.p\.margin.*'wide'"),
@@ -113,7 +115,7 @@ PARAMS_CASES = [  # (path with '/' between keys, value, what the message must na
     ("control/base", "other", r"control\.base: 'other' is not the model of models that control\.spec "
      r"\('tiny-folder\+idle2'\) grows; valid: a model whose spec is 'tiny-folder' \(tiny\)"),
     ("control/decode/points/p/margin", "wide", r"control\.decode\.points\.p\.margin.*'wide'"),
-    ("control/decode", {"domains": {"stdlib-prose": ["perplexity"]}}, r"control\.decode: give baselines, points"),
+    ("control/decode", {"domains": {"stdlib-prose": ["perplexity", "fidelity"]}}, r"control\.decode: give baselines, points"),
     ("decode/points/p.1", {"method": "emad", "margin": 1.0}, r"no dots.*p\.1"),
     ("decode/baselines/fixed", {"method": "fixed", "depht": 2}, r"decode\.baselines\.fixed\.depht"),
     ("decode/default_point", "nope", r"default_point 'nope'"),

@@ -178,9 +178,10 @@ class DecodeConfig(Section):
         timed = sorted(n for n in TASKS.names() if type(TASKS.get(n)()).speed_prompts is not Task.speed_prompts)
         for domain, tasks in self.domains.items():
             if not any(t in timed for t in tasks):
+                add = "fidelity" if "fidelity" in timed else timed[0]
                 raise ValueError(f"decode.domains.{domain}: none of its tasks ({', '.join(tasks)}) gives the prompts "
                                  f"C2 times a point on; add one of {', '.join(timed)} (e.g. {domain}: "
-                                 f"[{', '.join([*tasks, timed[0]])}])")
+                                 f"[{', '.join([*tasks, add])}])")
         for name in sorted({t for tasks in self.domains.values() for t in tasks}):
             task = TASKS.get(name)()
             have = getattr(task.settings(self.tasks.get(name)), "prompts", None)
