@@ -21,7 +21,7 @@ from tqdm import tqdm
 from emad import tracking
 from emad.calibration.calibrate import resolve_probe_layers
 from emad.calibration.config import ReadoutsConfig
-from emad.calibration.readout_fit import FitResult, fit_texts, grown_fit
+from emad.calibration.readout_fit import FitResult, fit_texts, grown_fit, result_metrics
 from emad.corpus import read_split
 from emad.engine import distributed
 from emad.engine.idle import check_grown
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             result.lens.save(args.out_dir / "readouts.safetensors")
             metrics = {"model": loaded.fingerprint.as_dict(), "corpus": corpus_hash, **facts, "settings": cfg.model_dump(),
                        "seconds": elapsed, "tokens_per_s": facts["tokens"] * len(result.history) / elapsed,
-                       **fit_metrics(result)}
+                       **result_metrics(result)}
             if base is not None:  # the fit's own cost is the base fit's
                 metrics |= {"grown_from": str(args.grown_from), "seconds": base[1]["seconds"],
                             "tokens_per_s": base[1]["tokens_per_s"]}
@@ -109,17 +109,6 @@ def main(argv: list[str] | None = None) -> int:
                   f"{result.held_out['tuned'][deepest]['agreement']:.3f} (tuned) -> {args.out_dir}")
     distributed.leave()
     return 0
-
-
-def fit_metrics(result: FitResult) -> dict:
-    """What ``metrics.json`` holds of a fit (layer keys as strings): each layer's best epoch and why and when it
-    stopped, the training curve, and the full-vocabulary metrics on the training, selection and held-out tokens."""
-    def keyed(per_readout: dict) -> dict:
-        return {r: {str(k): v for k, v in m.items()} for r, m in per_readout.items()}
-
-    return {"best_epoch": {str(k): v for k, v in result.best_epoch.items()},
-            "stopped": {str(k): v for k, v in result.stopped.items()}, "history": result.history,
-            "train": keyed(result.train), "selection": keyed(result.selection), "held_out": keyed(result.held_out)}
 
 
 def _stop_summary(stopped: dict) -> str:
@@ -152,7 +141,8 @@ def _grown(spec: str, loaded, cfg: ReadoutsConfig, base: TunedLens, metrics: dic
     n = fingerprint["n_layers"]
     layers = [p for p in resolve_probe_layers(cfg.layers, n) if p < n]
     result = grown_fit(base, metrics, fingerprint, layers, n, cfg.rank, cfg.seed)
-    return result, {key: metrics[key] for key in ("tokens", "selection", "holdout", "ranges")} | {"layers": layers}
+    facts = ("tokens", "selection", "holdout", "train_reported", "ranges")
+    return result, {key: metrics[key] for key in facts} | {"layers": layers}
 
 
 if __name__ == "__main__":

@@ -298,9 +298,7 @@ def test_a_grown_models_fit_is_its_base_models_fit_extended_bit_for_bit(rank):
     kwargs = {"epochs": 3, "lr": 3e-2, "rank": rank, "batch_tokens": 64, "vocab_sample": 24}
     own = fit(idle, *samples["idle"], {**FINGERPRINT, "n_layers": 6}, **kwargs)
     fitted = fit(base, *samples["base"], FINGERPRINT, **kwargs)
-    metrics = json.loads(json.dumps({"model": FINGERPRINT, "best_epoch": fitted.best_epoch, "history": fitted.history,
-                                     "stopped": fitted.stopped, "held_out": fitted.held_out,
-                                     "selection": fitted.selection, "train": fitted.train}))  # as metrics.json
+    metrics = json.loads(json.dumps({"model": FINGERPRINT, **readout_fit.result_metrics(fitted)}))  # metrics.json
     grown = readout_fit.grown_fit(fitted.lens, metrics, {**FINGERPRINT, "n_layers": 6}, [1, 2, 3, 4, 5], 6, rank)
     assert sorted(grown.lens.layers) == sorted(own.lens.layers) == [1, 2, 3, 4, 5]
     for layer, translator in own.lens.translators.items():
@@ -518,8 +516,8 @@ def test_two_process_gradients_equal_one_process_gradients(tmp_path):
 def test_the_report_shows_each_layers_kl_on_every_split_its_best_epoch_and_why_it_stopped():
     metrics = {"held_out": {r: {str(k): {"kl": 0.5, "agreement": 0.5, "perplexity": 9.0} for k in (3, 6, 9)}
                             for r in ("logit", "tuned")}, "best_epoch": {"3": 7, "6": 0},
-               "train": {"tuned": {"3": {"kl": 0.25}, "6": {"kl": 0.125}}},
-               "selection": {"tuned": {"3": {"kl": 0.375}, "6": {"kl": 0.5}}},
+               "train_metrics": {"tuned": {"3": {"kl": 0.25}, "6": {"kl": 0.125}}},
+               "selection_metrics": {"tuned": {"3": {"kl": 0.375}, "6": {"kl": 0.5}}},
                "stopped": {"3": {"reason": "patience", "epoch": 10}, "6": {"reason": "cap", "epoch": 40}}}
     lines = layer_table(metrics).splitlines()
     header = [cell.strip() for cell in lines[0].split("|")[1:-1]]
@@ -530,3 +528,13 @@ def test_the_report_shows_each_layers_kl_on_every_split_its_best_epoch_and_why_i
         ("0.25", "0.38", "0.50"), ("0.12", "0.50", "0.50"), ("–", "–", "0.50")]
     older = layer_table({k: v for k, v in metrics.items() if k in ("held_out", "best_epoch")})
     assert older.splitlines()[2].endswith("| 7 | – |")  # a fit from before the selection split: nothing invented
+
+
+def test_the_report_names_the_three_splits_sizes():
+    from emad.report.readouts import readouts_markdown
+
+    fit_ = {"held_out": {r: {str(k): {"kl": 0.5, "agreement": 0.5, "perplexity": 9.0} for k in (3, 6)}
+                         for r in ("logit", "tuned")}, "best_epoch": {"3": 7}, "history": [{}] * 9, "seconds": 90.0,
+            "tokens": 12288, "selection": 1024, "holdout": 1024, "train_reported": 512}
+    text = readouts_markdown({"m/s": fit_}, [], {})
+    assert "### m/s: 12288 training (KL on the first 512), 1024 selection, 1024 held-out tokens, 9 epochs, 90 s" in text

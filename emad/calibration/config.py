@@ -110,7 +110,7 @@ class ReadoutsConfig(Section):
     selection: int = Field(1024, ge=16)
     holdout: int = Field(1024, ge=16)
     window: int = Field(256, ge=2)
-    epochs: int = Field(8, ge=1)
+    epochs: int = Field(40, ge=1)
     lr: float = Field(2e-3, gt=0)
     rank: int | None = Field(None, ge=1)
     seed: int = 0
@@ -118,7 +118,7 @@ class ReadoutsConfig(Section):
     vocab_sample: int | None = Field(4096, ge=1)
     top_k: int = Field(32, ge=1)
     patience: int = Field(3, ge=1)
-    min_delta: float = Field(0.0, ge=0, lt=1)
+    min_delta: float = Field(0.01, ge=0, lt=1)
     source: str = "stdlib-prose"
     device: str = "auto"
     dtype: str = "auto"

@@ -36,11 +36,13 @@ from emad.exits.readouts import LogitLens, TunedLens
 from emad.io import atomic_write_bytes
 
 __all__ = ["FitResult", "Sample", "Splits", "batch_loss", "collect", "evaluate", "fit", "fit_texts", "grown_fit",
-           "kl", "selection_kl", "split_windows", "vocabulary_subset"]
+           "kl", "result_metrics", "selection_kl", "split_windows", "vocabulary_subset"]
 
 log = logging.getLogger(__name__)
 
 PATIENCE, CAP, FINAL_STATE = "patience", "cap", "final state"  # why a layer stopped training
+TRAIN_REPORTED = 512  # training tokens whose full-vocabulary metrics are reported (the overfitting gap)
+METRICS_KEYS = {"held_out": "held_out", "selection": "selection_metrics", "train": "train_metrics"}  # in metrics.json
 
 
 @dataclass
@@ -55,7 +57,7 @@ class FitResult:
             still training (KL on the vocabulary subset when ``vocab_sample`` is set: the early-stopping score).
         best_epoch: layer → the epoch whose translator it kept (0: the identity).
         selection: as ``held_out``, on the selection tokens (where each layer was judged against the logit lens).
-        train: ``{"tuned": {layer: metrics}}`` on the first training tokens (as many as the held-out ones).
+        train: ``{"tuned": {layer: metrics}}`` on the first ``TRAIN_REPORTED`` training tokens.
         stopped: layer → ``{"reason", "epoch"}``: ``patience`` (no lower selection KL in ``patience`` epochs up to
             that epoch), ``cap`` (still improving at the epoch cap) or ``final state`` (its state is the final one:
             never trained, epoch 0).
@@ -71,7 +73,7 @@ class FitResult:
 
 
 def fit(stack: LayerStack, train: Sample, selection: Sample, held_out: Sample, fingerprint: dict, *,
-        epochs: int = 8, lr: float = 2e-3, lr_decay: float = 1.0, rank: int | None = None, seed: int = 0,
+        epochs: int = 8, lr: float = 2e-3, rank: int | None = None, seed: int = 0,
         batch_tokens: int = 256, vocab_sample: int | None = 4096, patience: int = 2, min_delta: float = 0.0,
         checkpoint: str | Path | None = None, meta: dict | None = None,
         on_epoch: Callable[[dict], None] | None = None, on_batch: Callable[[int], None] | None = None) -> FitResult:
@@ -80,9 +82,9 @@ def fit(stack: LayerStack, train: Sample, selection: Sample, held_out: Sample, f
     The identity (epoch 0) is every layer's first candidate; a layer whose selection KL is 0 there (its state is the
     final one) is never trained and keeps A = 0, b = 0 bit for bit. A layer stops (no more updates) on a plateau:
     after ``patience`` epochs none of which lowered its selection KL by more than ``min_delta`` (relative) below the
-    last epoch that did; fitting ends when every layer has stopped or after ``epochs``.
-    The learning rate is ``lr`` throughout. Last, a layer whose kept translator reads worse than the logit lens on
-    the selection tokens' full vocabulary is reset to the identity; ``held_out`` is only evaluated, at the end.
+    last epoch that did; fitting ends when every layer has stopped or after ``epochs``. The learning rate is ``lr``
+    throughout. Last, a layer whose kept translator reads worse than the logit lens on the selection tokens' full
+    vocabulary is reset to the identity; ``held_out`` is only evaluated, at the end.
 
     Under ``torch.distributed`` every rank must hold the same samples; each takes tokens ``rank::world`` of every
     batch, gradients are summed across ranks and rank 0's selection scores decide.
@@ -108,7 +110,7 @@ def fit(stack: LayerStack, train: Sample, selection: Sample, held_out: Sample, f
     initial = {layer: _copy_state(t) for layer, t in lens.translators.items()}
     state = _start_state(_agreed(selection_kl(stack, lens, selection, rows), stack.device, world).tolist(),
                          train.layers, initial)
-    key = _key(fingerprint, (train, selection, held_out), epochs, lr, lr_decay, rank, seed, batch_tokens, vocab_sample,
+    key = _key(fingerprint, (train, selection, held_out), epochs, lr, rank, seed, batch_tokens, vocab_sample,
                patience, min_delta, world)
     ckpt = None if checkpoint is None else Path(f"{checkpoint}.rank{rank_id}" if world > 1 else checkpoint)
     _resume(ckpt, key, modules, opt, state)
@@ -117,8 +119,6 @@ def fit(stack: LayerStack, train: Sample, selection: Sample, held_out: Sample, f
         if not active:
             break
         gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-        for group in opt.param_groups:
-            group["lr"] = lr * lr_decay ** (epoch - 1)
         train_kl = _train_epoch(stack, lens, opt, train, active, gen, batch_tokens, vocab_sample, on_batch)
         scores = _agreed(selection_kl(stack, lens, selection, rows, layers=active), stack.device, world)
         entry = {"epoch": epoch, "train_kl": dict(zip(active, train_kl)),
@@ -137,6 +137,18 @@ def fit(stack: LayerStack, train: Sample, selection: Sample, held_out: Sample, f
     if ckpt is not None:
         ckpt.unlink(missing_ok=True)
     return result
+
+
+def result_metrics(result: FitResult) -> dict:
+    """What ``metrics.json`` holds of a fit (layer keys as strings, as :func:`grown_fit` reads them back): each
+    layer's best epoch and why and when it stopped, the training curve, and the full-vocabulary metrics on the
+    held-out (``held_out``), selection (``selection_metrics``) and training (``train_metrics``) tokens."""
+    def keyed(per_readout: dict) -> dict:
+        return {r: {str(k): v for k, v in m.items()} for r, m in per_readout.items()}
+
+    return {"best_epoch": {str(k): v for k, v in result.best_epoch.items()},
+            "stopped": {str(k): v for k, v in result.stopped.items()}, "history": result.history,
+            **{key: keyed(getattr(result, split)) for split, key in METRICS_KEYS.items()}}
 
 
 def _start_state(start: list[float], layers: Sequence[int], initial: dict[int, dict]) -> dict:
@@ -184,7 +196,7 @@ def _finish(stack: LayerStack, lens: TunedLens, state: dict, train: Sample, sele
     best_epoch = dict(state["best_epoch"])
     chosen = _never_worse(stack, lens, selection, initial, best_epoch)
     held = evaluate(stack, {"logit": LogitLens(), "tuned": lens}, held_out)
-    seen = evaluate(stack, {"tuned": lens}, train.take(slice(0, min(len(train), len(held_out)))))
+    seen = evaluate(stack, {"tuned": lens}, train.take(slice(0, TRAIN_REPORTED)))
     kept = TunedLens({layer: t.to(torch.float32) for layer, t in lens.translators.items()}, lens.fingerprint)
     return FitResult(kept, held, state["history"], best_epoch, chosen, seen)
 
@@ -292,7 +304,7 @@ def grown_fit(base: TunedLens, metrics: Mapping, fingerprint: dict, layers: Sequ
     stopped = {**{int(k): dict(v) for k, v in metrics["stopped"].items()},
                **{layer: {"reason": FINAL_STATE, "epoch": 0} for layer in idle}}
     lens.meta = {**base.meta, "best_epoch": best, "stopped": stopped}
-    extended = {key: _extended(metrics[key], n_base, [*idle, n_layers]) for key in ("held_out", "selection", "train")}
+    extended = {split: _extended(metrics[key], n_base, [*idle, n_layers]) for split, key in METRICS_KEYS.items()}
     return FitResult(lens, extended["held_out"], list(metrics["history"]), best, extended["selection"],
                      extended["train"], stopped)
 
@@ -332,7 +344,7 @@ def fit_texts(loaded, texts: Sequence[str], cfg, *, checkpoint: str | Path | Non
     train, chosen, held = (collect(stack, w, layers, cfg.top_k) for w in (splits.train, splits.selection,
                                                                            splits.held_out))
     facts = {"layers": layers, "tokens": len(train), "selection": len(chosen), "holdout": len(held),
-             "ranges": splits.ranges}
+             "train_reported": min(len(train), TRAIN_REPORTED), "ranges": splits.ranges}
     result = fit(stack, train, chosen, held, loaded.fingerprint.as_dict(), epochs=cfg.epochs, lr=cfg.lr,
                  rank=cfg.rank, seed=cfg.seed, batch_tokens=cfg.batch_tokens, vocab_sample=cfg.vocab_sample,
                  patience=cfg.patience, min_delta=cfg.min_delta, checkpoint=checkpoint, on_epoch=on_epoch, on_batch=on_batch,

@@ -25,7 +25,7 @@ def layer_table(fit: Mapping[str, Any]) -> str:
         lo, tu = held["logit"][layer], held["tuned"][layer]
         epoch = best.get(str(layer), best.get(int(layer))) if isinstance(best, Mapping) else best  # older: one epoch
         rows.append([str(layer), fmt(lo["agreement"]), fmt(tu["agreement"]), fmt(lo["kl"], ".2f"),
-                     _kl(fit, "train", layer), _kl(fit, "selection", layer), fmt(tu["kl"], ".2f"),
+                     _kl(fit, "train_metrics", layer), _kl(fit, "selection_metrics", layer), fmt(tu["kl"], ".2f"),
                      fmt(lo["perplexity"], ".4g"), fmt(tu["perplexity"], ".4g"),
                      fmt(None if layer == final else epoch, "d"), _stop(stopped.get(str(layer)))])
     return markdown_table(["layer", "agreement (logit)", "agreement (tuned)", "KL (logit)", "KL (tuned) train",
@@ -33,9 +33,10 @@ def layer_table(fit: Mapping[str, Any]) -> str:
                            "perplexity (tuned)", "best epoch", "stopped"], rows)
 
 
-def _kl(fit: Mapping[str, Any], split: str, layer: str) -> str:
-    """The tuned readout's KL at ``layer`` on ``split`` (``train`` or ``selection``); – where not recorded."""
-    per = (fit.get(split) or {}).get(TUNED, {}).get(layer)
+def _kl(fit: Mapping[str, Any], key: str, layer: str) -> str:
+    """The tuned readout's KL at ``layer`` under ``key`` (``train_metrics`` or ``selection_metrics``); – where not
+    recorded."""
+    per = fit.get(key, {}).get(TUNED, {}).get(layer)
     return fmt(None if per is None else per["kl"], ".2f")
 
 
@@ -88,14 +89,15 @@ def readouts_markdown(fits: Mapping[str, Mapping[str, Any]], runs: Sequence[dict
     """
     parts = ["Held-out tokens of the calibration split, read out at each layer through the final norm and head "
              "(`logit`) or through the fitted translator first (`tuned`). Agreement = top-1 equal to layer L's. "
-             "The tuned readout's KL also on its training tokens (the first, as many as held out) and on the "
+             "The tuned readout's KL also on its first training tokens and on the "
              "selection tokens, which chose each layer's epoch and stopped it (on patience: that many epochs "
              "without a lower selection KL; or at the epoch cap); held-out tokens choose nothing."]
     for name, fit in sorted(fits.items()):
         grown = (f" (the fit of `{fit['grown_from']}`, extended to the idle layers: what a fit here gives, bit for "
                  f"bit)") if fit.get("grown_from") else ""
-        tokens = f"{fit['tokens']} training, {fit['selection']} selection, {fit['holdout']} held-out tokens" \
-            if "selection" in fit else f"{fit['tokens']} training tokens"
+        tokens = (f"{fit['tokens']} training (KL on the first {fit['train_reported']}), {fit['selection']} "
+                  f"selection, {fit['holdout']} held-out tokens") if "selection" in fit else \
+            f"{fit['tokens']} training tokens"
         parts += [f"### {name}: {tokens}, {len(fit['history'])} epochs, {fit['seconds']:.0f} s{grown}",
                   layer_table(fit)]
     bounds = oracle_bounds(runs)
