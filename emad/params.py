@@ -211,7 +211,7 @@ def _check_readouts(cfg: dict[str, Any]) -> None:
     if "tuned" in calibrate.readouts and not covered:
         raise ConfigError(f"readouts.layers = {layers!r} must cover calibrate.probe_layers = {probes!r} when "
                           f"calibrate.readouts includes tuned (the same spec, or a list holding every probe layer)")
-    if "corpus" in cfg:
+    if "corpus" in cfg and ("readouts" in cfg or "tuned" in calibrate.readouts):  # a fit that will run
         _check_readout_tokens(cfg["corpus"].calib_tokens, calibrate, readouts)
 
 

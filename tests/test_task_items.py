@@ -159,7 +159,7 @@ def test_item_settings_errors_name_the_parameter(tmp_path):
     from emad.params import validate_params
 
     params = tmp_path / "params.yaml"
-    params.write_text("corpus: {sources: [shakespeare]}\ndecode: {domains: {shakespeare: [perplexity, cloze]}}\n")
+    params.write_text("corpus: {sources: [shakespeare]}\ndecode: {domains: {shakespeare: [perplexity, fidelity, cloze]}}\n")
     with pytest.raises(ConfigError, match=r"decode\.domains\.shakespeare: task 'cloze'.*corpus\.tasks\.cloze"):
         validate_params(params)
 
