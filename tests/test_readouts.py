@@ -377,6 +377,29 @@ def test_a_layer_whose_selection_kl_rises_keeps_its_earlier_epoch(stack, monkeyp
     assert result.stopped == {layer: {"reason": "cap", "epoch": 3} for layer in (1, 2, 3)}
 
 
+def test_a_fall_under_min_delta_is_kept_but_counts_toward_patience(stack, monkeypatch):
+    """Layer 2's selection KL falls by 0.5% an epoch after epoch 1: each epoch's translator is the lowest yet and is
+    kept, but none lowers the KL by more than min_delta = 1% below epoch 1's, so the layer stops after 2 of them."""
+    real = readout_fit.selection_kl
+    scripted = [0.5, 0.4975, 0.495, 0.4925]  # layer 2 after epochs 1..4, times its identity's KL
+    identity = []
+
+    def scorer(stack, lens, sample, rows, chunk=512, layers=None):
+        scores = real(stack, lens, sample, rows, chunk, layers)
+        for i, layer in enumerate(sample.layers if layers is None else layers):
+            if layer == 2:
+                identity.append(float(scores[i]))
+                scores[i] = identity[0] * ([1.0, *scripted][len(identity) - 1])
+        return scores
+
+    monkeypatch.setattr(readout_fit, "selection_kl", scorer)
+    monkeypatch.setattr(readout_fit, "_never_worse", lambda *args: {})  # the scripted scores are not the real ones
+    result = fit(stack, *_samples(stack), FINGERPRINT, epochs=4, lr=3e-3, batch_tokens=64, vocab_sample=24,
+                 patience=2, min_delta=0.01)
+    assert result.best_epoch[2] == 3 and result.stopped[2] == {"reason": "patience", "epoch": 3}
+    assert [e["epoch"] for e in result.history if 2 in e["selection_kl"]] == [1, 2, 3]
+
+
 def test_fitting_stops_on_a_plateau_before_the_cap(stack):
     result = fit(stack, *_samples(stack), FINGERPRINT, epochs=40, lr=3e-2, batch_tokens=32, vocab_sample=24,
                  patience=2)
