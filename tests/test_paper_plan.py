@@ -60,7 +60,7 @@ from tests.tiny import save_tiny_pretrained
 
 ROOT = Path(__file__).resolve().parent.parent
 PAPER = ROOT / "params-paper.yaml"
-HIDDEN = 128  # the tiny models' hidden size (>= every rank the plan asks of an estimator or translator)
+HIDDEN = 256  # the tiny models' hidden size (>= every rank the plan asks of an estimator or translator)
 VOCAB = 2048  # the tiny models' vocabulary (>= the plan's top-K shortlist)
 FIT_TOKENS = 128  # synthetic hidden states an estimator fit reads
 WORDS = 1000  # synthetic text draws words w3 .. w999, which every tiny vocabulary holds (one word, one token)
@@ -107,8 +107,11 @@ def _plan() -> dict:
 
 
 def _shape(raw: dict, model_dir: str) -> Shape:
-    """The real shape behind a prepared model folder ``data/models/<name>``."""
-    return SHAPES[raw["models"][Path(model_dir).name]]
+    """The real shape behind a prepared model folder ``data/models/<name>`` (the control's: its base model's)."""
+    name = Path(model_dir).name
+    if name not in raw["models"] and name == raw.get("control", {}).get("model"):
+        name = raw["control"]["base"]
+    return SHAPES[_plan()["models"][name]]
 
 
 def word_tokenizer(size: int):
