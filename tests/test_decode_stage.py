@@ -413,13 +413,13 @@ def test_c2_candidates_share_blocks_and_a_family_that_passed_on_the_only_domain_
         return job, why, None, SimpleNamespace(cost=lambda: {"flops_ratio": flops})
 
     decoder = object.__new__(Decoder)
-    decoder.plan = SimpleNamespace(domains=domains, thresholds=Thresholds())
+    decoder.plan = SimpleNamespace(domains=domains, thresholds=Thresholds(), cfg=SimpleNamespace(speed_candidates=None))
     cheap, blocks = [], []
     monkeypatch.setattr(decoder, "_speed", lambda job, prepared, result, limit, why: cheap.append(
         (job.label, why)) or {"speed_timing": f"cheap: {why}"})
     monkeypatch.setattr(decoder, "_time_block", lambda prepared, block: blocks.append(
         [job.label for job, _, _ in block]) or [{"speed_timing": "pairs"} for _ in block])
-    monkeypatch.setattr(decoder, "_passes_c2", lambda domain, result, full, speed, floor: result.cost()[
+    monkeypatch.setattr(decoder, "_passes_c2", lambda domain, job, result, full, speed, floor: result.cost()[
         "flops_ratio"] < 0.8)  # every point below 0.8 passes C2 on this domain
     speeds = decoder._speeds("toy", [], [done("full", "full", 1.0, "full depth"), done("f_a", "f", 0.9),
                                          done("f_b", "f", 0.7), done("f_c", "f", 0.75), done("g_a", "g", 0.85)])
@@ -446,6 +446,50 @@ def test_c2_candidates_share_blocks_and_a_family_that_passed_on_the_only_domain_
         assert blocks == [["f_b", "f_c", "f_a", "g_a"]]  # every candidate in one block
         expected |= {"f_c": "pairs", "f_a": "pairs"}
     assert {label: speed["speed_timing"] for label, speed in speeds.items()} == expected
+
+
+def test_a_family_times_at_most_speed_candidates_on_a_domain_its_cheapest(monkeypatch):
+    """decode.speed_candidates: of a family's C2 candidates on a domain, the cheapest (teacher-forced FLOPs) that many
+    are timed over prompts; the dearer ones get the cheap measure, saying why."""
+    from types import SimpleNamespace
+
+    from emad.evaluation.checks import Thresholds
+    from emad.evaluation.decoder import Decoder
+
+    def done(label, family, flops):
+        job = SimpleNamespace(label=label, point=SimpleNamespace(method="conf", family=family))
+        return job, None, None, SimpleNamespace(cost=lambda: {"flops_ratio": flops})
+
+    decoder = object.__new__(Decoder)
+    decoder.plan = SimpleNamespace(domains=["toy", "other"], thresholds=Thresholds(),
+                                   cfg=SimpleNamespace(speed_candidates=2))
+    blocks = []
+    monkeypatch.setattr(decoder, "_speed", lambda job, prepared, result, limit, why: {"speed_timing": f"cheap: {why}"})
+    monkeypatch.setattr(decoder, "_time_block", lambda prepared, block: blocks.append(
+        [job.label for job, _, _ in block]) or [{"speed_timing": "pairs"} for _ in block])
+    speeds = decoder._speeds("toy", [], [done("f_a", "f", 0.9), done("f_b", "f", 0.7), done("f_c", "f", 0.8),
+                                         done("g_a", "g", 0.85)])
+    assert blocks == [["f_b", "f_c", "g_a"]]
+    assert speeds["f_a"] == {"speed_timing": "cheap: not among f's 2 cheapest C2 candidates on toy "
+                                             "(decode.speed_candidates)"}
+
+
+def test_the_early_stop_reads_the_identity_proof_as_the_verdict_does():
+    """C2's early stop judges a point's checks as the verdict will: with the proof the run file records, equal
+    perplexity windows are identical by construction (and the gate is met); without it they bound nothing."""
+    from emad.evaluation.checks import Thresholds, checks_against
+    from emad.evaluation.judge import passes_c2
+    from emad.evaluation.states import IDENTICAL
+    from emad.evaluation.units import SELECTION, Units
+
+    windows = [[20.0 + i, 10] for i in range(16)]
+    tasks = {"perplexity": {"perplexity": 7.3, "samples": {"perplexity": windows}}}
+    fast = [[130.0, 100.0]] * 8
+    plain = checks_against("toy", tasks, tasks, Thresholds().tolerance, Units(SELECTION, 0))
+    proved = checks_against("toy", tasks, tasks, Thresholds().tolerance, Units(SELECTION, 0),
+                            identity={"proved": True, "why": "exits only where the state is final", "final_from": 4})
+    assert [c.state for c in proved] == [IDENTICAL] and passes_c2(proved, fast, 1.1)
+    assert [c.state for c in plain] == ["unresolved"] and not passes_c2(plain, fast, 1.1)
 
 
 def test_a_written_out_point_the_screen_rules_out_decodes_nothing_free_running_and_says_why(workspace, monkeypatch):

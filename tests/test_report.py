@@ -583,6 +583,10 @@ def test_c2_follows_the_speed_interval_over_prompts():
     # no timed eligible point: nothing was measured, so C2 is unresolved ("not timed"), never falsified
     assert few.c2.outcome == "unresolved" and few.c2.deciding is None and "not timed" in few.c2.sentence()
     assert "timed on 8 distinct prompts per domain" in few.c2.sentence()
+    costly = full_runs() + point_runs("emad-a", flops=1.02, tps=90.0, pairs=0)  # met, no FLOPs saved: never timed
+    never = verdict(costly)["m"].c2
+    assert never.outcome == "unresolved" and never.deciding is None
+    assert "spends at least full depth's FLOPs" in never.sentence() and "emad-a" in never.sentence()
     repeats = runs_with({"emad-a": [1.3, 1.32, 1.29, 1.31, 1.3, 1.3, 1.31, 1.29]})
     for r in repeats:  # repeats of one prompt measure timer jitter, not inputs: not read by C2
         r["cost"]["speed_unit"] = "repeat"

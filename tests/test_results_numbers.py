@@ -20,7 +20,8 @@ METRICS = ROOT / "reports" / "metrics.json"
 DOCS = [ROOT / d for d in results_numbers.DOCS]
 FORMATS = {"perplexity_change_at_target": results_numbers.multiple,  # how the blocks quote each key
            "max_reduction_within_tolerance": results_numbers.percent,
-           "max_reduction_unresolved": results_numbers.percent}
+           "max_reduction_unresolved": results_numbers.percent,
+           "speedup": lambda v: f"{v:.2f}×"}
 
 
 def _copies(tmp_path: Path, change=None) -> tuple[list[str], list[Path]]:
@@ -92,3 +93,17 @@ def test_the_prose_outside_the_blocks_quotes_no_number_of_metrics_json():
         prose = results_numbers.BLOCK.sub("", doc.read_text())
         found = sorted(q for q in quoted if re.search(rf"(?<![\d.]){re.escape(q)}(?![\d])", prose))
         assert not found, f"{doc.name} quotes {found} outside a numbers block: put them in one (tools/results_numbers.py)"
+
+
+def test_the_speedup_block_quotes_c2s_timed_point_with_its_interval_over_prompts():
+    timed = {"c1": "pass", "c2": "pass", "c2_point": "fixed_30", "speedup": 1.3912, "speedup_lo": 1.3801,
+             "speedup_hi": 1.4107, "speedup_prompts": 8, "speedup_level": 0.975}
+    m = results_numbers.Metrics({"ctl": {"emad (all)": timed, "fixed": timed, "emad": {"c1": "fail", "c2": "fail"}}},
+                                "metrics.json")
+    assert results_numbers.render("speedup:ctl:fixed", m) == "1.39× (97.5% CI 1.38 to 1.41, 8 prompts)"
+    rows = results_numbers.families_table(m, "ctl").splitlines()
+    assert rows[0].endswith("| speed-up of C2's point |")
+    assert rows[-1].endswith("| 1.39× (97.5% CI 1.38 to 1.41, 8 prompts), `fixed_30` |")  # `fixed`
+    assert next(r for r in rows if r.startswith("| `emad` |")).endswith("| — |")  # not timed: no number
+    with pytest.raises(results_numbers.MissingNumber, match="ctl → emad has no key 'speedup'"):
+        results_numbers.render("speedup:ctl:emad", m)

@@ -14,6 +14,8 @@ A block's name is ``<kind>[:<model>[:<family>]]`` (model and family as keys of m
 - ``families:<model>``: the table of a model's families (C1, C2, perplexity at the target, largest reductions).
 - ``reduction:<model>:<family>``: inline, the largest FLOPs reduction with every check met (``28.1%``).
 - ``perplexity:<model>:<family>``: inline, perplexity at the target as a multiple of full depth's (``×8.4``).
+- ``speedup:<model>:<family>``: inline, the speed-up of the point C2 names with its interval over prompts
+  (``1.39× (95% CI 1.38 to 1.41, 8 prompts)``).
 
     python tools/results_numbers.py            # rewrite the blocks (make repro runs it after dvc repro)
     python tools/results_numbers.py --check    # exit 1 naming each stale block; the files are left alone
@@ -80,21 +82,22 @@ class Metrics:
         raise MissingNumber(f"{self.source}: {model} has no entry {joined!r} for the judged method (aggregate.methods)")
 
     def get(self, model: str, family: str, key: str) -> Any:
-        headline = self._family(model, family)
+        headline = self.headline(model, family)
         if key not in headline:
             raise MissingNumber(f"{self.source}: {model} → {family} has no key {key!r} (it has: "
                                 f"{', '.join(headline) or 'none'})")
         return headline[key]
 
     def optional(self, model: str, family: str, key: str) -> Any:
-        return self._family(model, family).get(key)
+        return self.headline(model, family).get(key)
 
     def _model(self, model: str) -> dict:
         if model not in self.data:
             raise MissingNumber(f"{self.source}: no model {model!r} (models: {', '.join(self.data) or 'none'})")
         return self.data[model]
 
-    def _family(self, model: str, family: str) -> dict:
+    def headline(self, model: str, family: str) -> dict:
+        """The headline of one family of one model (errors name the missing model or family)."""
         if family not in self._model(model):
             raise MissingNumber(f"{self.source}: {model} has no family {family!r}")
         return self._model(model)[family]
@@ -125,6 +128,14 @@ def multiple(change: float) -> str:
     return f"×{ratio / 10 ** exponent:.1f}·10{str(exponent).translate(SUPERSCRIPT)}"
 
 
+def speedup(headline: dict) -> str:
+    """The speed-up C2 read, with its interval over prompts: ``1.39× (95% CI 1.38 to 1.41, 8 prompts)``."""
+    value, n = headline["speedup"], headline.get("speedup_prompts")
+    lo, hi, level = headline.get("speedup_lo"), headline.get("speedup_hi"), headline.get("speedup_level")
+    ci = (f"{100 * level:.4g}% CI {lo:.2f} to {hi:.2f}" if None not in (lo, hi, level) else "CI n/a")
+    return f"{value:.2f}× ({ci}, {n} prompts)"
+
+
 def code(name: str) -> str:
     """A family as the docs write it: in code, but a joined name with blanks (``emad (all)``) in quotes."""
     return f'"{name}"' if " " in name else f"`{name}`"
@@ -135,13 +146,15 @@ def code(name: str) -> str:
 def families_table(m: Metrics, model: str) -> str:
     """A model's families: C1, C2, perplexity at the target, largest reductions (met; unresolved)."""
     rows = [f"| family | C1 | C2 | perplexity at {target(m.target)} fewer FLOPs | largest reduction, every check met | "
-            f"largest reduction, unresolved |", "|---|---|---|---|---|---|"]
+            f"largest reduction, unresolved | speed-up of C2's point |", "|---|---|---|---|---|---|---|"]
     for family in [m.judged(model), *sorted(m.families(model))]:
         cells = [code(family), m.get(model, family, "c1"), m.get(model, family, "c2")]
         for key, fmt in (("perplexity_change_at_target", multiple), ("max_reduction_within_tolerance", percent),
                          ("max_reduction_unresolved", percent)):
             value = m.optional(model, family, key)
             cells.append("—" if value is None else fmt(value))
+        timed = m.optional(model, family, "speedup") is not None
+        cells.append(f"{speedup(m.headline(model, family))}, {code(m.get(model, family, 'c2_point'))}" if timed else "—")
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -211,13 +224,16 @@ def render(name: str, m: Metrics) -> str:
     blocks: dict[str, Callable[..., str]] = {"glance": glance, "verdict": verdict, "families": families_table}
     inline = {"reduction": ("max_reduction_within_tolerance", percent),
               "perplexity": ("perplexity_change_at_target", multiple)}
+    if kind == "speedup" and len(args) == 2:
+        m.get(*args, "speedup")  # an error naming the key when C2 timed no point of this family
+        return speedup(m.headline(*args))
     if kind in inline and len(args) == 2:
         key, fmt = inline[kind]
         return fmt(m.get(*args, key))
     if kind in blocks and len(args) == (0 if kind == "glance" else 1):
         return f"\n{blocks[kind](m, *args)}\n"
     raise ValueError(f"unknown numbers block {name!r}; kinds: glance, verdict:<model>, families:<model>, "
-                     f"reduction:<model>:<family>, perplexity:<model>:<family>")
+                     f"reduction:<model>:<family>, perplexity:<model>:<family>, speedup:<model>:<family>")
 
 
 def rendered(text: str, m: Metrics, where: str) -> tuple[str, list[str]]:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from enum import StrEnum
 from typing import Any
 
 from emad.evaluation.intervals import (
@@ -39,25 +38,20 @@ from emad.evaluation.intervals import (
     tolerance_state,
 )
 from emad.evaluation.metrics import METRICS, quality_of, relative_tolerance, samples_of
+from emad.evaluation.states import (
+    IDENTICAL,
+    MET,
+    MIN_UNITS,
+    NOT_COUNTED,
+    RULED_OUT,
+    UNRESOLVED,
+    VIOLATED,
+    State,
+)
 from emad.evaluation.units import ALL, CONFIRMATION, SELECTION, Units
 
-MIN_UNITS = 8  # no check in the verdict rests on fewer units
 MIN_SPEED_PROMPTS = 8  # C2 reads a speed-up only from this many distinct prompts per domain
 
-
-class State(StrEnum):
-    """A check's (or a point's) state."""
-
-    MET = "met"
-    VIOLATED = "violated"
-    UNRESOLVED = "unresolved"
-    IDENTICAL = "identical by construction"
-    NOT_COUNTED = f"not counted (n < {MIN_UNITS})"
-    RULED_OUT = "ruled out by the screen"
-
-
-MET, VIOLATED, UNRESOLVED = State.MET, State.VIOLATED, State.UNRESOLVED
-IDENTICAL, NOT_COUNTED, RULED_OUT = State.IDENTICAL, State.NOT_COUNTED, State.RULED_OUT
 STATE_RANK = {NOT_COUNTED: -1, IDENTICAL: 0, MET: 0, UNRESOLVED: 1, VIOLATED: 2, RULED_OUT: 2}
 
 
@@ -103,6 +97,7 @@ class Check:
     has: int | None = None
     units: str = CONFIRMATION
     level: float = LEVEL
+    all_equal: bool = False
 
     @property
     def ok(self) -> bool:
@@ -153,7 +148,7 @@ class Check:
         if self.lo is None or self.hi is None:
             why = self.method.removeprefix("undefined: ")
             return f"95% CI n/a: {why}" + (f", n {self.n}" if self.n is not None else "")
-        if self.method.startswith("exact: 0 of"):  # every paired unit equal: the bound on the share that differ
+        if self.all_equal:  # every paired unit equal: the bound on the share that differ
             return f"{self.method.removeprefix('exact: ')}, n {self.n}"
         ci = f"{100 * self.level:.4g}% CI"
         if self.relative:
@@ -255,7 +250,8 @@ def build_check(domain: str, metric: str, point_run: dict, full_run: dict, toler
         iv = _interval(metric, point_run, full_run, units, level)
         full, value = metric_value(key, reference), metric_value(key, point)
         check = Check(domain, metric, full, value, iv.value, tolerance, relative, iv.lo, iv.hi, iv.n, iv.method,
-                      State(tolerance_state(iv, tolerance)), has=m.bound_units(point) if point else 0, **base)
+                      tolerance_state(iv, tolerance), has=m.bound_units(point) if point else 0,
+                      all_equal=iv.all_equal, **base)
     if proved_identical(point_run):
         check.state = IDENTICAL
     elif check.n is not None and check.n < MIN_UNITS:
@@ -264,10 +260,11 @@ def build_check(domain: str, metric: str, point_run: dict, full_run: dict, toler
 
 
 def checks_against(domain: str, tasks: dict[str, dict], reference: dict[str, dict],
-                   tolerance: Callable[[str], float], units: Units) -> list[Check]:
+                   tolerance: Callable[[str], float], units: Units, identity: dict | None = None) -> list[Check]:
     """Every check of a point's results (``tasks``, a run record's ``tasks``) against full depth's on the same units
-    (``reference``) on ``domain``, in ``units``' split; ``tolerance`` of a metric name."""
-    point, full = {"run_id": "point", "tasks": tasks, "quality": quality_of(tasks)}, \
+    (``reference``) on ``domain``, in ``units``' split; ``tolerance`` of a metric name; ``identity``: the point's
+    proof as its run file records it (:func:`emad.evaluation.proof.prove_identical`)."""
+    point, full = {"run_id": "point", "tasks": tasks, "quality": quality_of(tasks), "identity": identity}, \
         {"run_id": "full depth", "tasks": reference, "quality": quality_of(reference)}
     return [build_check(domain, m, point, full, tolerance(m), units) for m in sorted(full["quality"])]
 

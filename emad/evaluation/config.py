@@ -63,6 +63,8 @@ class DecodeConfig(Section):
         speed_flops_below: only points whose teacher-forced FLOPs ratio (per domain) is below this are timed over
             prompts; the others, which compute at least this share of full depth's FLOPs, get the cheap measure
             (null: every point that exits early and that no teacher-forced check rules out).
+        speed_candidates: C2's candidates timed over prompts per family and domain: the cheapest (teacher-forced
+            FLOPs ratio, placed on the selection half) first; the rest get the cheap measure (null: every one).
         split_seed: the seed of the units' split (:mod:`emad.evaluation.units`): the screen, point placement and
             C2's early stop choose on the selection half of each task's units, the verdict judges the other half;
             recorded in each run file.
@@ -105,6 +107,7 @@ class DecodeConfig(Section):
     speed_prompts: int = MIN_SPEED_PROMPTS
     speed_tokens: int = Field(32, ge=1)
     speed_flops_below: float | None = Field(1.0, gt=0)
+    speed_candidates: int | None = Field(None, ge=1)
     split_seed: int = Field(0, ge=0)
     curves: dict[str, SweepPosition] = Field(default_factory=dict)
     screens: dict[str, Screen] = Field(default_factory=dict)

@@ -70,6 +70,7 @@ class Untimed(StrEnum):
     NEVER_EXITS = "never exits"
     COSTLY = "FLOPs ratio at or above decode.speed_flops_below"
     DECIDED = "C2 decided"
+    SPARE = "beyond decode.speed_candidates"
 
 
 @dataclass(frozen=True)
@@ -309,7 +310,8 @@ class Decoder:
         the interval over prompts at or above ``1 + min_speed_gain``) has decided C2: its later candidates get the
         cheap measure and say so — so there the candidates are timed in rounds, each the next candidate of every
         family in rising FLOPs order, until one family is left (its candidates then share a block: one full-depth
-        generation per prompt for all of them, against two per prompt for each candidate timed alone)."""
+        generation per prompt for all of them, against two per prompt for each candidate timed alone). A family times
+        at most ``decode.speed_candidates`` candidates on a domain, its cheapest; the others get the cheap measure."""
         full = next((result for job, _, _, result in done if job.point.method == FULL), None)
         decides = len(self.plan.domains) == 1 and full is not None
         floor = 1.0 + self.plan.thresholds.min_speed_gain
@@ -319,6 +321,13 @@ class Decoder:
         for job, _, limit, result in sorted((d for d in done if d[1] is None),
                                             key=lambda d: (d[0].point.family, d[3].cost()["flops_ratio"] or 0.0)):
             queues.setdefault(job.point.family, []).append((job, result, limit))
+        cap = self.plan.cfg.speed_candidates
+        for family, queue in queues.items():
+            why = NotTimed(Untimed.SPARE, f"not among {family}'s {cap} cheapest C2 candidates on {domain} "
+                           "(decode.speed_candidates)")
+            for later, res, limit in queue[cap:] if cap is not None else []:
+                speeds[later.label] = self._speed(later, prepared, res, limit, why)
+            del queue[len(queue) if cap is None else cap:]
         while any(queues.values()):
             left = [queue for queue in queues.values() if queue]
             if decides and len(left) > 1:
@@ -327,7 +336,7 @@ class Decoder:
                 block, queues = [c for queue in left for c in queue], {}
             for (job, result, _), speed in zip(block, self._time_block(prepared, block)):
                 speeds[job.label] = speed
-                if decides and self._passes_c2(domain, result, full, speed, floor):
+                if decides and self._passes_c2(domain, job, result, full, speed, floor):
                     why = NotTimed(Untimed.DECIDED, f"C2 decided for {job.point.family} by {job.label}")
                     for later, res, limit in queues.pop(job.point.family, []):  # none left: timed together
                         speeds[later.label] = self._speed(later, prepared, res, limit, why)
@@ -347,12 +356,14 @@ class Decoder:
                 out[i] = {**speed, "speed_timing": "pairs"}
         return out
 
-    def _passes_c2(self, domain: str, result: Evaluation, full: Evaluation, speed: dict, floor: float) -> bool:
-        """Every counted check of ``result`` against full depth on ``domain`` (selection split) is met and its
-        speed-up's interval over ≥ 8 prompts lies at or above ``floor``: the verdict's C2 on one domain
-        (:func:`emad.evaluation.judge.passes_c2`)."""
+    def _passes_c2(self, domain: str, job: Job, result: Evaluation, full: Evaluation, speed: dict,
+                   floor: float) -> bool:
+        """Every counted check of ``result`` against full depth on ``domain`` (selection split; identical where the
+        run file's proof will say so) is met and its speed-up's interval over ≥ 8 prompts lies at or above
+        ``floor``: the verdict's C2 on one domain (:func:`emad.evaluation.judge.passes_c2`)."""
+        proof = prove_identical(job.method, self.stack.n_layers, self.final_from, result.depth_histogram())
         checks = checks_against(domain, result.tasks, full.tasks, self.plan.thresholds.tolerance,
-                                Units(SELECTION, self.plan.cfg.split_seed))
+                                Units(SELECTION, self.plan.cfg.split_seed), identity=proof)
         return passes_c2(checks, speed.get("speed_pairs") or [], floor)
 
     def _score(self, domain: str, jobs: list[Job]) -> None:

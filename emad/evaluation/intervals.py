@@ -43,11 +43,12 @@ from functools import lru_cache
 
 import numpy as np
 
+from emad.evaluation.states import MET, UNRESOLVED, VIOLATED, State
+
 LEVEL = 0.95
 RESAMPLES = 4999
 SEED = 0
 EPS = 1e-9
-MET, VIOLATED, UNRESOLVED = "met", "violated", "unresolved"
 EXP_KEYS = frozenset({"perplexity"})  # pair samples whose metric is exp(Σnumerator / Σdenominator)
 EQUAL_UNBOUNDED = "every paired unit equal, and a share of differing units bounds no relative change"
 
@@ -62,6 +63,7 @@ class Interval:
         n: units behind it (the smaller count for an unpaired change).
         method: how the bounds were computed (``clopper-pearson``, ``bootstrap-bca`` ...), or
             ``undefined: <why>``.
+        all_equal: every paired unit was equal: the bounds are the exact bound on the share of units that differ.
     """
 
     value: float | None
@@ -69,6 +71,7 @@ class Interval:
     hi: float | None
     n: int
     method: str
+    all_equal: bool = False
 
     @property
     def defined(self) -> bool:
@@ -268,7 +271,7 @@ def _change_interval(key: str, point: tuple, full: tuple, relative: bool, bound_
             return _undefined(value, np_, EQUAL_UNBOUNDED)
         bound = share_bound(bound_units, level)
         return Interval(value, -bound, bound, np_, f"exact: 0 of {bound_units} differ ({level:.1%} bound on the share "
-                        f"that differ {bound:.2%})")
+                        f"that differ {bound:.2%})", all_equal=True)
     if min(np_, nf) < 2:
         return _undefined(value, min(np_, nf), "fewer than 2 units")
     if not (np.isfinite(xp).all() and np.isfinite(xf).all()):
@@ -301,7 +304,7 @@ def ratio_interval(ratios: Sequence[float], level: float = LEVEL) -> Interval:
                     "student-t on log ratios")
 
 
-def floor_state(interval: Interval, floor: float) -> str:
+def floor_state(interval: Interval, floor: float) -> State:
     """:data:`MET` when the interval lies at or above ``floor`` (a speed-up that must reach it), :data:`VIOLATED`
     when it lies wholly below, :data:`UNRESOLVED` when it straddles it or is undefined."""
     if not interval.defined:
@@ -313,7 +316,7 @@ def floor_state(interval: Interval, floor: float) -> str:
     return UNRESOLVED
 
 
-def tolerance_state(interval: Interval, tolerance: float) -> str:
+def tolerance_state(interval: Interval, tolerance: float) -> State:
     """:data:`MET` when the interval of a change lies within ``tolerance`` (a change above it is worse),
     :data:`VIOLATED` when it lies wholly above, :data:`UNRESOLVED` when it straddles it or is undefined.
     A slack of :data:`EPS` lets a bound exactly at the tolerance count as within."""

@@ -267,6 +267,7 @@ class C2Reason(StrEnum):
     OPEN = "a timed point is not shown below the gain"
     NONE_ELIGIBLE = "no point within the tolerances"
     NOT_TIMED = "no eligible point timed"
+    NO_SAVING = "every eligible point spends at least full depth's FLOPs"
     SLOW = "every timed point is below the gain"
 
 
@@ -342,8 +343,9 @@ def decide_c2(points: list[PointAssessment], thr: Thresholds, reassess: Reassess
         return C2Decision(Outcome.UNRESOLVED, C2Reason.OPEN, p, labels, open_labels, m, level)
     if not eligible:
         return C2Decision(Outcome.FAIL, C2Reason.NONE_ELIGIBLE, None)
-    if not timed:
-        return C2Decision(Outcome.UNRESOLVED, C2Reason.NOT_TIMED, None, labels, open_labels)
+    if not timed:  # never timed, so never falsified; say whether anything eligible saved compute at all
+        reason = C2Reason.NO_SAVING if all(p.reduction <= EPS for p in eligible) else C2Reason.NOT_TIMED
+        return C2Decision(Outcome.UNRESOLVED, reason, None, labels, open_labels)
     p = max(timed, key=lambda p: (p.speed.value, p.label))
     return C2Decision(Outcome.FAIL, C2Reason.SLOW, p, labels, open_labels, m, level)
 

@@ -42,7 +42,7 @@ from typing import Any
 
 from emad.evaluation.checks import Check, combined_state, tolerance_used
 from emad.evaluation.identity import CurveId, split_family
-from emad.evaluation.intervals import MET, UNRESOLVED
+from emad.evaluation.states import MET, UNRESOLVED
 from emad.report.frontier import finite
 from emad.report.verdict import ModelVerdict, PointAssessment
 

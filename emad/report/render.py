@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from emad.evaluation.checks import IDENTICAL, NOT_COUNTED, RULED_OUT
-from emad.evaluation.intervals import MET, UNRESOLVED, VIOLATED
+from emad.evaluation.states import MET, UNRESOLVED, VIOLATED
 from emad.report.curves import Curve, domain_curves, domain_shift_curves, model_curves
 from emad.report.frontier import FULL, baselines, point_label, speedup
 from emad.report.readouts import readouts_markdown
@@ -29,6 +29,9 @@ from emad.report.tables import (
     markdown_table,
     risk_markdown,
     shift_curves_markdown,
+)
+from emad.report.verdict import (
+    NAMED as LITERAL_NAMES,  # points the literal reading names before "… and N more"
 )
 from emad.report.verdict import ModelVerdict, PointAssessment, speed_text
 from emad.report.verdict import family_verdicts as judge_families
@@ -71,7 +74,6 @@ UNCERTAINTY_RULE = (
     "cheapest first and, once one passes C2 there, the rest keep the cheap pair (\"C2 decided for … by …\"). The "
     "literal reading counts the points with a violated check or a violation measured by the screen.")
 
-LITERAL_NAMES = 8  # points the literal reading names before "… and N more"
 
 
 def _aside(checks) -> list[tuple[str, int]]:
@@ -378,9 +380,16 @@ def _families(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, ModelVerdic
 def _headline(curve: Curve, v: ModelVerdict) -> dict[str, Any]:
     ppl = curve.at(curve.target, "perplexity").value if "perplexity" in curve.metrics else None
     ok, met = curve.largest_ok, curve.largest_met
+    timed = v.c2.deciding  # quoted only at matched accuracy: timed over prompts, every counted check met
+    timed = timed if timed is not None and timed.speed is not None and timed.state == MET else None
+    speed = timed.speed if timed else None
     return _clean({"c1": v.c1.outcome, "c2": v.c2.outcome, "tolerance_multiple_at_target": curve.at_target.value,
                    "perplexity_change_at_target": ppl, "max_reduction_within_tolerance": met.reduction if met else None,
-                   "max_reduction_unresolved": ok.reduction if ok and ok.state == UNRESOLVED else None})
+                   "max_reduction_unresolved": ok.reduction if ok and ok.state == UNRESOLVED else None,
+                   "c2_point": timed.label if timed else None, "speedup": speed.value if speed else None,
+                   "speedup_lo": speed.lo if speed else None, "speedup_hi": speed.hi if speed else None,
+                   "speedup_prompts": speed.n if speed else None,
+                   "speedup_level": timed.level if timed and speed.defined else None})
 
 
 def metrics_summary(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, ModelVerdict],
@@ -393,7 +402,11 @@ def metrics_summary(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, Model
     (relative rise, ratio − 1, worst domain) at the FLOPs ratio 1 − ``min_flops_reduction``, interpolated on the
     envelope (left out when the curve does not reach it); ``max_reduction_within_tolerance``: the largest positive
     FLOPs reduction of a point with every counted check met (left out when there is none);
-    ``max_reduction_unresolved``: the largest one met or unresolved, when that point is unresolved. Families are those of ``family_verdicts`` (judged alone; computed
+    ``max_reduction_unresolved``: the largest one met or unresolved, when that point is unresolved; ``c2_point``,
+    ``speedup`` (``_lo``, ``_hi``, ``_prompts``, ``_level``): the point C2 names when it was timed over prompts
+    with every counted check met, its
+    tokens/s over full depth's with the interval over prompts at the level C2 judged it (family-wise).
+    Families are those of ``family_verdicts`` (judged alone; computed
     from ``runs`` with the thresholds of ``verdicts`` when None) plus the judged method of ``verdicts`` under its
     joined name (``emad (all)``, or ``emad, confidence``) when it spans several. The per-run detail is :func:`run_details`.
     """

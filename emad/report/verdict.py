@@ -242,6 +242,16 @@ def c1_result(d: C1Decision, thr: Thresholds, methods: str, domains: list[str]) 
     return C1Result(d.outcome, p, bool(d.literal), list(d.literal), text, list(d.unresolved))
 
 
+NAMED = 8  # points a sentence names before "… and N more"
+
+
+def _some(names: list[str]) -> str:
+    """At most :data:`NAMED` of ``names``, then how many more."""
+    if len(names) <= NAMED:
+        return ", ".join(names)
+    return f"{len(names)} points: {', '.join(names[:NAMED])} … and {len(names) - NAMED} more"
+
+
 def c2_result(d: C2Decision, thr: Thresholds) -> C2Result:
     """C2's decision in words."""
     p, gain = d.deciding, f"{thr.min_speed_gain:.0%}"
@@ -258,9 +268,14 @@ def c2_result(d: C2Decision, thr: Thresholds) -> C2Result:
     elif d.reason == C2Reason.NONE_ELIGIBLE:
         text = ("C2 fails (falsified): no operating point stays within the quality tolerances (every one violates "
                 "a tolerance or was ruled out by the screen).")
+    elif d.reason == C2Reason.NO_SAVING:
+        text = (f"C2 unresolved: not timed — every point within (or possibly within) the tolerances "
+                f"({_some(d.matched + d.unresolved)}) spends at least full depth's FLOPs (it never exits early, or its "
+                "probes cost more than the layers it skips), so none was timed: at matched accuracy no point saves "
+                "compute to be timed.")
     elif d.reason == C2Reason.NOT_TIMED:
         text = ("C2 unresolved: not timed — no point within (or possibly within) the tolerances "
-                f"({', '.join(d.matched + d.unresolved)}) was timed on {MIN_SPEED_PROMPTS} distinct prompts per "
+                f"({_some(d.matched + d.unresolved)}) was timed on {MIN_SPEED_PROMPTS} distinct prompts per "
                 "domain (the decode stage times the points that exit early and spend fewer FLOPs than full depth, "
                 "decode.speed_flops_below, and every strategy; a domain needs a task with speed prompts).")
     else:
