@@ -124,6 +124,22 @@ def test_a_grown_models_calibration_is_its_base_models_extended_exactly(probes):
             base.grown([3, 6], {})
 
 
+def _assert_close(got, want, where="estimators"):
+    """``got == want`` with floats equal up to the last bits (rel 1e-12); keys, lengths and other values exactly."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), where
+        for key in want:
+            _assert_close(got[key], want[key], f"{where}.{key}")
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            _assert_close(g, w, f"{where}[{i}]")
+    elif isinstance(want, float):
+        assert got == pytest.approx(want, rel=1e-12, abs=1e-15), where
+    else:
+        assert got == want, where
+
+
 def test_a_grown_models_estimators_are_its_base_models_extended_exactly():
     """The control's estimators: Top-K and low-rank fitted on the tiny model with 2 idle layers equal the tiny
     model's own fits, extended (each probe from the base's L on takes its final layer's correction and errors)."""
@@ -143,6 +159,8 @@ def test_a_grown_models_estimators_are_its_base_models_extended_exactly():
             fitted[est] = {"options": estimator.options(), **fit(stack, estimator, sample)}
         files[name] = json.loads(json.dumps({"model": {"n_layers": stack.n_layers}, "probe_layers": probes,
                                              "estimators": fitted}))
-    assert grown(files["base"], ["topk", "lowrank"], [1, 2, 3, 4, 5, 6]) == files["grown"]["estimators"]
+    # equal up to float rounding: the grown model's fit reduces over more probes at once, and a reduction's
+    # blocking (so its last bit) may follow the tensor's shape and the threads at hand
+    _assert_close(grown(files["base"], ["topk", "lowrank"], [1, 2, 3, 4, 5, 6]), files["grown"]["estimators"])
     with pytest.raises(ValueError, match=r"lacks probes \[\] or estimators \['prune'\]"):
         grown(files["base"], ["prune"], [1, 2, 3, 4, 5, 6])
