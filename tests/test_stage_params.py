@@ -27,6 +27,7 @@ from tests.params_reads import ROOT, stage_reads
 
 SCRIPTS = {path.stem: importlib.import_module(f"pipeline.{path.stem}") for path in sorted((ROOT / "pipeline").glob("*.py"))}
 PLANS = {"params.yaml": ROOT / "params.yaml", "params-paper.yaml": ROOT / "params-paper.yaml",
+         "params-powered.yaml": ROOT / "params-powered.yaml",
          "tiny graph": None}
 LOADERS = {"decode": "plan"}  # the params-loading function of a stage script (default: load_params)
 N_LAYERS = 32  # the depth the decode stages resolve relative layers and ranges with (no model is loaded here)
