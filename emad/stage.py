@@ -23,7 +23,8 @@ def run_stage(name: str, main: Callable[[], int | None]) -> NoReturn:
     """Runs a stage's ``main()`` and exits the process with its outcome.
 
     - first, the tracking store ``MLFLOW_TRACKING_URI`` names must answer (:func:`emad.tracking.require_store`);
-      a store that does not is a user error, before any work.
+      a store that does not is a user error, before any work. Freed large tensors go back to the operating system
+      (:func:`emad.engine.host_memory.return_large_frees`).
     - ``main`` returns: exit with its return value (``None`` is 0).
     - a user error (:data:`USER_ERRORS`): ``<name>: error: <message>`` on stderr, exit 2.
     - SIGINT (KeyboardInterrupt): ``<name>: interrupted`` on stderr, exit 130.
@@ -33,8 +34,10 @@ def run_stage(name: str, main: Callable[[], int | None]) -> NoReturn:
         name: the stage, as dvc.yaml names it.
         main: the stage's entry point; it reads ``sys.argv``.
     """
+    from emad.engine.host_memory import return_large_frees  # the standard library only
     from emad.tracking import require_store  # no mlflow import: the standard library only
 
+    return_large_frees()
     try:
         require_store()
         code = main()

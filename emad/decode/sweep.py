@@ -137,12 +137,7 @@ class Sweep:
             found = Kept({layer: h[0, -1] for layer, h in last.items()}, {}, cache)  # [d] the prompt's last position
             if kept is not None:
                 kept[tuple(prompt)] = found
-        first = {}  # (readout, depth0) -> [V] the readout that predicts each continuation's first token
-        for key, depth0 in zip(self.keys, self.depth0):
-            at = canonical(self._views, key, depth0), depth0  # readouts without a translator there: the logit lens
-            if at not in found.first:
-                found.first[at] = self._views[key][0].readout(found.last[depth0], depth0)
-            first[key, depth0] = found.first[at]
+        first = self._first_readouts(found.last)
         out: list[list[Scored]] = [[] for _ in self.methods]
         for continuation in continuations:
             shared = None
@@ -168,6 +163,25 @@ class Sweep:
                 scored.seconds = seconds
         return out
 
+    def _first_readouts(self, last: dict[int, torch.Tensor]) -> dict[tuple, torch.Tensor]:
+        """``(readout key, depth0) -> [V]``: the readout of the prompt's last state (``last``: layer -> ``[d]``)
+        that predicts each continuation's first token, for every method's readout and prompt depth — read once per
+        canonical readout and depth (readouts without a translator at a layer read out as the logit lens there),
+        one head product per readout over every depth it reads. Not kept across sweeps: a prompt's ``[V]`` rows
+        per depth would outweigh everything else a screen keeps of it."""
+        wanted: dict[tuple, tuple] = {}  # (canonical readout, depth0) -> the first key that reads it there
+        for key, depth0 in zip(self.keys, self.depth0):
+            wanted.setdefault((canonical(self._views, key, depth0), depth0), key)
+        depths: dict[tuple, list[int]] = {}  # key -> the depths its view reads out
+        for (_, depth0), key in wanted.items():
+            depths.setdefault(key, []).append(depth0)
+        read: dict[tuple, torch.Tensor] = {}  # (canonical readout, depth0) -> [V]
+        for key, these in depths.items():
+            logits = self._views[key][0].readouts({depth0: last[depth0][None] for depth0 in these})  # -> [1, V]
+            read |= {(canonical(self._views, key, depth0), depth0): row[0] for depth0, row in logits.items()}
+        return {(key, depth0): read[canonical(self._views, key, depth0), depth0]
+                for key, depth0 in zip(self.keys, self.depth0)}
+
     def _pass(self, cache, n_prompt: int, continuation: Sequence[int]) -> _Shared:
         """The full-depth states of ``continuation`` after the prompt in ``cache`` (cropped back to the prompt)."""
         cache.crop(n_prompt)
@@ -191,13 +205,11 @@ class Sweep:
 
 class Kept:
     """What a sweep keeps of one prompt's full-depth pass for later sweeps of the same model: the prompt's last
-    state at each kept layer ``[d]`` and its readouts ``[V]`` (``first``: per canonical readout and layer), each
-    continuation's :class:`_Shared` (states ``[m, d]`` per kept layer and what was derived from them, without the
-    ``[m, V]`` readouts) and, while the pass runs, its K/V cache."""
+    state at each kept layer ``[d]``, each continuation's :class:`_Shared` (states ``[m, d]`` per kept layer and
+    what was derived from them, without the ``[m, V]`` readouts) and, while the pass runs, its K/V cache."""
 
     def __init__(self, last: dict[int, torch.Tensor], shared: dict[tuple, _Shared], cache):
         self.last, self.shared, self.cache = last, shared, cache
-        self.first: dict[tuple, torch.Tensor] = {}
 
     def serves(self, layers: Sequence[int], continuations: Sequence[Sequence[int]]) -> bool:
         """Every layer a sweep keeps states at, and every continuation it scores, are here."""

@@ -22,6 +22,7 @@ import socket
 import threading
 from collections.abc import Callable, Sequence
 
+from emad.engine.host_memory import return_large_frees
 from emad.evaluation.decoder import Decoder, Outcome, Plan
 from emad.evaluation.provenance import ray_node
 from emad.registry import Registry
@@ -56,6 +57,7 @@ class _Worker:
 
         os.chdir(cwd)
         torch.set_num_threads(threads)  # as the stage's own process: CPU results depend on the thread count
+        return_large_frees()  # as the stage's own process (emad.stage.run_stage)
         self.decoder = Decoder(plan)
 
     def run(self, index: int, unit: tuple) -> tuple[int, list]:

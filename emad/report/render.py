@@ -30,10 +30,7 @@ from emad.report.tables import (
     risk_markdown,
     shift_curves_markdown,
 )
-from emad.report.verdict import (
-    NAMED as LITERAL_NAMES,  # points the literal reading names before "… and N more"
-)
-from emad.report.verdict import ModelVerdict, PointAssessment, speed_text
+from emad.report.verdict import NAMED, ModelVerdict, PointAssessment, speed_text
 from emad.report.verdict import family_verdicts as judge_families
 
 REPRODUCE = ("`dvc repro` rebuilds every stage from params.yaml (only what changed reruns); `make mlflow` opens "
@@ -116,14 +113,14 @@ def _family_rows(v: ModelVerdict) -> list[list[str]]:
 
 
 def _literal_short(v: ModelVerdict) -> str:
-    """The literal reading, naming at most :data:`LITERAL_NAMES` points."""
+    """The literal reading, naming at most :data:`NAMED` points."""
     names = v.c1.literal_points
-    if len(names) <= LITERAL_NAMES:
+    if len(names) <= NAMED:
         return v.c1.literal_sentence(v.thresholds.min_flops_reduction)
     head = (f"Literal reading: some operating point with ≥ {v.thresholds.min_flops_reduction:.0%} reduction "
             "degrades more than the tolerance")
-    return (f"{head} — true for {len(names)} points: {', '.join(names[:LITERAL_NAMES])} … and "
-            f"{len(names) - LITERAL_NAMES} more (all in the table of every point below).")
+    return (f"{head} — true for {len(names)} points: {', '.join(names[:NAMED])} … and "
+            f"{len(names) - NAMED} more (all in the table of every point below).")
 
 
 def _point_rows(v: ModelVerdict) -> list[list[str]]:
@@ -404,11 +401,10 @@ def metrics_summary(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, Model
     FLOPs reduction of a point with every counted check met (left out when there is none);
     ``max_reduction_unresolved``: the largest one met or unresolved, when that point is unresolved; ``c2_point``,
     ``speedup`` (``_lo``, ``_hi``, ``_prompts``, ``_level``): the point C2 names when it was timed over prompts
-    with every counted check met, its
-    tokens/s over full depth's with the interval over prompts at the level C2 judged it (family-wise).
-    Families are those of ``family_verdicts`` (judged alone; computed
-    from ``runs`` with the thresholds of ``verdicts`` when None) plus the judged method of ``verdicts`` under its
-    joined name (``emad (all)``, or ``emad, confidence``) when it spans several. The per-run detail is :func:`run_details`.
+    with every counted check met, its tokens/s over full depth's with the interval over prompts at the level C2
+    judged it (family-wise). Families are those of ``family_verdicts`` (judged alone; computed from ``runs`` with
+    the thresholds of ``verdicts`` when None) plus the judged method of ``verdicts`` under its joined name
+    (``emad (all)``, or ``emad, confidence``) when it spans several. The per-run detail is :func:`run_details`.
     """
     families = _families(runs, verdicts, family_verdicts)
     curves = {(c.model, c.family): c for c in model_curves(families)}

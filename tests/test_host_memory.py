@@ -1,0 +1,42 @@
+"""Freed large tensors go back to the operating system (emad.engine.host_memory): after one large block is freed,
+plain glibc serves the next large-ish request from its heap; with the threshold fixed it is mapped on its own."""
+
+from __future__ import annotations
+
+import ctypes.util
+import platform
+import subprocess
+import sys
+
+import pytest
+
+PROBE = """
+import ctypes, ctypes.util, sys, torch
+from emad.engine.host_memory import return_large_frees
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+libc.mallinfo2.restype = MallInfo2
+if sys.argv[1] == "fixed":
+    assert return_large_frees()
+big = torch.empty(2 << 20)  # 8 MiB, mapped: freeing it raises plain glibc's threshold to 8 MiB
+del big
+before = libc.mallinfo2().hblkhd  # bytes in blocks mapped on their own
+t = torch.empty(512 << 10)  # 2 MiB
+print(libc.mallinfo2().hblkhd - before)
+"""
+
+glibc = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc"
+                           or ctypes.util.find_library("c") is None, reason="glibc's malloc only")
+
+
+def _mapped_bytes(mode: str) -> int:
+    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True)
+    return int(out.stdout)
+
+
+@glibc
+def test_a_large_block_is_mapped_on_its_own_after_a_larger_one_was_freed():
+    assert _mapped_bytes("plain") == 0  # what the fix changes: the heap serves it, and keeps its high-water mark
+    assert _mapped_bytes("fixed") >= 2 << 20
