@@ -63,6 +63,24 @@ def test_fidelity_of_full_is_perfect_and_of_a_shallow_model_is_not():
         assert sum(s["rouge_l"]) / 3 == pytest.approx(got["rouge_l"])
 
 
+class _SymbolTokenizer(TinyTokenizer):
+    """Decodes to punctuation only: ROUGE's tokenizer finds no word in any text."""
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return "".join(".,;:!?"[i % 6] for i in ids)
+
+
+def test_a_text_without_words_has_rouge_l_1_against_itself():
+    stack = LayerStack(tiny_model("llama"))
+    prompts = random_prompts(3, [5, 7, 6], seed=32)
+    got = fidelity(stack, _SymbolTokenizer(), prompts, Method(Full()), 12)
+    assert got["samples"]["rouge_l"] == [1.0, 1.0, 1.0] and got["rouge_l"] == 1.0
+    shallow = fidelity(stack, _SymbolTokenizer(), prompts, Method(Fixed(1)), 12)
+    differ = [e == 0 for e in shallow["samples"]["exact_match"]]
+    assert any(differ)  # a differing text without words shares no word with full depth's: 0
+    assert all(r == 0.0 for r, d in zip(shallow["samples"]["rouge_l"], differ) if d)
+
+
 def test_first_divergence():
     assert first_divergence([1, 2, 3], [1, 2, 4]) == 2
     assert first_divergence([1, 2], [1, 2, 3]) == 2

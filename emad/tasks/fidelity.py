@@ -46,7 +46,8 @@ def fidelity(stack: LayerStack, tokenizer, prompts: Sequence[Sequence[int]], met
         exact.append(int(a == b))
         diverge.append(first_divergence(a, b))
         agreement.append([sum(x == y for x, y in zip(a, b)), max(len(a), len(b))])
-        rouge.append(scorer.score(tb, ta)["rougeL"].fmeasure)
+        # a text equals itself (1) also where ROUGE's tokenizer finds no word in it (its F1 would be 0)
+        rouge.append(1.0 if ta == tb else scorer.score(tb, ta)["rougeL"].fmeasure)
     n = len(prompts)
     agree, total = sum(p[0] for p in agreement), sum(p[1] for p in agreement)
     return {"exact_match": sum(exact) / n, "tokens_to_divergence": sum(diverge) / n,
