@@ -73,6 +73,25 @@ def test_a_reused_prompt_pass_gives_the_generation_made_afresh_untimed(arch):
         threshold=100.0)), 12, eos_token_ids=[]).depths for d in row) < stack.n_layers  # it exits early
 
 
+def test_the_pass_store_keeps_at_most_its_bytes_dropping_the_least_recently_used():
+    stack = LayerStack(tiny_model("llama"))
+    prompts = random_prompts(3, [6, 9, 4], seed=7)
+    one = Prefills()
+    generate(stack, TinyTokenizer(), prompts, Method(Full()), 12, eos_token_ids=[], prefills=one)
+    size = one.held  # one pass to depth L
+    store = Prefills(max_bytes=2 * size)
+    for depth in (4, 3, 4, 2):  # 4 is used again before 2 comes: 3 is dropped
+        criterion = Full() if depth == stack.n_layers else Fixed(depth)
+        kept = generate(stack, TinyTokenizer(), prompts, Method(criterion), 12, eos_token_ids=[], prefills=store)
+        fresh = generate(stack, TinyTokenizer(), prompts, Method(criterion), 12, eos_token_ids=[])
+        assert kept.token_ids == fresh.token_ids and kept.depths == fresh.depths
+        assert store.held <= 2 * size
+    assert [key[1] for key in store._passes] == [4, 2]
+    none = Prefills(max_bytes=size - 1)  # a pass larger than the store is not kept
+    generate(stack, TinyTokenizer(), prompts, Method(Full()), 12, eos_token_ids=[], prefills=none)
+    assert none.held == 0
+
+
 def test_batch_equals_rows_alone():
     model = tiny_model("qwen3")
     stack = LayerStack(model)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -52,10 +53,17 @@ class Prefills:
     K/V cache after the prompts ``[B, T]`` and their last states ``[B, d]``, keyed by (prompts, depth). A
     generation's layers do not depend on its method before the first token (it reads the last state out through
     its own readout), so a reused pass is the one it would compute. A generation given the store is not timed
-    (:attr:`Generation.timed`): its pass may be reused or made and kept."""
+    (:attr:`Generation.timed`): its pass may be reused or made and kept.
 
-    def __init__(self):
-        self._passes: dict[tuple, tuple[KVCache, torch.Tensor]] = {}
+    The store holds at most ``max_bytes`` of passes, dropping the least recently used first (a pass larger than
+    that is not kept): each fixed depth has its own pass, and 736 prompts' cache on a 45-layer model is 2 GB.
+    """
+
+    MAX_BYTES = 4 << 30
+
+    def __init__(self, max_bytes: int = MAX_BYTES):
+        self.max_bytes = max_bytes
+        self._passes: OrderedDict[tuple, tuple[KVCache, torch.Tensor, int]] = OrderedDict()  # LRU order
 
     @torch.inference_mode()
     def run(self, stack: LayerStack, prompts: Sequence[Sequence[int]], depth: int, cache: KVCache, ids: torch.Tensor,
@@ -64,12 +72,22 @@ class Prefills:
         ``cache`` and is kept."""
         key = (tuple(map(tuple, prompts)), depth, cache.capacity)
         if key in self._passes:
-            kept, last = self._passes[key]
+            self._passes.move_to_end(key)
+            kept, last, _ = self._passes[key]
             cache.load(kept)  # into the cache made for this generation (a static one keeps its addresses)
             return cache, last
         last = prefill_states(stack, cache, ids, real, depth)
-        self._passes[key] = cache.copy(), last
+        size = last.nbytes + sum(t.nbytes for t in (*cache.keys, *cache.values) if t is not None)
+        if size <= self.max_bytes:
+            while self._passes and self.held + size > self.max_bytes:
+                self._passes.popitem(last=False)
+            self._passes[key] = cache.copy(), last, size
         return cache, last
+
+    @property
+    def held(self) -> int:
+        """Bytes of the passes kept."""
+        return sum(size for *_, size in self._passes.values())
 
 
 def generate(
