@@ -227,7 +227,7 @@ def test_a_cliff_beside_the_target_or_the_crossing_is_screened_again_between_its
 
 def test_a_refinement_is_screened_on_every_domain_by_one_decoder(models, monkeypatch):
     """One worker screens every domain: values a refinement adds while screening the first domain are screened on
-    the second too, and run there."""
+    the second too, and run there; the run phase drops the screen's passes before it decodes."""
     import shutil
 
     import pipeline.decode as stage
@@ -251,5 +251,15 @@ def test_a_refinement_is_screened_on_every_domain_by_one_decoder(models, monkeyp
     again = [decoder.screen(d, extra) for d in call.domains]
     assert [{r.value for r in rows} for rows in first] == [{0.05, 50.0}] * 2
     assert [[(r.point, r.domain) for r in rows] for rows in again] == [[("conf_7.5", d)] for d in call.domains]
+    assert all(decoder._kept[d] for d in call.domains)  # the passes the refinement reused
+    timed = decoder._speeds
+    held = []  # per domain, at its timing: whether its screen's passes were still held
+
+    def speeds(domain, *args):
+        held.append(domain in decoder._kept)
+        return timed(domain, *args)
+
+    monkeypatch.setattr(decoder, "_speeds", speeds)
     outcomes = [decoder.run(d, frozenset({"conf_7.5"}), extra) for d in call.domains]
     assert [sorted(o.label for o in out) for out in outcomes] == [["conf_7.5", "full"]] * 2
+    assert held == [False, False]  # dropped before the run phase decodes: it reads their scores only

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -222,6 +223,7 @@ class Decoder:
         """The teacher-forced tasks of every job on ``domain`` in one pass (kept for :meth:`run`) — or, given
         ``extra`` (values a screen refines), of those jobs only; the rows of the screened values it scored, from
         the scored metrics alone (no greedy generation)."""
+        start = time.perf_counter()
         self._add(extra)
         labels = {job.label for job in extra}
         jobs = [job for job in self.jobs if job.label in labels] if extra else self.jobs
@@ -236,6 +238,8 @@ class Decoder:
                                   job.position.value, job.calibration, domain, result.cost()["flops_ratio"],
                                   quality_of(result.tasks), [c.metric for c in self._ruled_out(domain, result)],
                                   exits))
+        print(f"decode: {domain}: screen of {len(jobs)} points in {time.perf_counter() - start:.0f} s",
+              file=sys.stderr)
         return rows
 
     def run(self, domain: str, kept: frozenset[str] | None = None, extra: Sequence[Job] = (),
@@ -246,13 +250,14 @@ class Decoder:
         (scored by :meth:`screen` when this decoder screened the domain), then its own free-running tasks, timing
         and heat-map inputs."""
         cfg, stack, tokenizer, prepared = self.plan.cfg, self.stack, self.loaded.tokenizer, self.prepared[domain]
-        where = provenance(stack.device, stack.dtype, host)
+        where, start = provenance(stack.device, stack.dtype, host), time.perf_counter()
         self._add(extra)
         jobs = [job for job in self.jobs if kept is None or job.name in kept or not (
             job.position and job.position.screened)]
         missing = [job for job in jobs if job.label not in self._scores.get(domain, {})]
         if missing:  # a decoder that did not screen this domain (another Ray actor did)
             self._score(domain, missing)
+        self._kept.pop(domain, None)  # the screen's passes: what follows reads their scores, not their states
         shared = self._shared[domain]
         done = []  # (job, why it is not timed for C2 or None, free prompts, results)
         for job in tqdm(jobs, desc=domain, unit="point"):
@@ -273,7 +278,9 @@ class Decoder:
                                  if p.name in forced.tasks or p.name in free.tasks},
                                 forced.outputs + free.outputs, forced.generated | free.generated)
             done.append((job, why, limit, result))
+        timing = time.perf_counter()
         speeds = self._speeds(domain, prepared, done)
+        timing = time.perf_counter() - timing
         out = []
         for job, why, limit, result in done:
             heat = (([], None, None) if limit == 0 else
@@ -292,7 +299,8 @@ class Decoder:
                                prove_identical(job.method, stack.n_layers, self.final_from, histogram),
                                split_record(result.tasks, cfg.split_seed), host, where))
         del self._scores[domain]
-        self._kept.pop(domain, None)
+        print(f"decode: {domain}: {len(jobs)} points run in {time.perf_counter() - start:.0f} s (of which speed "
+              f"{timing:.0f} s)", file=sys.stderr)
         return out
 
     def _ablation_base(self, job: Job, domain: str) -> bool:
