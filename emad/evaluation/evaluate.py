@@ -16,6 +16,7 @@ from typing import Any
 from emad.decode import Generation, Method, Scored, Sweep, score_requests
 from emad.decode.strategy import Strategy
 from emad.decode.sweep import sweep_refusal
+from emad.engine.host_memory import release_free
 from emad.engine.stack import LayerStack
 from emad.tasks.registry import TASKS, Shared
 
@@ -168,6 +169,8 @@ def score_all(stack: LayerStack, tokenizer, methods: dict[str, Method | Strategy
         for prompt, continuations in requests if sweep else []:
             for name, rows in zip(served, sweep.score(prompt, continuations, kept)):
                 out[name][p.name].append(rows)
+            if kept is not None:  # the pass's states stay between its freed readouts: give those pages back
+                release_free()
         alone = p.task.fewer(requests, unserved_tokens) if unserved_tokens else requests
         for name, method in methods.items():
             if name not in served:
