@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from scipy.optimize import isotonic_regression
 
 from emad.calibration.stats import CalibrationStats
 from emad.exits.strata import Strata
@@ -34,6 +33,8 @@ class ProfileError(ValueError):
 
 def non_increasing(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
     """Weighted isotonic regression onto non-increasing sequences (scipy's pool-adjacent-violators)."""
+    from scipy.optimize import isotonic_regression  # imported on use: scipy.optimize takes 2 s to import, and
+                                                    # every stage that reads a profile imports this module
     return isotonic_regression(values, weights=np.maximum(weights, 1e-12), increasing=False).x
 
 
