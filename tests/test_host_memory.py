@@ -70,3 +70,15 @@ def test_free_pages_pinned_inside_the_heap_are_handed_back():
     assert run("keep")[1] < 10 << 20  # freed, but still resident
     released, dropped = run("release")
     assert released and dropped > 80 << 20
+
+
+def test_a_trim_within_the_interval_of_the_last_is_skipped(monkeypatch):
+    from emad.engine import host_memory
+
+    calls = []
+    monkeypatch.setattr(host_memory, "_malloc_trim", lambda: lambda pad: calls.append(pad) or 1)
+    monkeypatch.setattr(host_memory, "_last_trim", [float("-inf")])
+    assert host_memory.release_free(min_interval=3600.0)  # the first trims
+    assert not host_memory.release_free(min_interval=3600.0)  # an hour has not passed
+    assert host_memory.release_free()  # no interval: always
+    assert calls == [0, 0]

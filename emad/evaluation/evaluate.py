@@ -170,7 +170,7 @@ def score_all(stack: LayerStack, tokenizer, methods: dict[str, Method | Strategy
             for name, rows in zip(served, sweep.score(prompt, continuations, kept)):
                 out[name][p.name].append(rows)
             if kept is not None:  # the pass's states stay between its freed readouts: give those pages back
-                release_free()
+                release_free(min_interval=1.0)
         alone = p.task.fewer(requests, unserved_tokens) if unserved_tokens else requests
         for name, method in methods.items():
             if name not in served:
