@@ -4,6 +4,9 @@ simulation, the minimum number of prompts, and the knob directions of the criter
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -54,6 +57,19 @@ def test_the_guarantee_holds_in_simulation():
         bad += chosen is not None and true[chosen] > delta
     assert bad / trials <= epsilon
     assert chosen_any / trials > 0.9  # and the procedure is not vacuous
+
+
+def test_a_zero_loss_p_value_is_closed_form_and_checking_params_needs_no_scipy():
+    """With no loss the binomial term is (1 − δ)^n: equal to scipy's, and params validation (which asks
+    :func:`min_prompts`) does not import scipy.stats (about a second of every stage)."""
+    from scipy import stats
+
+    for n, delta in ((22, 0.1), (5, 0.5), (300, 0.01)):
+        assert hb_p_value(0.0, n, delta) == pytest.approx(
+            min(1.0, math.exp(n * math.log(1 - delta)), math.e * stats.binom.cdf(0, n, delta)), rel=1e-12)
+    code = ("import sys; from emad.params import validate_params; validate_params('params.yaml'); "
+            "assert 'scipy.stats' not in sys.modules, 'scipy.stats imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
 
 
 def test_minimum_prompts_and_bad_levels():

@@ -34,10 +34,14 @@ def hb_p_value(risk: float, n: int, delta: float) -> float:
     a = min(risk, delta)
     h = (a * math.log(a / delta) if a > 0 else 0.0) + (1 - a) * math.log((1 - a) / (1 - delta))
     hoeffding = math.exp(-n * h)
-    from scipy import stats  # imported on use: a stage that only checks params does not pay for it
+    k = math.ceil(n * risk - 1e-9)
+    if k <= 0:  # P(Binomial(n, δ) ≤ 0) = (1 − δ)^n: params checks (min_prompts) never import scipy.stats (~1 s)
+        cdf = (1 - delta) ** n
+    else:
+        from scipy import stats  # imported on use
 
-    bentkus = math.e * stats.binom.cdf(math.ceil(n * risk - 1e-9), n, delta)
-    return float(min(1.0, hoeffding, bentkus))
+        cdf = stats.binom.cdf(k, n, delta)
+    return float(min(1.0, hoeffding, math.e * cdf))
 
 
 def min_prompts(delta: float, epsilon: float) -> int:
