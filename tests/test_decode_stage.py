@@ -472,6 +472,12 @@ def test_a_family_times_at_most_speed_candidates_on_a_domain_its_cheapest(monkey
     assert blocks == [["f_b", "f_c", "g_a"]]
     assert speeds["f_a"] == {"speed_timing": "cheap: not among f's 2 cheapest C2 candidates on toy "
                                              "(decode.speed_candidates)"}
+    decoder.plan.cfg.speed_candidates, blocks[:] = 1, []  # params.yaml's default: one candidate per family
+    speeds = decoder._speeds("toy", [], [done("f_a", "f", 0.9), done("f_b", "f", 0.7), done("f_c", "f", 0.8),
+                                         done("g_a", "g", 0.85)])
+    assert blocks == [["f_b", "g_a"]]
+    assert speeds["f_c"] == speeds["f_a"] == {"speed_timing": "cheap: not f's cheapest C2 candidate on toy "
+                                                              "(decode.speed_candidates)"}
 
 
 def test_the_early_stop_reads_the_identity_proof_as_the_verdict_does():

@@ -331,8 +331,8 @@ class Decoder:
             queues.setdefault(job.point.family, []).append((job, result, limit))
         cap = self.plan.cfg.speed_candidates
         for family, queue in queues.items():
-            why = NotTimed(Untimed.SPARE, f"not among {family}'s {cap} cheapest C2 candidates on {domain} "
-                           "(decode.speed_candidates)")
+            which = f"{family}'s cheapest C2 candidate" if cap == 1 else f"among {family}'s {cap} cheapest C2 candidates"
+            why = NotTimed(Untimed.SPARE, f"not {which} on {domain} (decode.speed_candidates)")
             for later, res, limit in queue[cap:] if cap is not None else []:
                 speeds[later.label] = self._speed(later, prepared, res, limit, why)
             del queue[len(queue) if cap is None else cap:]
