@@ -260,6 +260,9 @@ def test_a_refinement_is_screened_on_every_domain_by_one_decoder(models, monkeyp
         return timed(domain, *args)
 
     monkeypatch.setattr(decoder, "_speeds", speeds)
+    trims = []  # the run phase hands the heap's free pages back after each point
+    monkeypatch.setattr("emad.evaluation.decoder.release_free", lambda min_interval=0.0: trims.append(min_interval))
     outcomes = [decoder.run(d, frozenset({"conf_7.5"}), extra) for d in call.domains]
     assert [sorted(o.label for o in out) for out in outcomes] == [["conf_7.5", "full"]] * 2
     assert held == [False, False]  # dropped before the run phase decodes: it reads their scores only
+    assert trims == [1.0] * 4  # two points on each domain, at most once a second

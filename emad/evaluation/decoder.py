@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from emad.decode.strategy import Strategy
 from emad.engine.engines import compile_stats, with_engine
+from emad.engine.host_memory import release_free
 from emad.engine.idle import final_state_from
 from emad.engine.models import load_model
 from emad.engine.stack import LayerStack
@@ -278,6 +279,7 @@ class Decoder:
                                  if p.name in forced.tasks or p.name in free.tasks},
                                 forced.outputs + free.outputs, forced.generated | free.generated)
             done.append((job, why, limit, result))
+            release_free(min_interval=1.0)  # its generations' freed blocks lie between the kept results: give back
         timing = time.perf_counter()
         speeds = self._speeds(domain, prepared, done)
         timing = time.perf_counter() - timing
