@@ -141,13 +141,21 @@ def monotone_exits(method, source: StateSource, targets: torch.Tensor, n_layers:
     return Exits(logprob, greedy, depth, charged)
 
 
-def scored_from_exits(continuation: Sequence[int], first_logits: torch.Tensor, depth0: int, exits: Exits | None,
-                      cost: CostModel, n_prompt: int) -> Scored:
-    """The :class:`Scored` of a continuation: its first token read from the prompt's readout ``first_logits``
-    (charged one readout at ``depth0``), the others from ``exits``; each position's layers charged with the keys it
-    attends (every earlier position ran at least as deep), and the full-depth cost of the same tokens."""
-    logprobs = [float(torch.log_softmax(first_logits.float(), -1)[continuation[0]])]
-    greedy = [int(first_logits.argmax()) == continuation[0]]
+def first_scores(first_logits: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """What scores a continuation's first token from the prompt's readout ``first_logits`` ``[V]``: its
+    log-probabilities ``[V]`` (fp32) and its argmax (computed once for every continuation and method that read it)."""
+    return torch.log_softmax(first_logits.float(), -1), int(first_logits.argmax())
+
+
+def scored_from_exits(continuation: Sequence[int], first: tuple[torch.Tensor, int], depth0: int,
+                      exits: Exits | None, cost: CostModel, n_prompt: int) -> Scored:
+    """The :class:`Scored` of a continuation: its first token scored by ``first`` (:func:`first_scores` of the
+    prompt's readout, charged one readout at ``depth0``), the others from ``exits``; each position's layers charged
+    with the keys it attends (every earlier position ran at least as deep), and the full-depth cost of the same
+    tokens."""
+    first_logprobs, first_best = first
+    logprobs = [float(first_logprobs[continuation[0]])]
+    greedy = [first_best == continuation[0]]
     flops, full = cost.readout_at(depth0)[0], float(cost.readout_flops)
     if exits is None:  # a one-token continuation is read out of the prompt alone
         return Scored(logprobs, [depth0], flops, full, greedy=greedy)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from emad.decode.monotone import monotone_exits, scored_from_exits, target_scores
+from emad.decode.monotone import first_scores, monotone_exits, scored_from_exits, target_scores
 from emad.decode.results import Scored
 from emad.decode.step import (
     ContextLengthError,
@@ -270,4 +270,4 @@ def _score_monotone(stack: LayerStack, shared: _Prompt, continuation: Sequence[i
     if len(continuation) > 1:
         source = _Incremental(stack, cache, continuation, shared.length, method.estimator)
         exits = monotone_exits(method, source, source.targets, stack.n_layers, cost, stack.dtype)
-    return scored_from_exits(continuation, shared.logits, shared.depth, exits, cost, shared.length)
+    return scored_from_exits(continuation, first_scores(shared.logits), shared.depth, exits, cost, shared.length)

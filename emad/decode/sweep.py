@@ -20,7 +20,13 @@ from collections.abc import Sequence
 
 import torch
 
-from emad.decode.monotone import estimated_probes, monotone_exits, scored_from_exits, target_scores
+from emad.decode.monotone import (
+    estimated_probes,
+    first_scores,
+    monotone_exits,
+    scored_from_exits,
+    target_scores,
+)
 from emad.decode.results import Scored
 from emad.decode.score import check_context_length
 from emad.decode.step import Method, as_method, elapsed, left_pad, positions_of
@@ -138,6 +144,11 @@ class Sweep:
             if kept is not None:
                 kept[tuple(prompt)] = found
         first = self._first_readouts(found.last)
+        scores: dict[int, tuple[torch.Tensor, int]] = {}  # id(readout [V]) -> its first_scores, once per readout
+        for logits in first.values():
+            if id(logits) not in scores:
+                scores[id(logits)] = first_scores(logits)
+        first = {k: scores[id(logits)] for k, logits in first.items()}
         out: list[list[Scored]] = [[] for _ in self.methods]
         for continuation in continuations:
             shared = None
