@@ -4,9 +4,9 @@ of importing them anew (about 5 s of every stage on a 2-core host; a default ``m
 
 ``python -m emad.stage_server -- dvc repro`` (what ``make repro`` runs):
 
-- starts the server (``serve``) in a session of its own, listening on a Unix socket in a private directory (mode
-  0700: only this user reaches it), and waits until it listens;
-- runs the command with :data:`SOCKET_ENV` naming the socket and, first on ``PATH``, a ``python`` that hands its
+- starts the server (``serve``) in a session of its own, to listen on a Unix socket in a private directory (mode
+  0700: only this user reaches it) once it has imported its modules;
+- runs the command at once (a stage that comes before the server listens runs on its own), with :data:`SOCKET_ENV` naming the socket and, first on ``PATH``, a ``python`` that hands its
   call to the server (``client``); returns the command's exit status, and the server stops with it.
 
 A call is served only when it is ``python <file>.py [args]`` from the server's working directory with the server's
@@ -331,8 +331,8 @@ def _served(path: str, args: list[str]) -> None:
 # -- supervisor ------------------------------------------------------------------------------------------------
 
 def run(command: Sequence[str]) -> int:
-    """Run ``command`` beside a stage server; its exit status (the server only saves time: a server that fails to
-    start leaves the command to run as it would alone)."""
+    """Run ``command`` beside a stage server; its exit status. The server only saves time: calls before it listens,
+    or all of them where it cannot serve (it says why on stderr), run as they would alone."""
     with tempfile.TemporaryDirectory(prefix="emad-stage-") as tmp:  # mode 0700
         bin_dir = os.path.join(tmp, "bin")
         os.mkdir(bin_dir)
@@ -343,12 +343,8 @@ def run(command: Sequence[str]) -> int:
         sock = os.path.join(tmp, "server.sock")
         env = dict(os.environ, **{SOCKET_ENV: sock, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")})
         server = subprocess.Popen([sys.executable, os.path.abspath(__file__), "serve", sock], env=env,
-                                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, start_new_session=True)
-        if server.stdout.readline().strip() != b"ready":
-            server.wait()
-            print("stage server: not started; the stages import their libraries themselves", file=sys.stderr)
-            env = dict(os.environ)
-        try:
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+        try:  # at once: a stage that comes before the server listens runs on its own
             return _wait(subprocess.Popen(list(command), env=env))
         finally:
             if server.poll() is None:

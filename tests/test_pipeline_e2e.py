@@ -1,4 +1,5 @@
-"""`dvc repro` of the whole graph on a tiny random model and a tiny corpus, then a queued 2-job sweep.
+"""`dvc repro` of the whole graph on a tiny random model and a tiny corpus (beside the stage server, as `make repro`
+runs it), then a queued 2-job sweep.
 
 The tiny graph (tests/tiny_graph.py) runs in a fresh git + DVC repository. Checks every output, the report's
 verdict, `dvc metrics show`, and that MLflow holds one run per stage execution — including the runs of two
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -24,8 +26,8 @@ pytestmark = pytest.mark.heavy  # run by `make test-heavy` (and CI), not `make t
 def repo(tmp_path_factory, smollm2) -> Path:
     repo = make_repo(tmp_path_factory.mktemp("e2e"), smollm2.tokenizer)
     started = time.perf_counter()
-    sh(repo, "dvc", "repro", timeout=900)
-    print(f"dvc repro of the tiny graph: {time.perf_counter() - started:.0f} s")
+    sh(repo, sys.executable, "-m", "emad.stage_server", "--", "dvc", "repro", timeout=900)  # as make repro runs it
+    print(f"dvc repro of the tiny graph beside the stage server: {time.perf_counter() - started:.0f} s")
     return repo
 
 

@@ -39,10 +39,14 @@ def _env(**extra) -> dict[str, str]:
     return env | {stage_server.PRELOAD_ENV: MARKER} | extra
 
 
+LISTENING = f'while [ ! -S "${stage_server.SOCKET_ENV}" ]; do sleep 0.05; done; '  # the command starts at once
+
+
 def _served(shell: str, cwd: Path, stdin: str = "", **extra) -> subprocess.CompletedProcess:
-    """``shell`` run by ``sh -c`` beside a stage server (``python -m emad.stage_server -- sh -c ...``)."""
-    return subprocess.run([sys.executable, "-m", "emad.stage_server", "--", "sh", "-c", shell], cwd=cwd,
-                          env=_env(**extra), input=stdin, capture_output=True, text=True, timeout=120)
+    """``shell`` run by ``sh -c`` beside a stage server (``python -m emad.stage_server -- sh -c ...``), once the
+    server listens."""
+    return subprocess.run([sys.executable, "-m", "emad.stage_server", "--", "sh", "-c", LISTENING + shell],
+                          cwd=cwd, env=_env(**extra), input=stdin, capture_output=True, text=True, timeout=120)
 
 
 def _direct(shell: str, cwd: Path, stdin: str = "", **extra) -> subprocess.CompletedProcess:
@@ -75,9 +79,10 @@ def test_a_call_the_server_may_not_serve_runs_the_real_interpreter(probe: Path):
         assert result.returncode == 3, (shell, result.stderr)
         assert "served False" in result.stderr, shell
     assert "cwd " + str(probe) + " other" in _served("PROBE_VALUE=other python probe.py", probe).stdout
-    no_server = subprocess.run([sys.executable, "-S", stage_server.__file__, "client", "probe.py"], cwd=probe,
-                               env=_env(), capture_output=True, text=True, timeout=60)
-    assert (no_server.returncode, no_server.stderr) == (3, "to stderr\nserved False\n")
+    for env in (_env(), _env(**{stage_server.SOCKET_ENV: str(probe / "not-listening.sock")})):  # none, not yet
+        no_server = subprocess.run([sys.executable, "-S", stage_server.__file__, "client", "probe.py"], cwd=probe,
+                                   env=env, capture_output=True, text=True, timeout=60)
+        assert (no_server.returncode, no_server.stderr) == (3, "to stderr\nserved False\n")
     # DVC's own variables and the shell's may differ: still served
     assert "served True" in _served("DVC_STAGE=x SHLVL=7 python probe.py", probe).stderr
 
@@ -124,7 +129,8 @@ def test_a_signal_to_the_caller_reaches_its_stage(tmp_path: Path, signum, caller
     """SIGTERM is passed on; a caller killed outright leaves its stage a SIGTERM (it never runs on alone)."""
     (tmp_path / "stage.py").write_text(SLEEPER)
     supervisor = subprocess.Popen(
-        [sys.executable, "-m", "emad.stage_server", "--", "sh", "-c", "python stage.py & echo $! > caller; wait $!"],
+        [sys.executable, "-m", "emad.stage_server", "--", "sh", "-c",
+         LISTENING + "python stage.py & echo $! > caller; wait $!"],
         cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for(tmp_path / "running")
