@@ -14,7 +14,7 @@ from emad.calibration.profile import smooth_variants
 from emad.decode import Method, score_continuations
 from emad.decode.sweep import Sweep, score_sweep, sweep_refusal
 from emad.engine.stack import LayerStack
-from emad.exits.criteria import Confidence, Contrastive, Emad, Fixed, Full, SoftmaxResponse
+from emad.exits.criteria import MEMO_BLOCK, Confidence, Contrastive, Emad, Fixed, Full, SoftmaxResponse
 from emad.exits.estimators import LowRank, Prune, TopK
 from emad.exits.strata import Strata
 from emad.methods import STRATEGIES
@@ -192,3 +192,30 @@ def test_a_later_sweep_on_kept_states_equals_a_fresh_pass_exactly(stack, profile
     grown = Sweep(stack, methods[:3]).score(prompt, continuations + [[5, 6, 7]], kept)  # a continuation it lacks:
     for g, w in zip(grown[0], score_continuations(stack, prompt, continuations + [[5, 6, 7]], methods[0])):
         _assert_same(g, w, "a new continuation")  # the pass runs again
+
+
+def test_contrastive_in_a_sweep_reads_out_only_the_blocks_of_rows_still_running(stack):
+    """Its shared log-probabilities, JSDs and contrasts are computed in blocks of MEMO_BLOCK rows, at each probe
+    only the blocks that cover the longest prefix of rows one of its methods still runs there (what their exits
+    say), and every method still equals its own scoring."""
+    prompt = random_prompts(1, [5], seed=7)[0]
+    continuation = random_prompts(1, [41], seed=8)[0]  # 40 scored positions: 5 blocks
+    methods = [Method(Contrastive(t, alpha=0.2, probe_every=1)) for t in (0.2, 0.4, 0.6)]
+    kept = {}
+    together = Sweep(stack, methods).score(prompt, [continuation], kept)
+    depths = []
+    for method, got in zip(methods, together):
+        _assert_same(got[0], score_continuations(stack, prompt, [continuation], method)[0], repr(method))
+        depths.append(got[0].depths[1:])  # each position's exit layer
+    (entry,) = kept.values()
+    (shared,) = entry.shared.values()
+    starts: dict[int, set[int]] = {}  # layer -> the blocks whose contrast was computed there
+    for memo in shared._memos.values():
+        for key in memo:
+            if key[0] == "contrast" and key[-1] == "top":
+                starts.setdefault(key[1], set()).add(key[-2])
+    assert starts
+    for layer, computed in starts.items():  # a method runs layer on the positions before its first shallower exit
+        running = max(next((i for i, d in enumerate(ds) if d < layer), len(ds)) for ds in depths)
+        assert computed == set(range(0, running, MEMO_BLOCK)), layer
+    assert min(map(len, starts.values())) < 5  # some probe skipped rows no method runs there

@@ -112,7 +112,7 @@ def monotone_exits(method, source: StateSource, targets: torch.Tensor, n_layers:
             if k == 0:
                 first_conf[:n] = est.max_prob.float()
             view = ProbeView(probe, est.entropy, source.positions[:n], first_conf[:n], est.logits,
-                             torch.arange(n, device=device), source.memo)
+                             torch.arange(n, device=device), source.memo, running)
             criterion.observe(view)
             if probe >= criterion.min_exit_layer:
                 hits = criterion.exits(view)[:running].nonzero()

@@ -25,6 +25,9 @@ from emad.exits.contrastive import (
 )
 from emad.registry import Registry
 
+MEMO_BLOCK = 8  # rows a sweep's memo computes together for a criterion that reads only the running rows: a fixed
+# split, so that a row's value never depends on how many rows the other methods needed
+
 
 @dataclass
 class ProbeView:
@@ -40,6 +43,8 @@ class ProbeView:
         rows: ``[a]`` which rows of the step these are (for criteria that remember earlier probes of a token).
         memo: what criteria derive from the readouts (keyed by what they compute, layer included), shared by
             every method that reads the same states of the same rows at every probe (a sweep), or None.
+        running: with a memo, how many leading rows are still running (the decisions of the rest are never
+            read: a criterion may skip them), or None (every row).
     """
 
     layer: int
@@ -49,6 +54,7 @@ class ProbeView:
     logits: torch.Tensor | None = None
     rows: torch.Tensor | None = None
     memo: dict | None = None
+    running: int | None = None
 
     def shared(self, key: tuple, compute):
         """``compute()``, or the value a method reading the same states already computed under ``key``."""
@@ -390,14 +396,16 @@ class Contrastive(Criterion):
         return True  # every probe's readout is a candidate amateur
 
     def observe(self, view: ProbeView) -> None:
-        if view.memo is not None:  # the memo holds every probe's log-probabilities of the same rows
-            view.shared(("logp", view.layer), lambda: torch.log_softmax(view.logits.float(), dim=-1))  # [a, V]
+        if view.memo is not None:  # a sweep: the memo holds every probe's log-probabilities of the same rows
             self._seen.append(view.layer)
-            key = ("contrast", view.layer, self.alpha, self.alpha_rate, self.distance_discount, self.weight,
-                   tuple(self._seen))
-            contrast = view.shared(key, lambda: self._contrast_shared(view))
-            top = None if contrast is None else view.shared(key + ("top",), lambda: contrast.max(-1).values.exp())
-            self._cache = (view.layer, contrast, top)
+            n = len(view.logits)
+            need = n if view.running is None else min(view.running, n)
+            parts = [self._block(view, start, min(start + MEMO_BLOCK, n)) for start in range(0, need, MEMO_BLOCK)]
+            if not parts or parts[0][0] is None:  # the first probe: no amateur yet
+                self._cache = (view.layer, None, None)
+                return
+            contrast = torch.cat([c for c, _ in parts]) if self.output else None  # [rows, V] (never in a sweep)
+            self._cache = (view.layer, contrast, torch.cat([t for _, t in parts]))  # top: [rows >= running]
             return
         logp = torch.log_softmax(view.logits.float(), dim=-1)  # [a, V]
         rows = view.rows if view.rows is not None else torch.arange(len(logp), device=logp.device)
@@ -407,25 +415,36 @@ class Contrastive(Criterion):
                                                                     logp.shape[-1]), float("nan")))
         store[rows] = logp
 
-    def _contrast_shared(self, view: ProbeView) -> torch.Tensor | None:
-        """:meth:`_contrast` with the history read from the memo (every row of every earlier probe), where each
-        probe's log-probabilities, probabilities and entropies are computed once for every method."""
+    def _block(self, view: ProbeView, start: int, stop: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The contrastive log-probabilities ``[b, V]`` of rows ``[start, stop)`` and their top probabilities
+        ``[b]`` (None at the first probe), computed once for every method of these settings that reads the memo."""
+        view.shared(("logp", view.layer, start), lambda: torch.log_softmax(view.logits[start:stop].float(), -1))
+        key = ("contrast", view.layer, self.alpha, self.alpha_rate, self.distance_discount, self.weight,
+               tuple(self._seen), start)
+        contrast = view.shared(key, lambda: self._contrast_shared(view, start))
+        top = None if contrast is None else view.shared(key + ("top",), lambda: contrast.max(-1).values.exp())
+        return contrast, top
+
+    def _contrast_shared(self, view: ProbeView, start: int) -> torch.Tensor | None:
+        """:meth:`_contrast` for the rows of the block at ``start``, with the history read from the memo (the block
+        was read at every earlier probe: a method's running rows never grow), where each probe's log-probabilities,
+        probabilities and entropies are computed once for every method."""
         def probs(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
             def compute():
-                p = view.memo[("logp", layer)].exp()  # [a, V]
+                p = view.memo[("logp", layer, start)].exp()  # [b, V]
                 return p, entropy_of(p)
-            return view.shared(("probs", layer), compute)
-        logp = view.memo[("logp", view.layer)]  # [a, V] (observe put it there)
+            return view.shared(("probs", layer, start), compute)
+        logp = view.memo[("logp", view.layer, start)]  # [b, V] (_block put it there)
         earlier = self._seen[:-1]
         if not earlier:
             return None
         p, h_p = probs(view.layer)
-        scores = torch.stack([jsd_probs(p, q, h_p, h_q) for q, h_q in map(probs, earlier)])  # [C, a]
-        pick = amateur_of(scores, view.layer, earlier, self.distance_discount)  # [a]
-        amateur = torch.empty_like(logp)  # [a, V] each row's amateur log-probabilities
+        scores = torch.stack([jsd_probs(p, q, h_p, h_q) for q, h_q in map(probs, earlier)])  # [C, b]
+        pick = amateur_of(scores, view.layer, earlier, self.distance_discount)  # [b]
+        amateur = torch.empty_like(logp)  # [b, V] each row's amateur log-probabilities
         for c, m in enumerate(earlier):
             rows = pick == c
-            amateur[rows] = view.memo[("logp", m)][rows]
+            amateur[rows] = view.memo[("logp", m, start)][rows]
         return self._contrast_with(view.layer, logp, amateur)
 
     def _contrast(self, layer: int, logp: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
