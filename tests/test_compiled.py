@@ -11,6 +11,7 @@ import torch
 from emad.calibration.calibrate import calibrate, windows
 from emad.calibration.profile import smooth
 from emad.decode import Method, Prefills, generate
+from emad.engine import compiled as compiled_module
 from emad.engine.compiled import CompiledStack
 from emad.engine.engines import check_engine, resolve_engine, with_engine
 from emad.engine.stack import LayerStack
@@ -18,6 +19,7 @@ from emad.engine.static_cache import CacheFullError, StaticKVCache
 from emad.exits.criteria import Confidence, Emad, Fixed, Full, SoftmaxResponse
 from emad.exits.estimators import LowRank, TopK
 from emad.exits.strata import Strata
+from tests.cuda_like import ReplayedOnCPU, as_on_cuda
 from tests.test_decode import _hf_greedy
 from tests.test_readouts import random_lens
 from tests.tiny import ARCHITECTURES, TinyTokenizer, random_prompts, tiny_model
@@ -208,3 +210,54 @@ def test_fused_probes_and_readouts_compiled_by_inductor_equal_eager(eager, profi
         method = _methods(profile)[name]
         _same(generate(eager, TOK, prompts, method(), NEW), generate(fused, TOK, prompts, method(), NEW))
     assert any(key[0] == "estimate" for key in fused.runner.stats.layouts)
+
+
+GRAPHED = ("full", "fixed", "emad-exact", "emad-topk", "emad-tuned", "confidence-copy", "confidence-backfill",
+           "confidence-sync")
+
+
+@pytest.fixture(scope="module")
+def graphed():
+    """A compiled engine of its own model that captures graphs and fuses probes, as on CUDA, with CPU replays."""
+    patch = pytest.MonkeyPatch()
+    patch.setattr(compiled_module, "_Graph", ReplayedOnCPU)
+    yield as_on_cuda(LayerStack(tiny_model("llama")), MATRIX_BACKEND)
+    patch.undo()
+
+
+@pytest.mark.parametrize("name", [n if n in ("full", "emad-topk", "confidence-backfill") else
+                                  pytest.param(n, marks=pytest.mark.heavy) for n in GRAPHED])
+def test_the_graph_replayed_path_equals_eager_generation_after_generation(graphed, profile, name):
+    """What CUDA runs, under a graph's rules (:class:`ReplayedOnCPU`): segments, fused probes and exit readouts
+    replayed on the slabs' buffers equal the eager engine at batch 4, for a first generation and for later ones of
+    other prompt lengths on the same slab (stale K/V from the one before left in it)."""
+    eager = LayerStack(graphed.model)
+    method = _methods(profile)[name]
+    before = ReplayedOnCPU.replays
+    for seed, lengths in ((3, [5, 9, 7, 12]), (4, [11, 3, 8, 6]), (5, [2, 14, 9, 4])):
+        prompts = random_prompts(4, lengths, seed=seed)
+        _same(generate(eager, TOK, prompts, method(), NEW), generate(graphed, TOK, prompts, method(), NEW))
+    assert graphed.runner.stats.graphs > 0 and ReplayedOnCPU.replays > before  # the replayed path ran
+
+
+def test_states_a_drafter_keeps_across_replays_stay_its_own(graphed):
+    """A self-drafter keeps each draft's layer-E state until verification, past later replays of the segment that
+    made it: on replayed graphs speculative decoding still reproduces the target's greedy tokens."""
+    from emad.methods import SelfDrafter, Static, speculative_generate
+
+    eager = LayerStack(graphed.model)
+    for prompt in random_prompts(2, [5, 9], seed=1):
+        target = generate(eager, TOK, [prompt], Full(), 16, eos_token_ids=[]).token_ids[0]
+        drafted = speculative_generate(graphed, TOK, prompt, SelfDrafter(2), 16, Static(3), eos_token_ids=[])
+        assert drafted.token_ids == target and sum(drafted.accepted_lengths) > 0
+
+
+def test_a_static_cache_made_inside_inference_mode_serves_generations_outside_it(compiled):
+    """Slabs are normal tensors wherever they are made: a slab first made under ``torch.inference_mode`` (a scoring
+    pass) is reset by a cache made outside it, and the compiled segments' guards accept both."""
+    with torch.inference_mode():
+        cache = compiled.new_cache(3, 20)
+    assert not cache.valid.is_inference() and not cache.slot_tensor(0).is_inference()
+    del cache
+    prompts = random_prompts(3, [4, 6, 5], seed=13)
+    generate(compiled, TOK, prompts, Full(), NEW)  # on the slab made above

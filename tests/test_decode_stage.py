@@ -533,3 +533,58 @@ def test_the_default_point_keeps_its_free_running_tasks_on_the_cells_the_ablatio
     assert not decoder._ablation_base(job(calibration="other"), "toy")
     assert not decoder._ablation_base(job(name="emad-m1"), "toy")
     assert not decoder._ablation_base(job(kind="ablation"), "toy")
+
+
+@pytest.mark.heavy
+def test_the_decode_stage_on_the_engine_cuda_runs_writes_what_the_eager_engine_writes(workspace, monkeypatch):
+    """``decode.engine: compiled`` as CUDA runs it (probes fused, segments and probes replayed as graphs:
+    :mod:`tests.cuda_like`), with HF's static-cache ``generate`` timed beside our full depth as on CUDA: every kind's
+    run files equal the eager engine's, timings and provenance aside."""
+    from emad.evaluation import speed
+    from tests.cuda_like import ReplayedOnCPU, patch_engine_as_on_cuda
+    from tools.compare_runs import _clean
+
+    monkeypatch.setattr(speed, "HF_STATIC_DEVICES", ("cuda", "cpu"))
+    patch_engine_as_on_cuda(monkeypatch)
+    calls = [("baseline", "full"), ("baseline", "fixed-2"), ("point", "emad-m0"), ("ablation", "backfill"),
+             ("related", "ead-k2"), ("related", "spec-e2"), ("related", "gap-prune")]
+    written, replays = {}, {}
+    for engine in ("eager", "compiled"):
+        params = workspace / f"params-{engine}.yaml"
+        params.write_text(yaml.safe_dump({"decode": {**DECODE, "engine": engine}}))
+        before = ReplayedOnCPU.replays
+        for kind, point in calls:
+            assert _decode(workspace, kind, point, monkeypatch, params=params, runs=f"runs-{engine}") == 0
+        replays[engine] = ReplayedOnCPU.replays - before
+        written[engine] = {p.relative_to(workspace / f"runs-{engine}"): runfile.load(p)
+                           for p in (workspace / f"runs-{engine}").rglob("*.json")}
+    assert replays["eager"] == 0 and replays["compiled"] > 0  # the compiled stage ran on replayed graphs
+    assert len(written["eager"]) == len(calls) and set(written["eager"]) == set(written["compiled"])
+    timed = 0
+    for rel, eager in written["eager"].items():
+        compiled = written["compiled"][rel]
+        for record in (eager, compiled):
+            by_reference = record["cost"].pop("speedup_by_reference", None)
+            if by_reference is not None:  # C2 timed against both references, as on CUDA
+                assert set(by_reference) == {speed.FULL_DEPTH, speed.HF_STATIC}
+                timed += 1
+            for key in ("reference_tokens_per_s_by_reference", "speed_reference"):  # which is faster: a timing
+                record["cost"].pop(key, None)
+        assert _differences(_clean(compiled), _clean(eager)) == [], rel
+    assert timed > 0
+
+
+def _differences(a, b, where: str = "", rel: float = 1e-5) -> list[str]:
+    """Where ``a`` and ``b`` differ: floats by more than ``rel`` (the same sums in another order: attention over a
+    static cache's whole buffer under a mask rounds apart from a growing cache's), everything else exactly."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            return [f"{where}: keys {sorted(set(a) ^ set(b))}"]
+        return [d for k in a for d in _differences(a[k], b[k], f"{where}.{k}", rel)]
+    if isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            return [f"{where}: {len(a)} vs {len(b)} items"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{where}[{i}]", rel)]
+    if isinstance(a, float) and isinstance(b, float):
+        return [] if a == pytest.approx(b, rel=rel, nan_ok=True) else [f"{where}: {a} vs {b}"]
+    return [] if a == b else [f"{where}: {a!r} vs {b!r}"]

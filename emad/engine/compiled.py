@@ -35,26 +35,47 @@ from emad.engine.static_cache import Slab, StaticKVCache
 CAPACITY_STEP = 128  # static caches are made in multiples of this many slots, so prompts of similar length share
 
 
+def _like(x: torch.Tensor) -> torch.Tensor:
+    """A copy of ``x`` with its dispatch keys (an inference tensor's copy is one, a normal tensor's is not), so that a
+    compiled function's guards accept the copy wherever they accepted ``x``."""
+    with torch.inference_mode(x.is_inference()):
+        return x.clone()
+
+
 class _Graph:
-    """One segment captured as a CUDA graph on one slab: replays copy the inputs into the graph's own tensors."""
+    """One function captured as a CUDA graph: replays copy the inputs into the graph's own tensors and overwrite
+    :attr:`output`.
+
+    Args:
+        fn: the compiled function, called as ``fn(*inputs, *fixed)``.
+        inputs: tensors whose values change between replays (copied in at every replay).
+        fixed: what is read where it lies (a slab's buffers, an estimator): its addresses never change.
+    """
 
     def __init__(self, fn, inputs: tuple[torch.Tensor, ...], fixed: tuple):
-        self.inputs = tuple(x.clone() for x in inputs)  # copied in at every replay
-        self.fixed = fixed  # read where they lie (a slab's buffers, an estimator): their addresses never change
+        self.inputs = tuple(_like(x) for x in inputs)
+        self.fixed = fixed
+        self.output = self._record(fn)
+
+    def _record(self, fn):
+        """Capture ``fn`` on the graph's own inputs; its output (tensors the replays overwrite)."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up (lazy initialisation); its writes are the replay's own
             for _ in range(2):
-                fn(*self.inputs, *fixed)
+                fn(*self.inputs, *self.fixed)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.output = fn(*self.inputs, *fixed)
+            return fn(*self.inputs, *self.fixed)
 
-    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
+    def replay(self) -> None:
+        self.graph.replay()
+
+    def __call__(self, *inputs: torch.Tensor):
         for mine, given in zip(self.inputs, inputs):
             mine.copy_(given)
-        self.graph.replay()
+        self.replay()
         return self.output
 
 
@@ -261,12 +282,12 @@ class CompiledStack(LayerStack):
 
     def estimate_all(self, estimator, layer: int, h: torch.Tensor) -> tuple:
         """``estimator``'s estimate of every cache row's state ``h`` ``[B, d]`` at ``layer``, compiled
-        (:meth:`SegmentRunner.estimate`)."""
+        (:meth:`SegmentRunner.estimate`); a replayed graph's own outputs (as :meth:`run_masked`'s)."""
         return self.runner.estimate(self.lens, estimator, layer, h)
 
     def readout_all(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         """The readout at ``layer`` of every cache row's state ``h`` ``[B, d]``, compiled
-        (:meth:`SegmentRunner.readout`)."""
+        (:meth:`SegmentRunner.readout`); a replayed graph's own output (as :meth:`run_masked`'s)."""
         return self.runner.readout(self.lens, layer, h)
 
     @contextmanager
@@ -299,12 +320,16 @@ class CompiledStack(LayerStack):
         if not one_token or start == stop:
             return super().run(h, start, stop, cache, positions, slots, rows)
         running = torch.ones(cache.batch_size, dtype=torch.bool, device=h.device)
-        return self.run_masked(h, start, stop, cache, positions, slots, running)
+        out = self.run_masked(h, start, stop, cache, positions, slots, running)
+        return out.clone() if self.runner.graphs else out  # callers may keep it past the next replay (drafters do)
 
     def run_masked(self, h: torch.Tensor, start: int, stop: int, cache: KVCache, positions: torch.Tensor,
                    slots: slice, running: torch.Tensor) -> torch.Tensor:
         """Layers ``[start, stop)`` for one token of every cache row ``h`` ``[B, 1, d]`` at ``positions``
-        ``[B, 1]`` in slot ``slots``; only rows where ``running`` ``[B]`` is True write K/V and validity."""
+        ``[B, 1]`` in slot ``slots``; only rows where ``running`` ``[B]`` is True write K/V and validity.
+
+        Where graphs are replayed the states returned are the graph's own output, overwritten by the next replay of
+        the same segment: a caller consumes them first (a decode step does) or copies them (:meth:`run` does)."""
         if start == stop:
             return h
         if not isinstance(cache, StaticKVCache):

@@ -21,7 +21,10 @@ from emad.engine.cache import KVCache
 @dataclass(eq=False)
 class Slab:
     """The tensors of a static cache: K/V buffers ``[B, H_kv, S, d_head]`` per layer (made at the first write, all
-    layers at once), validity ``[L, B, S]`` and real-token flags ``[B, S]``."""
+    layers at once), validity ``[L, B, S]`` and real-token flags ``[B, S]``.
+
+    They are normal tensors wherever they are made, inside ``torch.inference_mode`` or not: a cache made outside it
+    can reset them, and a compiled segment's guards (which check a tensor's dispatch keys) accept every slab."""
 
     keys: list[torch.Tensor | None]
     values: list[torch.Tensor | None]
@@ -30,6 +33,7 @@ class Slab:
     lent_to: weakref.ref | None = field(default=None)
 
     @classmethod
+    @torch.inference_mode(False)
     def empty(cls, n_layers: int, batch_size: int, capacity: int, device: torch.device) -> Slab:
         return cls([None] * n_layers, [None] * n_layers,
                    torch.zeros(n_layers, batch_size, capacity, dtype=torch.bool, device=device),
@@ -67,7 +71,8 @@ class StaticKVCache(KVCache):
         self.slab = slab
         self.keys, self.values = slab.keys, slab.values  # the slab's lists: buffers made here land on the slab
         self.valid, self.real = slab.valid, slab.real
-        self._slot = torch.zeros(1, dtype=torch.long, device=self.device)  # [1] a decode step's slot, on the device
+        with torch.inference_mode(False):
+            self._slot = torch.zeros(1, dtype=torch.long, device=self.device)  # [1] a decode step's slot, on the device
 
     def slot_tensor(self, slot: int) -> torch.Tensor:
         """``slot`` as a device tensor ``[1]`` (filled in place: no host-to-device copy, no new tensor)."""
@@ -82,10 +87,11 @@ class StaticKVCache(KVCache):
     def write(self, layer: int, rows, slots, key: torch.Tensor, value: torch.Tensor):
         if self.keys[layer] is None:  # every layer at once: a captured segment finds all its buffers made
             shape = (self.batch_size, key.shape[1], self.capacity, key.shape[3])
-            for i in range(self.n_layers):
-                if self.keys[i] is None:
-                    self.keys[i] = key.new_zeros(shape)
-                    self.values[i] = value.new_zeros(shape)
+            with torch.inference_mode(False):
+                for i in range(self.n_layers):
+                    if self.keys[i] is None:
+                        self.keys[i] = key.new_zeros(shape)
+                        self.values[i] = value.new_zeros(shape)
         return super().write(layer, rows, slots, key, value)
 
     def copy(self) -> StaticKVCache:
@@ -104,9 +110,9 @@ class StaticKVCache(KVCache):
                 if t is None:
                     continue
                 if mine[i] is None:
-                    mine[i] = t.clone()
-                else:
-                    mine[i].copy_(t)
+                    with torch.inference_mode(False):
+                        mine[i] = t.new_zeros(t.shape)
+                mine[i].copy_(t)
         self.valid.copy_(other.valid)
         self.real.copy_(other.real)
         self.n_slots, self.padded, self.filled = other.n_slots, other.padded, list(other.filled)
