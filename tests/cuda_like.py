@@ -35,10 +35,10 @@ class ReplayedOnCPU(compiled._Graph):
 
 
 def as_on_cuda(stack: LayerStack, backend: str) -> CompiledStack:
-    """``stack`` on the compiled engine as CUDA runs it: probes fused, graphs captured (replayed by whatever
-    ``compiled._Graph`` is: patch it with :class:`ReplayedOnCPU` on a CPU)."""
+    """``stack`` on the compiled engine as CUDA runs it: probes fused, graphs captured and replayed on the CPU
+    (:class:`ReplayedOnCPU`)."""
     out = CompiledStack(stack, backend, fuse_probes=True)
-    out.runner.graphs = True
+    out.runner.graphs, out.runner.capture = True, ReplayedOnCPU
     return out
 
 
@@ -46,5 +46,4 @@ def patch_engine_as_on_cuda(monkeypatch: pytest.MonkeyPatch, backend: str = "aot
     """Make ``decode.engine: compiled`` run as on CUDA, graphs replayed on the CPU."""
     from emad.engine import engines
 
-    monkeypatch.setattr(compiled, "_Graph", ReplayedOnCPU)
     monkeypatch.setitem(engines.ENGINES, "compiled", lambda stack: as_on_cuda(stack, backend))

@@ -11,7 +11,6 @@ import torch
 from emad.calibration.calibrate import calibrate, windows
 from emad.calibration.profile import smooth
 from emad.decode import Method, Prefills, generate
-from emad.engine import compiled as compiled_module
 from emad.engine.compiled import CompiledStack
 from emad.engine.engines import check_engine, resolve_engine, with_engine
 from emad.engine.stack import LayerStack
@@ -219,10 +218,7 @@ GRAPHED = ("full", "fixed", "emad-exact", "emad-topk", "emad-tuned", "confidence
 @pytest.fixture(scope="module")
 def graphed():
     """A compiled engine of its own model that captures graphs and fuses probes, as on CUDA, with CPU replays."""
-    patch = pytest.MonkeyPatch()
-    patch.setattr(compiled_module, "_Graph", ReplayedOnCPU)
-    yield as_on_cuda(LayerStack(tiny_model("llama")), MATRIX_BACKEND)
-    patch.undo()
+    return as_on_cuda(LayerStack(tiny_model("llama")), MATRIX_BACKEND)
 
 
 @pytest.mark.parametrize("name", [n if n in ("full", "emad-topk", "confidence-backfill") else

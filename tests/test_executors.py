@@ -104,6 +104,7 @@ def test_a_ray_address_nothing_answers_is_named_before_any_work(workspace, monke
     assert not (workspace / "no-cluster").exists()
 
 
+@pytest.mark.heavy  # a minute: every unit decoded twice, serially and on Ray
 def test_ray_writes_what_serial_writes_and_units_come_back_in_unit_order(workspace, local_ray, monkeypatch):
     import pipeline.decode as stage
     from emad.evaluation.executors import ray_executor, serial
@@ -284,6 +285,7 @@ RISK = {"domain": "toy-a", "calibration": "toy", "prompts": 4, "fresh_prompts": 
                      "threshold": {"point": {"method": "confidence"}, "knob": "threshold", "values": [0.1, 5.0]}}}
 
 
+@pytest.mark.heavy  # the risk stage twice, serially and on Ray
 def test_the_risk_stage_writes_the_same_on_ray_as_serial(workspace, local_ray, monkeypatch):
     """Each search is a unit: on Ray actors the result files equal the stage's own process's."""
     import pipeline.risk as stage

@@ -102,13 +102,24 @@ class MaskedRows(Lanes):
     def __init__(self, stack, cache, h, positions, rows, slots):
         super().__init__(stack, cache, h, positions, rows, slots)
         batch = cache.batch_size
+        # the step's rows are the cache's, in order: while all of them run, no row is picked or masked out
+        self.in_order = len(rows) == batch and bool((rows.cpu() == torch.arange(batch)).all())
+        if self.in_order:
+            self.h, self.positions = h, positions
+            return
         rows_there = on_device(rows, h.device)
         self.h = h.new_zeros(batch, *h.shape[1:]).index_copy_(0, rows_there, h)  # [B, 1, d]
         self.positions = positions.new_zeros(batch, *positions.shape[1:]).index_copy_(0, rows_there, positions)
 
     def run(self, start: int, stop: int, active: torch.Tensor) -> torch.Tensor:
-        cache_rows = on_device(self.rows[active], self.h.device)
-        running = torch.zeros(self.cache.batch_size, dtype=torch.bool, device=self.h.device)
+        batch, device = self.cache.batch_size, self.h.device
+        if self.in_order and len(active) == batch:
+            running = on_device(torch.ones(batch, dtype=torch.bool), device)
+            self.h = self.stack.run_masked(self.h, start, stop, self.cache, self.positions, self.slots, running)
+            self.active_states = self.h  # consumed within the step, before this segment's next replay
+            return self.active_states
+        cache_rows = on_device(self.rows[active], device)
+        running = torch.zeros(batch, dtype=torch.bool, device=device)
         running[cache_rows] = True
         self.h = self.stack.run_masked(self.h, start, stop, self.cache, self.positions, self.slots, running)
         self.active_states = self.h[cache_rows]
@@ -124,7 +135,9 @@ class MaskedRows(Lanes):
 
     def _only(self, picked: torch.Tensor) -> torch.Tensor:
         """Every cache row's state ``[B, d]``, zero but in the ``picked`` rows: a row that left or finished, whose
-        state rode along, cannot trip the readout's NaN/inf check."""
+        state rode along, cannot trip the readout's NaN/inf check (every row picked: the states as they are)."""
+        if len(picked) == self.cache.batch_size:  # picked rows are distinct: all of them
+            return self.h[:, -1]
         keep = torch.zeros(self.cache.batch_size, dtype=torch.bool, device=self.h.device)
         keep[picked] = True
         return torch.where(keep[:, None], self.h[:, -1], 0)

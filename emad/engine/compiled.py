@@ -102,6 +102,9 @@ class SegmentRunner:
         graphs: capture CUDA graphs (default: on CUDA).
 
     Attributes:
+        capture: what captures a function and replays it (:class:`_Graph`: a CUDA graph).
+
+    Attributes:
         nonfinite: a device flag set by readouts whose NaN/inf check is deferred (compiled probes, and every readout
             of a compiled view inside :meth:`CompiledStack.finite_checks_deferred`).
     """
@@ -112,6 +115,7 @@ class SegmentRunner:
         self.stack = stack
         self.backend = backend
         self.graphs = stack.device.type == "cuda" if graphs is None else graphs
+        self.capture = _Graph
         self.functions: dict[tuple, object] = {}
         self.captured: dict[tuple, _Graph] = {}
         self.estimates: dict[tuple, OrderedDict] = {}  # probe key -> estimator id -> (estimator, graph)
@@ -120,7 +124,7 @@ class SegmentRunner:
         self.stats = CompileStats()
         self.nonfinite = torch.zeros((), dtype=torch.bool, device=stack.device)
         self.deferring = False
-        self._ready: weakref.WeakSet = weakref.WeakSet()  # estimators whose lazy tensors are made
+        self._ready = weakref.WeakKeyDictionary()  # estimators whose lazy tensors are made -> their signature
 
     def slab(self, batch_size: int, capacity: int) -> Slab | None:
         """A free slab of ``batch_size`` rows and at least ``capacity`` slots: the largest there is, so that once a
@@ -162,10 +166,11 @@ class SegmentRunner:
         (None: the logit lens): ``(entropy [B], max_prob [B], logits [B, V] or None)``, compiled (a graph per
         estimator on CUDA). Its NaN/inf check goes to :attr:`nonfinite` (read at once unless deferred)."""
         view = self._view(lens)
-        if estimator not in self._ready:  # eagerly once: shortlists and factorisations are made outside the graph
+        signature = self._ready.get(estimator)
+        if signature is None:  # eagerly once: shortlists and factorisations are made outside the graph
             estimator.estimate(view, h[:1], layer)
-            self._ready.add(estimator)
-        key = ("estimate", estimator_signature(estimator), layer, *h.shape, h.dtype, id(view))
+            signature = self._ready[estimator] = estimator_signature(estimator)
+        key = ("estimate", signature, layer, *h.shape, h.dtype, id(view))
         fn = self.functions.get(key)
         if fn is None:
             name = f"emad_estimate_{type(estimator).__name__.lower()}_{layer}_b{h.shape[0]}_{len(self.functions)}"
@@ -231,7 +236,7 @@ class SegmentRunner:
     def _capture(self, fn, inputs: tuple, fixed: tuple) -> _Graph:
         began = time.perf_counter()
         with torch.compiler.set_stance("fail_on_recompile"):
-            graph = _Graph(fn, inputs, fixed)
+            graph = self.capture(fn, inputs, fixed)
         self._count(began, None, compiled=False)
         return graph
 

@@ -1,0 +1,133 @@
+"""The host's share of a compiled decode step: per-token time of the compiled engine as CUDA runs it (probes
+fused, segments and probes replayed as graphs) with the graphs' device work taken out, on a CPU.
+
+On a GPU a replayed graph costs the host a launch, and the rest of a step is the host's own work — the step's
+bookkeeping, the small eager ops around the graphs, and one wait per probe for its decision. Where that work takes
+longer than the device's, it sets the time per token. This benchmark measures it without a GPU: each captured
+graph's replay does nothing (its outputs keep the values of its capture), so what is timed is everything but the
+layers, probes and readouts. Decisions then never change, so only decoders whose path does not depend on them are
+timed: full depth, fixed depth, and EMAD with probes that never exit (margin +inf: every probe runs every step).
+
+Model: SmolLM2-135M's depth (30 layers) and vocabulary at a width of 64 (random weights), so that the eager ops
+cost what their launches would; probes at every 3rd layer (10 a token). Per-token time is differenced: (time of
+``--long`` new tokens − time of ``--short``) / (long − short); rounds alternate the decoders, medians over
+``--reps``. Reports ms/token per decoder and µs of host time per probe ((probing − full) / probes a token).
+Writes reports/bench/step_host.json.
+
+Usage: python benchmarks/bench_step_host.py [--batches 1,8] [--short 8] [--long 72] [--reps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers as tf
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gpu_decode import PROMPTS, profile_of  # noqa: E402
+from common import environment, write  # noqa: E402
+
+from emad.decode import Method, generate  # noqa: E402
+from emad.engine import compiled  # noqa: E402
+from emad.engine.compiled import CompiledStack  # noqa: E402
+from emad.engine.models import load_model  # noqa: E402
+from emad.engine.stack import LayerStack  # noqa: E402
+from emad.exits.criteria import Emad, Fixed, Full  # noqa: E402
+from emad.exits.estimators import TopK  # noqa: E402
+
+SHAPE = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=30, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True)
+EVERY = 3  # probe every 3rd layer
+
+
+class HostOnly(compiled._Graph):
+    """A captured graph whose replay does no device work: its outputs keep the values of its capture."""
+
+    def _record(self, fn):
+        return fn(*self.inputs, *self.fixed)
+
+    def replay(self) -> None:
+        pass
+
+
+def stack_as_on_cuda(base: LayerStack) -> CompiledStack:
+    """``base`` on the compiled engine as CUDA runs it (probes fused, graphs replayed: :class:`HostOnly`)."""
+    stack = CompiledStack(base, "aot_eager", fuse_probes=True)
+    stack.runner.graphs, stack.runner.capture = True, HostOnly
+    return stack
+
+
+def decoders(n_layers: int, profile) -> dict:
+    return {"full": lambda: Method(Full()),
+            "fixed-0.5L": lambda: Method(Fixed(n_layers // 2)),
+            "emad-probes-exact": lambda: Method(Emad(profile, math.inf)),
+            "emad-probes-topk": lambda: Method(Emad(profile, math.inf), "monotone", TopK(1024))}
+
+
+def bench_batch(stack, tokenizer, profile, batch: int, args) -> dict:
+    prompts = [tokenizer(p)["input_ids"] for p in (PROMPTS * batch)[:batch]]
+    runs = {name: (lambda new, m=m: generate(stack, tokenizer, prompts, m(), new, eos_token_ids=[]))
+            for name, m in decoders(stack.n_layers, profile).items()}
+    for run in runs.values():  # warm-up: compile, capture
+        run(args.long)
+        run(args.short)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(args.reps):
+        for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+            began = time.perf_counter()
+            runs[name](args.long)
+            long_s = time.perf_counter() - began
+            began = time.perf_counter()
+            runs[name](args.short)
+            times[name].append((long_s - (time.perf_counter() - began)) / (args.long - args.short))
+    rows = {name: {"ms_per_token": 1e3 * statistics.median(ts)} for name, ts in times.items()}
+    probes = len(profile.probe_layers)
+    full = rows["full"]["ms_per_token"]
+    for name, row in rows.items():
+        row["time_ratio_to_full"] = row["ms_per_token"] / full
+        if name.startswith("emad-probes"):
+            row["host_us_per_probe"] = 1e3 * (row["ms_per_token"] - full) / probes
+    return {"batch": batch, "probes_per_token": probes, "decoders": rows}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--short", type=int, default=8)
+    parser.add_argument("--long", type=int, default=72)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--out", default="step_host")
+    args = parser.parse_args(argv)
+    if not 1 <= args.short < args.long:
+        parser.error(f"--short must be in 1..--long - 1 (--long {args.long}), got {args.short}")
+    config = tf.LlamaConfig(**SHAPE)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(config).eval()
+    tokenizer = load_model("smollm2-135m", device="cpu", dtype="float32").tokenizer
+    base = LayerStack(model)
+    profile = profile_of(base, tokenizer, EVERY)
+    stack = stack_as_on_cuda(base)
+    result = {"benchmark": "host time of a compiled decode step (graph replays without device work)",
+              "model": {"random_weights": True, **SHAPE}, "environment": environment(base.device, base.dtype),
+              "short": args.short, "long": args.long, "reps": args.reps, "batches": []}
+    for batch in map(int, args.batches.split(",")):
+        measured = bench_batch(stack, tokenizer, profile, batch, args)
+        result["batches"].append(measured)
+        for name, row in measured["decoders"].items():
+            extra = f"  {row['host_us_per_probe']:.0f} us/probe" if "host_us_per_probe" in row else ""
+            print(f"batch {batch} {name:18s} {row['ms_per_token']:7.3f} ms/token "
+                  f"({row['time_ratio_to_full']:.2f}x full){extra}")
+    result["compile"] = stack.runner.stats.as_dict()  # graphs: how many were captured (and replayed without work)
+    print(f"written to {write(args.out, result)}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
