@@ -106,6 +106,7 @@ class MaskedRows(Lanes):
         self.in_order = len(rows) == batch and bool((rows.cpu() == torch.arange(batch)).all())
         if self.in_order:
             self.h, self.positions = h, positions
+            self.every = on_device(torch.ones(batch, dtype=torch.bool), h.device)  # [B] the running mask of them all
             return
         rows_there = on_device(rows, h.device)
         self.h = h.new_zeros(batch, *h.shape[1:]).index_copy_(0, rows_there, h)  # [B, 1, d]
@@ -114,8 +115,7 @@ class MaskedRows(Lanes):
     def run(self, start: int, stop: int, active: torch.Tensor) -> torch.Tensor:
         batch, device = self.cache.batch_size, self.h.device
         if self.in_order and len(active) == batch:
-            running = on_device(torch.ones(batch, dtype=torch.bool), device)
-            self.h = self.stack.run_masked(self.h, start, stop, self.cache, self.positions, self.slots, running)
+            self.h = self.stack.run_masked(self.h, start, stop, self.cache, self.positions, self.slots, self.every)
             self.active_states = self.h  # consumed within the step, before this segment's next replay
             return self.active_states
         cache_rows = on_device(self.rows[active], device)

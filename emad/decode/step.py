@@ -241,23 +241,27 @@ def step(
             passed[probing], probe_logits = _probe(lanes, method, cost, out, probing, active[probing], k, probe,
                                                    pos, first_conf)
         allowed = passed | capped | last | ready
-        out.allowed[active] = torch.where(allowed & ~ready, probe, out.allowed[active])  # first allowed here
+        newly = allowed & ~ready
+        if bool(newly.any()):
+            out.allowed[active[newly]] = probe  # first allowed here
         leave = rule.leaving(allowed)
-        if bool(leave.any()):
-            gone = active[leave]
-            read = leave & ~probing if probe_logits is not None else leave  # rows read out afresh
-            if probe_logits is not None:
-                took = leave & probing
-                out.logits[on_device(active[took], device)] = probe_logits[on_device(took[probing], device)].to(
-                    out.logits.dtype)
-            if bool(read.any()):
-                out.logits[on_device(active[read], device)] = _readout(lanes, read, probe, cost, out,
-                                                               active[read]).to(out.logits.dtype)
-            out.depths[gone] = probe
-            code = torch.where(passed[leave], 0, torch.where(capped[leave], 1, 2))
-            out.reasons[gone] = torch.where(ready[leave], 3, code)
-            policy.after_exit(stack, cache, rows[gone], slots.start, h[on_device(leave, device)],
-                              pos[on_device(gone, device), 0], probe)
+        if not bool(leave.any()):  # every row runs on (the common case: no indexing)
+            ready = allowed
+            continue
+        gone = active[leave]
+        read = leave & ~probing if probe_logits is not None else leave  # rows read out afresh
+        if probe_logits is not None:
+            took = leave & probing
+            out.logits[on_device(active[took], device)] = probe_logits[on_device(took[probing], device)].to(
+                out.logits.dtype)
+        if bool(read.any()):
+            out.logits[on_device(active[read], device)] = _readout(lanes, read, probe, cost, out,
+                                                           active[read]).to(out.logits.dtype)
+        out.depths[gone] = probe
+        code = torch.where(passed[leave], 0, torch.where(capped[leave], 1, 2))
+        out.reasons[gone] = torch.where(ready[leave], 3, code)
+        policy.after_exit(stack, cache, rows[gone], slots.start, h[on_device(leave, device)],
+                          pos[on_device(gone, device), 0], probe)
         active, ready = active[~leave], allowed[~leave]
         lanes.keep(on_device(~leave, device))
         if len(active) == 0:

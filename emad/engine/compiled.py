@@ -152,7 +152,7 @@ class SegmentRunner:
             out = fn(*inputs, *tensors)  # the first call compiles
             self._count(began, key, compiled=True)
             return out
-        if not self.graphs or not any(cache.slab is s for s in self.slabs.values()):  # graphs on own slabs only
+        if not self.graphs or self.slabs.get((batch, capacity)) is not cache.slab:  # graphs on own slabs only
             with torch.compiler.set_stance("fail_on_recompile"):
                 return fn(*inputs, *tensors)
         graph_key = (id(cache.slab), *key)

@@ -7,12 +7,21 @@ With no edges on an axis that axis has a single bucket, so the unstratified prof
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
 
 # variant name -> (keeps the position axis, keeps the confidence axis)
 VARIANTS = {"none": (False, False), "position": (True, False), "confidence": (False, True), "both": (True, True)}
+
+
+@functools.lru_cache(maxsize=64)
+def _edges(values: tuple[float, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a tensor on ``device``, made once: a decode step assigns strata at every probe, and a copy from
+    host memory each time would wait for the device's queued work (read-only)."""
+    with torch.inference_mode(False):
+        return torch.tensor(values, dtype=dtype, device=device)
 
 
 def _check_edges(name: str, edges: list[float], low: float, high: float | None) -> None:
@@ -98,13 +107,13 @@ class Strata:
         Returns:
             ``[...]`` long stratum indices in ``0..len(self)-1``.
         """
-        pos_edges = torch.tensor(self.position_edges, dtype=positions.dtype, device=positions.device)
+        pos_edges = _edges(tuple(self.position_edges), positions.dtype, positions.device)
         p = torch.bucketize(positions, pos_edges, right=True)
         if not self.uses_confidence:
             return p
         if confidence is None:
             raise ValueError("confidence stratification needs the first probe's max probability")
-        conf_edges = torch.tensor(self.confidence_edges, dtype=confidence.dtype, device=confidence.device)
+        conf_edges = _edges(tuple(self.confidence_edges), confidence.dtype, confidence.device)
         c = torch.bucketize(confidence, conf_edges, right=True)
         return p * self.n_confidence + c
 
