@@ -103,8 +103,6 @@ class SegmentRunner:
 
     Attributes:
         capture: what captures a function and replays it (:class:`_Graph`: a CUDA graph).
-
-    Attributes:
         nonfinite: a device flag set by readouts whose NaN/inf check is deferred (compiled probes, and every readout
             of a compiled view inside :meth:`CompiledStack.finite_checks_deferred`).
     """
