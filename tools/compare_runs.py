@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 TIMING = {"speedup", "speed_tokens_per_s", "reference_tokens_per_s", "speed_pairs", "load_avg", "seconds",
-          "tokens_per_s", "scoring_seconds", "speed_repeats", "speed_new_tokens", "speed_unit"}
+          "tokens_per_s", "scoring_seconds", "speed_repeats", "speed_new_tokens", "speed_unit",
+          "speedup_by_reference", "reference_tokens_per_s_by_reference", "speed_reference"}
 LEFT_OUT = TIMING | {"provenance", "mlflow_run_id"}
 RECORDS = ("reports/runs/**/*.json", "reports/risk/**/*.json")
 BYTES = ("data/corpus/**/*", "data/profiles/**/*", "data/readouts/**/*")
