@@ -186,6 +186,7 @@ def test_simple_evaluate_runs_loglikelihood_rolling_and_generation_tasks(model_d
     assert len(answers) == 2 and all(isinstance(a, str) for a in answers)
 
 
+@pytest.mark.heavy  # a fresh `python -m emad.lm_eval`, about 20 s
 def test_module_entry_runs_tasks_on_the_default_device(model_dir, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false"}

@@ -68,6 +68,7 @@ def test_two_process_torchrun_equals_one_process(workspace):
     assert not list((workspace / "two").glob("*.ckpt*"))
 
 
+@pytest.mark.heavy  # two stage processes (calibrate, smooth), about 25 s
 def test_smooth_writes_profile_plot_and_mlflow_runs(workspace):
     stats = workspace / "one" / "stats.json"
     if not stats.exists():
