@@ -103,6 +103,18 @@ def _seconds(fn, new: int, device) -> float:
     return time.perf_counter() - began
 
 
+def per_token_seconds(runs: dict, short: int, long: int, reps: int, device) -> dict[str, list[float]]:
+    """Per decoder, its seconds per token in each of ``reps`` rounds: (time of ``long`` new tokens − time of
+    ``short``) / (long − short); each round runs every decoder in turn, every other round in reverse order."""
+    times: dict[str, list[float]] = {label: [] for label in runs}
+    for r in range(reps):
+        for label in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+            long_s = _seconds(runs[label], long, device)
+            short_s = _seconds(runs[label], short, device)
+            times[label].append((long_s - short_s) / (long - short))
+    return times
+
+
 def bench_batch(model, tokenizer, stacks: dict, profile, batch: int, args) -> dict:
     """Every decoder at one batch size: per-token ms, mean depth and cost ratios, greedy agreement with HF."""
     prompts = [tokenizer(p)["input_ids"] for p in (PROMPTS * batch)[:batch]]
@@ -125,13 +137,7 @@ def bench_batch(model, tokenizer, stacks: dict, profile, batch: int, args) -> di
         if not label.startswith("hf-"):
             facts[label] = _facts(out, hf_tokens, tokenizer.eos_token_id)
     warm_up_s = time.perf_counter() - began
-    times: dict[str, list[float]] = {label: [] for label in runs}
-    for r in range(args.reps):
-        order = list(runs) if r % 2 == 0 else list(runs)[::-1]
-        for label in order:
-            long_s = _seconds(runs[label], args.long, device)
-            short_s = _seconds(runs[label], args.short, device)
-            times[label].append((long_s - short_s) / (args.long - args.short))
+    times = per_token_seconds(runs, args.short, args.long, args.reps, device)
     rows = {label: {"ms_per_token": 1e3 * statistics.median(ts), **facts.get(label, {})}
             for label, ts in times.items()}
     best_hf = min(rows["hf-static"]["ms_per_token"], rows["hf-dynamic"]["ms_per_token"])

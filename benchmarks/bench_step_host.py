@@ -23,14 +23,13 @@ import argparse
 import math
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import transformers as tf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu_decode import PROMPTS, profile_of  # noqa: E402
+from bench_gpu_decode import PROMPTS, per_token_seconds, profile_of  # noqa: E402
 from common import environment, write  # noqa: E402
 
 from emad.decode import Method, generate  # noqa: E402
@@ -77,15 +76,7 @@ def bench_batch(stack, tokenizer, profile, batch: int, args) -> dict:
     for run in runs.values():  # warm-up: compile, capture
         run(args.long)
         run(args.short)
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for r in range(args.reps):
-        for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
-            began = time.perf_counter()
-            runs[name](args.long)
-            long_s = time.perf_counter() - began
-            began = time.perf_counter()
-            runs[name](args.short)
-            times[name].append((long_s - (time.perf_counter() - began)) / (args.long - args.short))
+    times = per_token_seconds(runs, args.short, args.long, args.reps, stack.device)
     rows = {name: {"ms_per_token": 1e3 * statistics.median(ts)} for name, ts in times.items()}
     probes = len(profile.probe_layers)
     full = rows["full"]["ms_per_token"]
