@@ -1,14 +1,29 @@
-"""The compiled engine as it runs on CUDA — probes fused, segments and probes replayed as graphs — on a CPU: the
-graph replays keep a CUDA graph's contract (:class:`ReplayedOnCPU`), so the CUDA path's bookkeeping is tested where
-no GPU is."""
+"""The compiled engine as it runs on CUDA — probes fused, segments and probes replayed as graphs, a device step as one
+graph with conditional nodes or as graphs per block — on a CPU: the graph replays keep a CUDA graph's contract
+(:class:`ReplayedOnCPU`, :class:`StepReplayedOnCPU`), so the CUDA path's bookkeeping is tested where no GPU is."""
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import pytest
 
 from emad.engine import compiled
 from emad.engine.compiled import CompiledStack
 from emad.engine.stack import LayerStack
+from emad.engine.step_graphs import Always
+
+DEVICE_SIDE = [0]  # > 0 while an emulated replay does what the device would do (host-read counters skip it)
+
+
+@contextmanager
+def device_side():
+    """The work inside is the device's (an emulated graph replay), not the host's."""
+    DEVICE_SIDE[0] += 1
+    try:
+        yield
+    finally:
+        DEVICE_SIDE[0] -= 1
 
 
 class ReplayedOnCPU(compiled._Graph):
@@ -27,18 +42,50 @@ class ReplayedOnCPU(compiled._Graph):
 
     def replay(self) -> None:
         ReplayedOnCPU.replays += 1
-        fresh = self._fn(*self.inputs, *self.fixed)
-        kept = self.output if isinstance(self.output, tuple) else (self.output,)
-        for mine, new in zip(kept, fresh if isinstance(fresh, tuple) else (fresh,)):
-            if mine is not None:
-                mine.copy_(new)
+        with device_side():
+            fresh = self._fn(*self.inputs, *self.fixed)
+            kept = self.output if isinstance(self.output, tuple) else (self.output,)
+            for mine, new in zip(kept, fresh if isinstance(fresh, tuple) else (fresh,)):
+                if mine is not None:
+                    mine.copy_(new)
 
 
-def as_on_cuda(stack: LayerStack, backend: str) -> CompiledStack:
+class Conditional:
+    """A conditional IF node as the device takes it at replay: its predicate is read then, and a false one skips the
+    body, whose buffers keep what they held."""
+
+    def when(self, pred, body) -> bool:
+        if not bool(pred):
+            return False
+        body()
+        return True
+
+
+class StepReplayedOnCPU:
+    """A device step captured as one graph with conditional nodes, kept on a CPU: the capture runs the program once
+    with every body taken (the warm-up a capture needs; no row is live then) and keeps its exit readout; a replay
+    reruns the program, each later block only where its predicate holds at replay, and overwrites the kept readout."""
+
+    replays = 0
+
+    def __init__(self, program):
+        program.run(Always())
+        self.program, self.output = program, program.logits
+
+    def replay(self) -> None:
+        StepReplayedOnCPU.replays += 1
+        with device_side():
+            self.program.run(Conditional())
+            self.output.copy_(self.program.logits)
+        self.program.logits = self.output
+
+
+def as_on_cuda(stack: LayerStack, backend: str, branches: str = "if") -> CompiledStack:
     """``stack`` on the compiled engine as CUDA runs it: probes fused, graphs captured and replayed on the CPU
-    (:class:`ReplayedOnCPU`)."""
-    out = CompiledStack(stack, backend, fuse_probes=True)
-    out.runner.graphs, out.runner.capture = True, ReplayedOnCPU
+    (:class:`ReplayedOnCPU`), device steps as one graph with conditional nodes (``branches`` ``if``:
+    :class:`StepReplayedOnCPU`) or graphs per block with lookahead (``lookahead``)."""
+    out = CompiledStack(stack, backend, fuse_probes=True, branches=branches)
+    out.runner.graphs, out.runner.capture, out.runner.capture_step = True, ReplayedOnCPU, StepReplayedOnCPU
     return out
 
 

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from emad.decode.lanes import on_device
 from emad.decode.results import Generation, TokenTrace
 from emad.decode.step import (
     EXIT_REASONS,
@@ -23,8 +22,8 @@ from emad.decode.step import (
     prefill,
     prefill_states,
     reading,
-    step,
 )
+from emad.decode.steppers import steps_for
 from emad.decode.strategy import Strategy
 from emad.engine.cache import KVCache
 from emad.engine.cost import CostModel
@@ -149,6 +148,7 @@ def generate(
             logits = stack.readout(last, depth0)  # [B, V]
     tokens = choose(logits, sampling, generator)  # [B] on the device
     chosen, logps = _to_host(tokens, logits)
+    prefilled = time.perf_counter() - started  # the prompt's pass and its token, read on the host
     positions = real.long().sum(-1).cpu()  # next position id per row, [B] on the host
     rows_state = [_Row() for _ in range(batch)]
     helds = [cache.held()]  # per step: [B, L] keys held per row and layer, on the device (read once at the end)
@@ -156,28 +156,33 @@ def generate(
     for r in range(batch):  # the first token is read out of the prompt's last position
         _record(rows_state[r], int(chosen[r]), float(logps[r]), depth0, int(positions[r]), first_flops, first_bytes,
                 {}, "prompt", depth0, 0)
-    alive = torch.arange(batch)  # host
     probes = method.criterion.probes(stack.n_layers)
-    with stack.finite_checks_deferred():  # read once at the end: the loop syncs only for its tokens and probes
-        for t in range(1, max_new_tokens + 1):
+    steps = steps_for(stack, cache, method, policy, cost, tokens, positions, sampling, generator, eos, stop_strings)
+    with stack.finite_checks_deferred():  # read once at the end: the loop syncs only where it reads its tokens
+        alive = _drop_finished(rows_state, torch.arange(batch), tokenizer, eos, stop_strings, on_token)
+        steps.retire(sorted(set(range(batch)) - set(alive.tolist())))
+        t, pending = 1, None
+        while True:
+            if pending is None:
+                if len(alive) == 0 or t >= max_new_tokens:
+                    break
+                pending, t = (t, steps.launch(alive)), t + 1
+                helds.append(cache.held())
+            ahead = None
+            if steps.lag and len(alive) and t < max_new_tokens:  # launched before the step it follows is read
+                ahead, t = (t, steps.launch(alive)), t + 1
+                helds.append(cache.held())
+            made, handle = pending
+            record = steps.read(handle)
+            for r in alive.tolist():
+                token, logp, depth, reason, allowed, flops, bytes_, *seen = record[r]
+                positions[r] += 1
+                _record(rows_state[r], int(token), logp, int(depth), int(positions[r]), flops, bytes_,
+                        {p: e for p, e in zip(probes, seen) if e == e}, EXIT_REASONS[int(reason)], int(allowed), made)
+            before = set(alive.tolist())
             alive = _drop_finished(rows_state, alive, tokenizer, eos, stop_strings, on_token)
-            if len(alive) == 0 or t == max_new_tokens:
-                break
-            before = policy.extra.flops.clone(), policy.extra.bytes.clone()
-            out = step(stack, cache, method, policy, cost, tokens[on_device(alive, stack.device)], positions[alive],
-                       alive)
-            new = choose(out.logits, sampling, generator)
-            chosen, logps = _to_host(new, out.logits)  # the step's one copy of its tokens to the host
-            tokens[on_device(alive, stack.device)] = new
-            positions[alive] += 1
-            helds.append(cache.held())
-            allowed = out.allowed.tolist()
-            for i, r in enumerate(alive.tolist()):
-                extra_f = float(out.probe_flops[i] + policy.extra.flops[r] - before[0][r])
-                extra_b = float(out.probe_bytes[i] + policy.extra.bytes[r] - before[1][r])
-                seen = {p: float(e) for p, e in zip(probes, out.entropies[i].tolist()) if e == e}
-                _record(rows_state[r], int(chosen[i]), float(logps[i]), int(out.depths[i]), int(positions[r]), extra_f,
-                        extra_b, seen, EXIT_REASONS[int(out.reasons[i])], allowed[i], t)
+            steps.retire(sorted(before - set(alive.tolist())))
+            pending = ahead
     held = torch.stack(helds).cpu()  # [steps, B, L]
     for r, s in enumerate(rows_state):
         s.finish = s.finish or "length"
@@ -185,6 +190,7 @@ def generate(
                    for t, d in zip(s.steps, s.depths)]  # per token: [L] keys attended per layer run
     out = _assemble(rows_state, tokenizer, stop_strings, cost, method, policy)
     out.seconds, out.timed = elapsed(stack.device, started), prefills is None
+    out.prefill_seconds, out.step_path, out.host_reads, out.decode_steps = prefilled, steps.path, steps.reads, t - 1
     return out
 
 

@@ -4,12 +4,19 @@ An eager stack runs only the rows still running: the states shrink as rows leave
 that keeps rows (the compiled one, :mod:`emad.engine.compiled`) runs every cache row through each segment, the rows
 that left masked, so that a segment's shapes never change (:class:`MaskedRows`). Either way the step reads the
 states of its running rows, in order; the step itself is the same loop.
+
+The step whose state lives on the device (:mod:`emad.decode.device_step`) has lanes of the same two kinds over its
+``[B]`` state: :class:`RowLanes` (eager: the running rows picked on the host at each probe) and :class:`MaskLanes`
+(compiled: every row, masked, nothing read from the device).
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
+from emad.decode.device_step import State
 from emad.engine.cache import KVCache
 from emad.engine.stack import LayerStack
 from emad.exits.estimators import Estimate, Estimator
@@ -148,3 +155,136 @@ class MaskedRows(Lanes):
             return super().readout(layer, reading, rows)
         picked = on_device(self.rows[rows], self.h.device)
         return self.stack.readout_all(layer, self._only(picked))[picked]
+
+
+class RowLanes:
+    """The eager engine's lanes: each block runs, probes and reads out only the rows still running (picked on the
+    host at every probe, as the host step does), with the eager stack's own operations.
+
+    Args:
+        stack: the reading stack; cache: the generation's cache; estimator: the method's.
+    """
+
+    compiled = False
+
+    def __init__(self, stack, cache, estimator):
+        self.stack, self.cache, self.estimator = stack, cache, estimator
+        self.slots: slice | None = None
+        self.active = torch.zeros(0, dtype=torch.long)  # host: the cache rows still running, ascending
+        self._staying: torch.Tensor | None = None  # host, over `active`: the rows that stay after the last exit
+        self.reads = 0  # host reads of the device (counted: on a device they wait for it)
+
+    def _host(self, mask: torch.Tensor) -> torch.Tensor:
+        """The True entries of a ``[B]`` mask as host row indices (a read of the device)."""
+        self.reads += 1
+        return mask.cpu().nonzero().flatten()
+
+    def embed(self, st: State) -> torch.Tensor:
+        self.active = self._host(st.running)
+        there = self.active.to(st.token.device)
+        return self.stack.embed(st.token[there][:, None], st.position[there][:, None])  # [a, 1, d]
+
+    def run(self, h: torch.Tensor, start: int, stop: int, st: State) -> torch.Tensor:
+        there = self.active.to(h.device)
+        rows = None if len(self.active) == self.cache.batch_size else there
+        return self.stack.run(h, start, stop, self.cache, st.position[there][:, None], self.slots, rows)
+
+    def pick(self, values: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        return values if rows is None else values[rows]
+
+    def spread(self, values: torch.Tensor, rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """``[B]`` bool: ``values`` ``[p]`` at ``rows``, False elsewhere."""
+        out = torch.zeros_like(like)
+        out[rows] = values
+        return out
+
+    def estimate(self, h: torch.Tensor, layer: int, probing: torch.Tensor) -> tuple[Estimate, torch.Tensor] | None:
+        rows = self._host(probing)
+        if len(rows) == 0:
+            return None
+        at = torch.searchsorted(self.active, rows)  # their places among the running rows' states
+        there = rows.to(h.device)
+        return self.estimator.estimate(self.stack, h[at.to(h.device), -1], layer, there), there
+
+    def exit(self, h: torch.Tensor, layer: int, leave: torch.Tensor, took: torch.Tensor, probed, probe_logits,
+             st: State) -> None:
+        self.reads += 1
+        flags = torch.stack([leave, took]).cpu()  # [2, B]: one read
+        if not bool(flags[0].any()):
+            return
+        device = h.device
+        if probe_logits is not None and bool(flags[1].any()):
+            took_rows = flags[1].nonzero().flatten()
+            at = torch.searchsorted(probed.cpu(), took_rows)
+            st.logits[took_rows.to(device)] = probe_logits[at.to(device)].to(st.logits.dtype)
+        read_rows = (flags[0] & ~flags[1]).nonzero().flatten()
+        if len(read_rows):
+            at = torch.searchsorted(self.active, read_rows).to(device)
+            st.logits[read_rows.to(device)] = self.stack.readout(h[at, -1], layer).to(st.logits.dtype)
+        self._staying = ~flags[0][self.active]
+
+    def keep(self, h: torch.Tensor) -> torch.Tensor:
+        """The states of the rows that stay after the last :meth:`exit` (all of them when none left)."""
+        staying, self._staying = self._staying, None
+        if staying is None:
+            return h
+        self.active = self.active[staying]
+        return h[staying.to(h.device)]
+
+    def finish(self, st: State) -> torch.Tensor:
+        return st.logits
+
+
+class MaskLanes:
+    """The compiled engine's lanes: every block runs every cache row through its layers (rows that left or are not
+    decoded masked: they write no K/V), probes them all, and keeps each row's exit state (the head's input) for one
+    readout of every row when the step finishes — static shapes, no read of the device.
+
+    Args:
+        stack: the compiled stack; view: the plain view its probes and readouts run on (the runner's, whose
+            readouts flag NaN/inf on the device); cache: a static cache on one of the runner's slabs;
+            estimator: the method's (its tensors are made before any compilation).
+    """
+
+    compiled = True
+
+    def __init__(self, stack, view, cache, estimator):
+        self.stack, self.view, self.estimator = stack, view, estimator
+        self.cache = cache
+        self.reads = 0
+
+    @property
+    def cache(self):
+        """The generation's cache (held weakly: a kept program does not keep its slab lent)."""
+        return self._cache()
+
+    @cache.setter
+    def cache(self, cache) -> None:
+        self._cache = weakref.ref(cache)
+
+    def embed(self, st: State) -> torch.Tensor:
+        return self.view.embed(st.token[:, None], st.position[:, None])  # [B, 1, d]
+
+    def run(self, h: torch.Tensor, start: int, stop: int, st: State) -> torch.Tensor:
+        """Layers ``[start, stop)`` for every row, only the running ones writing K/V (a compiled segment)."""
+        return self.stack.runner.segment(start, stop, h, st.position[:, None], st.running, self.cache)
+
+    def pick(self, values: torch.Tensor, rows) -> torch.Tensor:
+        return values
+
+    def estimate(self, h: torch.Tensor, layer: int, probing: torch.Tensor) -> tuple[Estimate, None]:
+        """Every row's estimate, rows not probed read as zero states (they cannot trip the NaN/inf flag)."""
+        x = torch.where(probing[:, None], h[:, -1], 0)  # [B, d]
+        return self.estimator.estimate(self.view, x, layer), None
+
+    def exit(self, h: torch.Tensor, layer: int, leave: torch.Tensor, took: torch.Tensor, probed, probe_logits,
+             st: State) -> None:
+        """The leaving rows' head input at ``layer`` (final norm of T_ℓ(h)): their readout is made in :meth:`finish`,
+        the same numbers as the probe's readout (one head product of every row, the same shapes)."""
+        st.exit_x.copy_(torch.where(leave[:, None], self.view.readout_input(h[:, -1], layer), st.exit_x))
+
+    def keep(self, h: torch.Tensor) -> torch.Tensor:
+        return h
+
+    def finish(self, st: State) -> torch.Tensor:
+        return self.view.read(st.exit_x)  # [B, V]

@@ -47,6 +47,11 @@ class Generation:
         stats: counts a strategy reports, summed over rows (e.g. drafts proposed and accepted, large-model tokens).
         steps: per row, the decode step that produced each token (tokens of one step were decoded together); empty
             where rows were decoded one after another (every token its own step).
+        prefill_seconds: of ``seconds``, the prompts' pass and first token (decode-only time: the rest).
+        step_path: how the steps ran: ``host`` (the host step) or ``device/<executor>`` (the step's state on the
+            device: ``immediate``, ``graph-if`` or ``graph-lookahead``, :mod:`emad.engine.step_graphs`); empty where
+            a strategy decoded.
+        host_reads: the step loop's reads of the device (records, flags, row picks), over ``decode_steps`` steps.
     """
 
     token_ids: list[list[int]]
@@ -66,6 +71,15 @@ class Generation:
     stats: dict[str, float] = field(default_factory=dict)
     steps: list[list[int]] = field(default_factory=list)
     timed: bool = True
+    prefill_seconds: float = 0.0
+    step_path: str = ""
+    host_reads: int = 0
+    decode_steps: int = 0
+
+    @property
+    def host_reads_per_step(self) -> float | None:
+        """Reads of the device per decode step (None without steps)."""
+        return self.host_reads / self.decode_steps if self.decode_steps else None
 
     def cost_ratio(self, row: int | None = None, kind: str = "flops") -> float:
         """Cost of this generation over full depth for the same tokens (all rows, or one)."""

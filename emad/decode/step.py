@@ -123,6 +123,7 @@ class StepOutput:
         reasons: ``[b]`` exit reason code (see :data:`EXIT_REASONS`).
         allowed: ``[b]`` the first probe where each row may exit (its criterion passed, its cap or the last
             probe); below ``depths`` where the ``sync`` batch exit carried the row on.
+        reads: copies from the device the step made (one per estimated probe).
     """
 
     logits: torch.Tensor
@@ -132,6 +133,7 @@ class StepOutput:
     entropies: torch.Tensor
     reasons: torch.Tensor
     allowed: torch.Tensor
+    reads: int = 0
 
 
 EXIT_REASONS = ("criterion", "depth_cap", "last_probe", "carried")
@@ -240,6 +242,7 @@ def step(
         if criterion.needs_estimate and criterion.wants_estimate(k, probe) and bool(probing.any()):
             passed[probing], probe_logits = _probe(lanes, method, cost, out, probing, active[probing], k, probe,
                                                    pos, first_conf)
+            out.reads += 1
         allowed = passed | capped | last | ready
         newly = allowed & ~ready
         if bool(newly.any()):

@@ -28,9 +28,16 @@ from dataclasses import dataclass, field
 import torch
 
 from emad.engine.cache import KVCache, Slots
-from emad.engine.segments import estimate_function, estimator_signature, readout_function, segment_function
+from emad.engine.segments import (
+    estimate_function,
+    estimator_signature,
+    options_key,
+    readout_function,
+    segment_function,
+)
 from emad.engine.stack import LayerStack
 from emad.engine.static_cache import Slab, StaticKVCache
+from emad.engine.step_graphs import Always, Immediate, Lookahead, OneGraph, StepGraph, if_nodes_available
 
 CAPACITY_STEP = 128  # static caches are made in multiples of this many slots, so prompts of similar length share
 
@@ -52,9 +59,10 @@ class _Graph:
         fixed: what is read where it lies (a slab's buffers, an estimator): its addresses never change.
     """
 
-    def __init__(self, fn, inputs: tuple[torch.Tensor, ...], fixed: tuple):
+    def __init__(self, fn, inputs: tuple[torch.Tensor, ...], fixed: tuple, pool=None):
         self.inputs = tuple(_like(x) for x in inputs)
         self.fixed = fixed
+        self.pool = pool
         self.output = self._record(fn)
 
     def _record(self, fn):
@@ -66,7 +74,7 @@ class _Graph:
                 fn(*self.inputs, *self.fixed)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, pool=self.pool):
             return fn(*self.inputs, *self.fixed)
 
     def replay(self) -> None:
@@ -103,8 +111,12 @@ class SegmentRunner:
 
     Attributes:
         capture: what captures a function and replays it (:class:`_Graph`: a CUDA graph).
+        capture_step: what captures a device step's whole program with conditional nodes
+            (:class:`~emad.engine.step_graphs.StepGraph`).
         nonfinite: a device flag set by readouts whose NaN/inf check is deferred (compiled probes, and every readout
             of a compiled view inside :meth:`CompiledStack.finite_checks_deferred`).
+        programs: device step programs (:class:`~emad.decode.device_step.DeviceStep`) kept per kind of method,
+            batch, capacity, readout and slab, with their graphs.
     """
 
     GRAPHS_PER_ESTIMATE = 32  # captured probe graphs kept per (estimator kind, layer, shape): the points of a block
@@ -114,6 +126,8 @@ class SegmentRunner:
         self.backend = backend
         self.graphs = stack.device.type == "cuda" if graphs is None else graphs
         self.capture = _Graph
+        self.capture_step = StepGraph
+        self.programs: dict[tuple, object] = {}
         self.functions: dict[tuple, object] = {}
         self.captured: dict[tuple, _Graph] = {}
         self.estimates: dict[tuple, OrderedDict] = {}  # probe key -> estimator id -> (estimator, graph)
@@ -122,6 +136,7 @@ class SegmentRunner:
         self.stats = CompileStats()
         self.nonfinite = torch.zeros((), dtype=torch.bool, device=stack.device)
         self.deferring = False
+        self._pool = None
         self._ready = weakref.WeakKeyDictionary()  # estimators whose lazy tensors are made -> their signature
 
     def slab(self, batch_size: int, capacity: int) -> Slab | None:
@@ -159,6 +174,34 @@ class SegmentRunner:
             graph = self.captured[graph_key] = self._capture(fn, inputs, tensors)
         return graph(*inputs)
 
+    def call(self, key: tuple, make, *args):
+        """``make()`` compiled once per ``key`` and called on ``args`` (the first call compiles, counted; later calls
+        may not recompile)."""
+        fn = self.functions.get(key)
+        if fn is None:
+            fn = self._compile(key, make())
+            began = time.perf_counter()
+            out = fn(*args)
+            self._count(began, key, compiled=True)
+            return out
+        with torch.compiler.set_stance("fail_on_recompile"):
+            return fn(*args)
+
+    def segment(self, start: int, stop: int, h: torch.Tensor, positions: torch.Tensor, running: torch.Tensor,
+                cache: StaticKVCache) -> torch.Tensor:
+        """:func:`masked_segment` of layers ``[start, stop)`` over every row of ``cache``, compiled (never a graph of
+        its own: a device step captures it inside its own graphs); the slot is the slab's."""
+        key = ("step", start, stop, cache.batch_size, cache.capacity, h.dtype)  # inputs of other kinds than run's
+        name = f"emad_step_segment_{start}_{stop}_b{cache.batch_size}_s{cache.capacity}_{str(h.dtype).split('.')[-1]}"
+        return self.call(key, lambda: segment_function(self.stack, start, stop, name), h, positions,
+                         cache.slab.slot, running, cache.keys[start:stop], cache.values[start:stop],
+                         cache.valid[start:stop], cache.real)
+
+    def graphs_serve(self, cache) -> bool:
+        """Whether steps on ``cache`` replay graphs: graphs are on and the cache is on this runner's own slab."""
+        return (self.graphs and isinstance(cache, StaticKVCache)
+                and self.slabs.get((cache.batch_size, cache.capacity)) is cache.slab)
+
     def estimate(self, lens, estimator, layer: int, h: torch.Tensor) -> tuple:
         """``estimator``'s estimate at ``layer`` of every row's state ``h`` ``[B, d]``, read out through ``lens``
         (None: the logit lens): ``(entropy [B], max_prob [B], logits [B, V] or None)``, compiled (a graph per
@@ -179,14 +222,15 @@ class SegmentRunner:
         elif not self.graphs:
             with torch.compiler.set_stance("fail_on_recompile"):
                 out = fn(h, estimator)
-        else:
+        else:  # a graph per estimator of equal options (their tensors are equal): new points reuse it
             kept = self.estimates.setdefault(key, OrderedDict())
-            if id(estimator) not in kept:
-                kept[id(estimator)] = (estimator, self._capture(fn, (h,), (estimator,)))  # the estimator kept alive
+            options = options_key(estimator)
+            if options not in kept:
+                kept[options] = (estimator, self._capture(fn, (h,), (estimator,)))  # the estimator kept alive
                 if len(kept) > self.GRAPHS_PER_ESTIMATE:
                     kept.popitem(last=False)
-            kept.move_to_end(id(estimator))
-            out = kept[id(estimator)][1](h)
+            kept.move_to_end(options)
+            out = kept[options][1](h)
         if not self.deferring and bool(self.nonfinite):
             self.nonfinite.zero_()
             view._refuse_non_finite()
@@ -238,6 +282,32 @@ class SegmentRunner:
         self._count(began, None, compiled=False)
         return graph
 
+    def executor(self, program, cache, branches: str):
+        """How ``program`` steps on ``cache`` (:mod:`emad.engine.step_graphs`): one graph with conditional nodes
+        (``branches`` ``if``) or graphs per block with one block of lookahead (``lookahead``) where graphs serve the
+        cache, else immediately. Before a capture the program runs once with every block taken (its pieces compile
+        then, outside the capture); the caller has no row live, so neither changes any state. Captures are counted."""
+        if not self.graphs_serve(cache):
+            return Immediate()
+        program.run(Always())
+        began = time.perf_counter()
+        with torch.compiler.set_stance("fail_on_recompile"):
+            if branches == "if":
+                made, captured = OneGraph(program, self.capture_step), 1
+            else:
+                made = Lookahead(program, lambda fn, inputs, fixed: self.capture(fn, inputs, fixed, self.pool))
+                captured = len(made.graphs)
+        self._count(began, None, compiled=False)
+        self.stats.graphs += captured - 1
+        return made
+
+    @property
+    def pool(self):
+        """One memory pool for every graph of this runner's step programs (replayed one at a time, in order)."""
+        if self._pool is None and self.stack.device.type == "cuda":
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
+
     def _count(self, began: float, layout: tuple | None, compiled: bool) -> None:
         if self.stack.device.type == "cuda":
             torch.cuda.synchronize(self.stack.device)
@@ -272,9 +342,12 @@ class CompiledStack(LayerStack):
     keeps_rows = True
     compiles_shapes = True
 
-    def __init__(self, stack: LayerStack, backend: str = "inductor", fuse_probes: bool | None = None):
+    def __init__(self, stack: LayerStack, backend: str = "inductor", fuse_probes: bool | None = None,
+                 branches: str | None = None):
         self.__dict__.update(stack.__dict__)
         self.runner = runner_for(stack, backend)
+        # where graphs replay, how a device step's later blocks are taken: conditional nodes where CUDA has them
+        self.branches = branches or ("if" if if_nodes_available() else "lookahead")
         # probes whose estimator is fusable run compiled over every row (CUDA: a graph each); on a CPU they stay
         # eager, where compiling them costs more than it saves
         self.fuse_probes = self.device.type == "cuda" if fuse_probes is None else fuse_probes

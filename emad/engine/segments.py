@@ -77,7 +77,7 @@ def masked_segment(stack: LayerStack, start: int, stop: int, h: torch.Tensor, po
     return h
 
 
-def _own_code(fn, name: str):
+def own_code(fn, name: str):
     """``fn`` with a code object of its own named ``name``: dynamo caches and counts compilations per code object, so
     each segment or probe function keeps its own (no shared recompile limit, no guards of another's)."""
     code = fn.__code__.replace(co_name=name, co_qualname=name)
@@ -90,7 +90,7 @@ def segment_function(stack: LayerStack, start: int, stop: int, name: str):
     def segment(h, positions, slot, running, keys, values, valid, real):
         return masked_segment(stack, start, stop, h, positions, slot, running, keys, values, valid, real)
 
-    return _own_code(segment, name)
+    return own_code(segment, name)
 
 
 def estimate_function(view: LayerStack, layer: int, name: str):
@@ -102,7 +102,7 @@ def estimate_function(view: LayerStack, layer: int, name: str):
         est = estimator.estimate(view, h, layer)
         return est.entropy, est.max_prob, est.logits
 
-    return _own_code(estimate, name)
+    return own_code(estimate, name)
 
 
 def readout_function(view: LayerStack, layer: int, name: str):
@@ -111,7 +111,7 @@ def readout_function(view: LayerStack, layer: int, name: str):
     def readout(h):
         return view.readout(h, layer)
 
-    return _own_code(readout, name)
+    return own_code(readout, name)
 
 
 def estimator_signature(estimator) -> tuple:
@@ -119,3 +119,10 @@ def estimator_signature(estimator) -> tuple:
     corrections (points sharing them share one compiled function; their tensors are inputs)."""
     correction = getattr(estimator, "correction", None) or {}
     return type(estimator).__name__, repr(estimator.describe()), repr(sorted(correction.items()))
+
+
+def options_key(estimator) -> tuple:
+    """:func:`estimator_signature` and the estimator's options (a shortlist's tokens included): estimators equal in
+    it compute the same estimates from the same tensors, so one's compiled probe or captured graph serves another."""
+    options = getattr(estimator, "options", dict)()
+    return (*estimator_signature(estimator), repr(sorted(options.items())))

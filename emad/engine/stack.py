@@ -44,6 +44,7 @@ class LayerStack:
     engine = "eager"  # how decode steps run (emad.engine.engines); a compiled view says "compiled"
     keeps_rows = False  # True: a decode step runs every cache row, the rows that left masked (emad.decode.lanes)
     compiles_shapes = False  # True: the first generation of a new shape compiles (warm up on the largest one)
+    device_steps = True  # methods that allow it decode with their step's state on the device (emad.decode.device_step)
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -173,7 +174,12 @@ class LayerStack:
     def readout(self, h: torch.Tensor, layer: int | None = None) -> torch.Tensor:
         """Logits ``[..., V]`` = head(final_norm(T_ℓ(h))) for ``h`` after layer ``layer`` (default L: T is the
         identity); the final norm is never skipped."""
-        return self._logits(self.head(self.readout_input(h, layer)))
+        return self.read(self.readout_input(h, layer))
+
+    def read(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits ``[..., V]`` of the head's input ``x`` ``[..., d]`` (:meth:`readout_input`): the second half of
+        :meth:`readout`, for states whose head input was taken at their exit layer."""
+        return self._logits(self.head(x))
 
     def readouts(self, states: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """:meth:`readout` of each layer's states ``[m, d]`` through one head product ``[Σm, d] @ [d, V]``: rows of

@@ -21,7 +21,8 @@ from emad.engine.cache import KVCache
 @dataclass(eq=False)
 class Slab:
     """The tensors of a static cache: K/V buffers ``[B, H_kv, S, d_head]`` per layer (made at the first write, all
-    layers at once), validity ``[L, B, S]`` and real-token flags ``[B, S]``.
+    layers at once), validity ``[L, B, S]``, real-token flags ``[B, S]`` and the slot of a decode step's tokens
+    ``[1]`` (on the device: a captured step reads it where it lies).
 
     They are normal tensors wherever they are made, inside ``torch.inference_mode`` or not: a cache made outside it
     can reset them, and a compiled segment's guards (which check a tensor's dispatch keys) accept every slab."""
@@ -30,6 +31,7 @@ class Slab:
     values: list[torch.Tensor | None]
     valid: torch.Tensor
     real: torch.Tensor
+    slot: torch.Tensor
     lent_to: weakref.ref | None = field(default=None)
 
     @classmethod
@@ -37,7 +39,8 @@ class Slab:
     def empty(cls, n_layers: int, batch_size: int, capacity: int, device: torch.device) -> Slab:
         return cls([None] * n_layers, [None] * n_layers,
                    torch.zeros(n_layers, batch_size, capacity, dtype=torch.bool, device=device),
-                   torch.zeros(batch_size, capacity, dtype=torch.bool, device=device))
+                   torch.zeros(batch_size, capacity, dtype=torch.bool, device=device),
+                   torch.zeros(1, dtype=torch.long, device=device))
 
     @property
     def free(self) -> bool:
@@ -71,8 +74,7 @@ class StaticKVCache(KVCache):
         self.slab = slab
         self.keys, self.values = slab.keys, slab.values  # the slab's lists: buffers made here land on the slab
         self.valid, self.real = slab.valid, slab.real
-        with torch.inference_mode(False):
-            self._slot = torch.zeros(1, dtype=torch.long, device=self.device)  # [1] a decode step's slot, on the device
+        self._slot = slab.slot  # [1] a decode step's slot, on the device
 
     def slot_tensor(self, slot: int) -> torch.Tensor:
         """``slot`` as a device tensor ``[1]`` (filled in place: no host-to-device copy, no new tensor)."""

@@ -46,6 +46,11 @@ class BatchExit:
     def leaving(self, allowed: torch.Tensor) -> torch.Tensor:
         """Rows that leave at this probe: bool ``[a]`` from ``allowed`` ``[a]`` (rows that may exit here or
         earlier)."""
+        return self.leave(allowed, torch.ones_like(allowed))
+
+    def leave(self, allowed: torch.Tensor, running: torch.Tensor) -> torch.Tensor:
+        """:meth:`leaving` over every row of a batch ``[B]``, of which those where ``running`` is True still run
+        (``allowed`` is False elsewhere), as tensor operations only (it runs inside a captured step)."""
         raise NotImplementedError
 
 
@@ -59,6 +64,9 @@ class PerRow(BatchExit):
     def leaving(self, allowed: torch.Tensor) -> torch.Tensor:
         return allowed
 
+    def leave(self, allowed: torch.Tensor, running: torch.Tensor) -> torch.Tensor:
+        return allowed
+
 
 @BATCH_EXITS.register("sync")
 class Sync(BatchExit):
@@ -68,6 +76,9 @@ class Sync(BatchExit):
 
     def leaving(self, allowed: torch.Tensor) -> torch.Tensor:
         return allowed if bool(allowed.all()) else torch.zeros_like(allowed)
+
+    def leave(self, allowed: torch.Tensor, running: torch.Tensor) -> torch.Tensor:
+        return allowed & (allowed | ~running).all()
 
 
 def check_batch_exit(batch_exit: str, policy: str) -> None:

@@ -76,6 +76,9 @@ class Criterion:
         min_exit_layer: no exit below this layer.
         knobs: the scalar options that make the criterion more or less eager, each with the end that exits
             less (``"high"`` or ``"low"``); risk control searches them from that end.
+        on_device: True when the exit test is a tensor function of one probe's estimate and of the tables
+            :meth:`tables` makes (:meth:`test`), with no state across probes: a decode step then keeps its whole
+            state on the device (:mod:`emad.decode.device_step`).
     """
 
     name: ClassVar[str]
@@ -83,6 +86,7 @@ class Criterion:
     needs_estimate: ClassVar[bool] = True
     needs_logits: ClassVar[bool] = False
     reads_every_exit: ClassVar[bool] = False
+    on_device: ClassVar[bool] = False
     min_exit_layer: int = 1
 
     @classmethod
@@ -146,6 +150,22 @@ class Criterion:
         is the probe's own. None: it reads the logits themselves."""
         return None
 
+    def tables(self, n_layers: int, device) -> dict[str, torch.Tensor]:
+        """What :meth:`test` reads besides the estimate, as tensors on ``device``: the values that differ between
+        points of one kind (thresholds, τ − margin), so that a compiled test serves every point of its kind."""
+        return {}
+
+    def test(self, view: ProbeView, tables: dict[str, torch.Tensor], k: int) -> torch.Tensor:
+        """:meth:`exits` at the ``k``-th probe, reading its values from ``tables`` (:meth:`tables`) and nothing of the
+        criterion but its structure (its class, probes and strata): bool ``[a]``."""
+        return self.exits(view)
+
+    def structure(self, n_layers: int) -> tuple:
+        """What a compiled :meth:`test` specialises on (points equal in it share one): the description without
+        the knobs, and the probes."""
+        fixed = sorted((k, repr(v)) for k, v in self.describe().items() if k not in self.knobs)
+        return type(self).__name__, tuple(fixed), tuple(self.probes(n_layers))
+
     def describe(self) -> dict:
         """Parameters identifying this operating point (for traces, JSON and MLflow)."""
         return {"method": self.name}
@@ -170,6 +190,7 @@ class Full(Criterion):
     """Every token runs all L layers (the reference)."""
 
     needs_estimate = False
+    on_device = True
 
 
 @CRITERIA.register("fixed")
@@ -182,6 +203,7 @@ class Fixed(Criterion):
 
     knobs = {"depth": "high"}
     needs_estimate = False
+    on_device = True
 
     def __init__(self, depth: int):
         self.depth = depth
@@ -211,6 +233,7 @@ class Confidence(Criterion):
     """
 
     knobs = {"threshold": "low"}
+    on_device = True
 
     def __init__(self, threshold: float, probe_every: int = 3, min_exit_layer: int = 1):
         _check_threshold("threshold", threshold)
@@ -225,6 +248,14 @@ class Confidence(Criterion):
 
     def exits(self, view: ProbeView) -> torch.Tensor:
         return view.entropy <= self.threshold
+
+    def tables(self, n_layers: int, device) -> dict[str, torch.Tensor]:
+        """``limit`` ``[P]``: h0 at every probe (float32, as ``exits`` compares)."""
+        return {"limit": torch.full((len(self.probes(n_layers)),), self.threshold, dtype=torch.float32,
+                                    device=device)}
+
+    def test(self, view: ProbeView, tables: dict[str, torch.Tensor], k: int) -> torch.Tensor:
+        return view.entropy <= tables["limit"][k]
 
     def describe(self) -> dict:
         return {"method": self.name, "threshold": self.threshold, "probe_every": self.probe_every,
@@ -243,6 +274,7 @@ class Emad(Criterion):
     """
 
     knobs = {"margin": "high"}
+    on_device = True
 
     def __init__(self, profile, margin: float, min_exit_layer: int = 1, probe_stride: int = 1):
         _check_threshold("margin", margin)
@@ -276,6 +308,21 @@ class Emad(Criterion):
         tau = self._tau[strata, self._column[view.layer]]  # [a]
         return view.entropy <= tau - self.margin
 
+    def tables(self, n_layers: int, device) -> dict[str, torch.Tensor]:
+        """``limit`` ``[S, P]``: τ − margin of each stratum at each probe (float32, as ``exits`` computes it); the
+        strata's edges."""
+        strata = self.profile.strata
+        columns = [self._column[layer] for layer in self.probes(n_layers)]
+        limit = (self.profile.table(device) - self.margin)[:, columns]  # [S, P]
+        return {"limit": limit, **strata.edge_tensors(device)}
+
+    def test(self, view: ProbeView, tables: dict[str, torch.Tensor], k: int) -> torch.Tensor:
+        strata = self.profile.strata.assign(view.positions, view.first_confidence, tables)  # [a]
+        return view.entropy <= tables["limit"][strata, k]
+
+    def structure(self, n_layers: int) -> tuple:
+        return (*super().structure(n_layers), self.profile.strata.as_dict().__repr__(), len(self.profile.strata))
+
     def describe(self) -> dict:
         return {"method": self.name, "margin": self.margin, "min_exit_layer": self.min_exit_layer,
                 "probe_stride": self.probe_stride, "strata": self.profile.strata.variant,
@@ -301,6 +348,7 @@ class SoftmaxResponse(Criterion):
 
     needs_logits = True
     knobs = {"threshold": "high"}
+    on_device = True
 
     def __init__(self, threshold: float, layer_thresholds: dict[int, float] | None = None, probe_every: int = 3,
                  min_exit_layer: int = 1):
@@ -323,6 +371,18 @@ class SoftmaxResponse(Criterion):
     def exits(self, view: ProbeView) -> torch.Tensor:
         gap = view.shared(("top2_gap", view.layer), lambda: top2_gap(view.logits))  # [a]
         return gap >= self.layer_thresholds.get(view.layer, self.threshold)
+
+    def tables(self, n_layers: int, device) -> dict[str, torch.Tensor]:
+        """``limit`` ``[P]``: the gap threshold at each probe (float32, as ``exits`` compares)."""
+        limits = [self.layer_thresholds.get(layer, self.threshold) for layer in self.probes(n_layers)]
+        return {"limit": torch.tensor(limits, dtype=torch.float32, device=device)}
+
+    def test(self, view: ProbeView, tables: dict[str, torch.Tensor], k: int) -> torch.Tensor:
+        return top2_gap(view.logits) >= tables["limit"][k]
+
+    def structure(self, n_layers: int) -> tuple:
+        fixed = sorted((k, repr(v)) for k, v in self.describe().items() if k not in ("threshold", "layer_thresholds"))
+        return type(self).__name__, tuple(fixed), tuple(self.probes(n_layers))
 
     def derived_from_logits(self, layer: int) -> tuple[tuple, ...]:
         return (("top2_gap", layer),)

@@ -41,10 +41,13 @@ class Policy:
         syncs: True when rows that ran the same depths get the same depth cap, so the ``sync`` batch exit
             (:mod:`emad.exits.batching`) can stop every row of a step at one layer without carrying a row past its
             cap. Every policy here does; a policy whose caps depend on more than a row's depths sets it False.
+        on_device: True when the policy does nothing for skipped layers and its caps follow from the rows' depths
+            alone (:meth:`next_cap`): a decode step then keeps them on the device (:mod:`emad.decode.device_step`).
     """
 
     name: ClassVar[str]
     syncs: ClassVar[bool] = True
+    on_device: ClassVar[bool] = False
 
     def __init__(self, batch_size: int, n_layers: int, prefill_depth: int, cost_model):
         self.n_layers, self.cost_model = n_layers, cost_model
@@ -67,6 +70,16 @@ class Policy:
         """Remember each row's latest depth."""
         self.depth[rows.cpu()] = depths.cpu()
 
+    def first_cap(self, device) -> torch.Tensor:
+        """The depth cap ``[B]`` of every row's first decode step, on ``device``."""
+        return self.max_depth(torch.arange(len(self.depth))).to(device)
+
+    @classmethod
+    def next_cap(cls, cap: torch.Tensor, depths: torch.Tensor, stepped: torch.Tensor) -> torch.Tensor:
+        """The caps ``[B]`` after a step in which the rows where ``stepped`` is True ran ``depths`` ``[B]`` layers
+        (tensor operations only: it runs inside a captured step)."""
+        return cap
+
 
 POLICIES: Registry[Policy] = Registry("KV policy")
 
@@ -75,8 +88,14 @@ POLICIES: Registry[Policy] = Registry("KV policy")
 class Monotone(Policy):
     """D_t ≤ D_{t-1}: a probe deeper than the previous token's depth is never considered."""
 
+    on_device = True
+
     def max_depth(self, rows: torch.Tensor) -> torch.Tensor:
         return self.depth[rows.cpu()].to(rows.device)
+
+    @classmethod
+    def next_cap(cls, cap: torch.Tensor, depths: torch.Tensor, stepped: torch.Tensor) -> torch.Tensor:
+        return torch.where(stepped, depths, cap)
 
 
 @POLICIES.register("copy")

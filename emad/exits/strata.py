@@ -97,24 +97,35 @@ class Strata:
                 names.append("|".join(parts) or "all")
         return names
 
-    def assign(self, positions: torch.Tensor, confidence: torch.Tensor | None) -> torch.Tensor:
+    def edge_tensors(self, device) -> dict[str, torch.Tensor]:
+        """The edges as tensors on ``device`` (``position_edges`` long, ``confidence_edges`` float32), for
+        :meth:`assign` inside compiled code."""
+        return {"position_edges": _edges(tuple(self.position_edges), torch.long, torch.device(device)),
+                "confidence_edges": _edges(tuple(self.confidence_edges), torch.float32, torch.device(device))}
+
+    def assign(self, positions: torch.Tensor, confidence: torch.Tensor | None,
+               edges: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """Stratum index per token.
 
         Args:
             positions: ``[...]`` int, tokens before each token in its context.
             confidence: ``[...]`` max probability at the first probe (needed only with confidence edges).
+            edges: :meth:`edge_tensors` on the tokens' device (made here when None).
 
         Returns:
             ``[...]`` long stratum indices in ``0..len(self)-1``.
         """
-        pos_edges = _edges(tuple(self.position_edges), positions.dtype, positions.device)
-        p = torch.bucketize(positions, pos_edges, right=True)
+        if edges is None:
+            edges = {"position_edges": _edges(tuple(self.position_edges), positions.dtype, positions.device)}
+            if self.uses_confidence and confidence is not None:
+                edges["confidence_edges"] = _edges(tuple(self.confidence_edges), confidence.dtype,
+                                                   confidence.device)
+        p = torch.bucketize(positions, edges["position_edges"], right=True)
         if not self.uses_confidence:
             return p
         if confidence is None:
             raise ValueError("confidence stratification needs the first probe's max probability")
-        conf_edges = _edges(tuple(self.confidence_edges), confidence.dtype, confidence.device)
-        c = torch.bucketize(confidence, conf_edges, right=True)
+        c = torch.bucketize(confidence, edges["confidence_edges"], right=True)
         return p * self.n_confidence + c
 
     def parents(self) -> list[int | None]:
