@@ -7,6 +7,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import pytest
+from torch.utils._python_dispatch import _disable_current_modes
 
 from emad.engine import compiled
 from emad.engine.compiled import CompiledStack
@@ -18,10 +19,12 @@ DEVICE_SIDE = [0]  # > 0 while an emulated replay does what the device would do 
 
 @contextmanager
 def device_side():
-    """The work inside is the device's (an emulated graph replay), not the host's."""
+    """The work inside is the device's (an emulated graph replay), not the host's: dispatch modes that watch the
+    host (counters) are set aside for it."""
     DEVICE_SIDE[0] += 1
     try:
-        yield
+        with _disable_current_modes():
+            yield
     finally:
         DEVICE_SIDE[0] -= 1
 

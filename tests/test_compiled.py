@@ -173,7 +173,8 @@ def test_static_caches_share_a_slab_one_generation_at_a_time(compiled):
 
 
 def test_engine_names_are_checked_and_auto_picks_by_device(eager):
-    with pytest.raises(ValueError, match="decode.engine must be one of auto, eager, compiled; got 'jit'"):
+    with pytest.raises(ValueError, match="decode.engine must be one of auto, eager, compiled, compiled-if, "
+                                         "compiled-lookahead; got .jit."):
         check_engine("jit")
     assert resolve_engine("auto", "cuda") == "compiled" and resolve_engine("auto", "cpu") == "eager"
     assert with_engine(eager, "eager") is eager

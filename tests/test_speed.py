@@ -23,7 +23,8 @@ def _stub(monkeypatch, seconds_of):
         (prompt,) = prompts
         is_full = isinstance(method, Full)
         calls.append((PROMPTS.index(prompt), "full" if is_full else "method"))
-        return SimpleNamespace(token_ids=[[0] * new_tokens], seconds=seconds_of(PROMPTS.index(prompt), is_full))
+        return SimpleNamespace(token_ids=[[0] * new_tokens], seconds=seconds_of(PROMPTS.index(prompt), is_full),
+                               prefill_seconds=0.0)
 
     monkeypatch.setattr(speed, "generate", generate)
     return calls
@@ -53,7 +54,7 @@ def test_points_timed_together_share_one_full_depth_generation_per_prompt_in_tur
         calls.append((PROMPTS.index(prompt), who))
         i = PROMPTS.index(prompt)
         seconds = {"full": 1.0 + 0.1 * i, "a": 0.5, "b": 2.0}[who]
-        return SimpleNamespace(token_ids=[[0] * new_tokens], seconds=seconds)
+        return SimpleNamespace(token_ids=[[0] * new_tokens], seconds=seconds, prefill_seconds=0.0)
 
     monkeypatch.setattr(speed, "generate", generate)
     out_a, out_b = speed.time_prompts(None, None, [a, b], PROMPTS, NEW)
@@ -192,10 +193,14 @@ def test_on_a_compiled_engine_every_generation_warms_up_on_the_longest_prompt_wi
 
     def generate(stack, tokenizer, prompts, method, new_tokens):
         seen.append((PROMPTS.index(prompts[0]) if prompts[0] in PROMPTS else -1, new_tokens))
-        return SimpleNamespace(token_ids=[[0] * new_tokens], seconds=1.0)
+        return SimpleNamespace(token_ids=[[0] * new_tokens], seconds=1.0, prefill_seconds=0.0)
 
+    built = []
     monkeypatch.setattr(speed, "generate", generate)
+    monkeypatch.setattr(speed, "build", lambda stack, method, batch, capacity: built.append((method, batch, capacity)))
     prompts = [*PROMPTS[:7], [1, 2, 3, 4, 5]]  # the last is the longest
     compiled = SimpleNamespace(device=SimpleNamespace(type="cpu"), compiles_shapes=True)
-    speed.time_prompts(compiled, None, [object()], prompts, NEW)
+    method = object()
+    speed.time_prompts(compiled, None, [method], prompts, NEW)
+    assert [(m is method or type(m).__name__, b, c) for m, b, c in built] == [(True, 1, 5 + NEW), ("Full", 1, 5 + NEW)]
     assert seen[:2] == [(-1, NEW), (-1, NEW)]  # method and full depth: the longest prompt, all tokens

@@ -33,7 +33,6 @@ import torch
 from emad.engine.cost import CostModel
 from emad.exits.batching import BATCH_EXITS
 from emad.exits.criteria import ProbeView
-from emad.exits.estimators import Estimate
 from emad.exits.policies import POLICIES
 
 CARRIED, CRITERION, DEPTH_CAP, LAST_PROBE = 3, 0, 1, 2  # exit reason codes (decode.step.EXIT_REASONS)
@@ -42,10 +41,9 @@ CARRIED, CRITERION, DEPTH_CAP, LAST_PROBE = 3, 0, 1, 2  # exit reason codes (dec
 def uses_device_state(stack, method) -> bool:
     """Whether ``method`` decodes on ``stack`` with a :class:`DeviceStep` (its criterion, estimator and policy keep
     their state on the device, and the stack allows it); else the host step (:func:`emad.decode.step.step`)."""
-    from emad.decode.step import Method
-
-    return (getattr(stack, "device_steps", True) and isinstance(method, Method) and method.criterion.on_device
-            and getattr(method.estimator, "fusable", False) and POLICIES.get(method.policy).on_device)
+    criterion, estimator = getattr(method, "criterion", None), getattr(method, "estimator", None)
+    return (getattr(stack, "device_steps", True) and getattr(criterion, "on_device", False)
+            and getattr(estimator, "fusable", False) and POLICIES.get(method.policy).on_device)
 
 
 @dataclass(frozen=True)

@@ -149,18 +149,18 @@ def generate(
     tokens = choose(logits, sampling, generator)  # [B] on the device
     chosen, logps = _to_host(tokens, logits)
     prefilled = time.perf_counter() - started  # the prompt's pass and its token, read on the host
-    positions = real.long().sum(-1).cpu()  # next position id per row, [B] on the host
+    positions = real.long().sum(-1).tolist()  # next position id per row, on the host
     rows_state = [_Row() for _ in range(batch)]
     helds = [cache.held()]  # per step: [B, L] keys held per row and layer, on the device (read once at the end)
     first_flops, first_bytes = cost.readout_at(depth0)
     for r in range(batch):  # the first token is read out of the prompt's last position
-        _record(rows_state[r], int(chosen[r]), float(logps[r]), depth0, int(positions[r]), first_flops, first_bytes,
+        _record(rows_state[r], int(chosen[r]), float(logps[r]), depth0, positions[r], first_flops, first_bytes,
                 {}, "prompt", depth0, 0)
     probes = method.criterion.probes(stack.n_layers)
     steps = steps_for(stack, cache, method, policy, cost, tokens, positions, sampling, generator, eos, stop_strings)
     with stack.finite_checks_deferred():  # read once at the end: the loop syncs only where it reads its tokens
-        alive = _drop_finished(rows_state, torch.arange(batch), tokenizer, eos, stop_strings, on_token)
-        steps.retire(sorted(set(range(batch)) - set(alive.tolist())))
+        alive = _drop_finished(rows_state, list(range(batch)), tokenizer, eos, stop_strings, on_token)
+        steps.retire(sorted(set(range(batch)) - set(alive)))
         t, pending = 1, None
         while True:
             if pending is None:
@@ -174,14 +174,14 @@ def generate(
                 helds.append(cache.held())
             made, handle = pending
             record = steps.read(handle)
-            for r in alive.tolist():
+            for r in alive:
                 token, logp, depth, reason, allowed, flops, bytes_, *seen = record[r]
                 positions[r] += 1
-                _record(rows_state[r], int(token), logp, int(depth), int(positions[r]), flops, bytes_,
+                _record(rows_state[r], int(token), logp, int(depth), positions[r], flops, bytes_,
                         {p: e for p, e in zip(probes, seen) if e == e}, EXIT_REASONS[int(reason)], int(allowed), made)
-            before = set(alive.tolist())
-            alive = _drop_finished(rows_state, alive, tokenizer, eos, stop_strings, on_token)
-            steps.retire(sorted(before - set(alive.tolist())))
+            finished = _drop_finished(rows_state, alive, tokenizer, eos, stop_strings, on_token)
+            steps.retire(sorted(set(alive) - set(finished)))
+            alive = finished
             pending = ahead
     held = torch.stack(helds).cpu()  # [steps, B, L]
     for r, s in enumerate(rows_state):
@@ -224,10 +224,10 @@ def _record(row: _Row, token: int, logprob: float, depth: int, context: int, ext
     row.steps.append(step_index)
 
 
-def _drop_finished(rows, alive, tokenizer, eos, stop_strings, on_token) -> torch.Tensor:
+def _drop_finished(rows, alive: list[int], tokenizer, eos, stop_strings, on_token) -> list[int]:
     """Stream the newest token of each live row and drop rows that hit EOS or a stop string."""
     keep = []
-    for r in alive.tolist():
+    for r in alive:
         row = rows[r]
         if on_token is not None:
             on_token(r, row.ids[-1])
@@ -237,7 +237,7 @@ def _drop_finished(rows, alive, tokenizer, eos, stop_strings, on_token) -> torch
             row.finish = "stop_string"
         else:
             keep.append(r)
-    return alive.new_tensor(keep)
+    return keep
 
 
 def cut_at_stop(text: str, stop_strings: Sequence[str]) -> str:

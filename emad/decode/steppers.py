@@ -33,7 +33,7 @@ def program_for(stack, method, cache, cost) -> DeviceStep:
         return program
     runner = stack.runner
     view = runner._view(stack.lens)
-    key = (DeviceStep.key_of(stack, method, cache, cost), id(view), id(cache.slab))
+    key = (DeviceStep.key_of(stack, method, cache, cost), id(view), id(cache.slab), stack.branches)
     program = runner.programs.get(key)
     if program is None:
         estimated = [p for p, e in zip(method.criterion.probes(stack.n_layers), _estimated(method, stack)) if e]
@@ -90,20 +90,20 @@ class DeviceSteps:
     Args:
         stack, cache, method, policy, cost: the generation's.
         tokens: ``[B]`` each row's first token (on the device).
-        positions: ``[B]`` the next position id of each row (host; the generation advances it as it reads).
+        positions: the next position id of each row (a host list; the generation advances it as it reads).
         sampling, generator: how tokens are chosen.
         eos: ids that end a row.
         stop_strings: whether rows may end on a stop string.
     """
 
-    def __init__(self, stack, cache, method, policy, cost, tokens: torch.Tensor, positions: torch.Tensor,
+    def __init__(self, stack, cache, method, policy, cost, tokens: torch.Tensor, positions: list[int],
                  sampling: Sampling, generator, eos: set[int], stop_strings: Sequence[str]):
         self.stack, self.cache, self.sampling, self.generator = stack, cache, sampling, generator
         self.program = program = program_for(stack, method, cache, cost)
         st = program.state
         with torch.inference_mode():
             st.live.zero_()  # no row live while the program's pieces compile and its graphs are captured
-            program.load(method, policy, tokens, positions.to(stack.device))
+            program.load(method, policy, tokens, torch.tensor(positions, device=stack.device))
             if program.executor is None:
                 program.executor = stack.runner.executor(program, cache, stack.branches)
             st.live.fill_(True)
@@ -120,7 +120,7 @@ class DeviceSteps:
         return self.mailbox.reads + self.program.executor.reads + self.program.lanes.reads
 
     @torch.inference_mode()
-    def launch(self, alive: torch.Tensor):
+    def launch(self, alive: list[int]):
         """Enqueue a step of the live rows (``alive``: the rows the host knows to be generating); a handle for
         :meth:`read`."""
         program, st, cache = self.program, self.program.state, self.cache
@@ -131,7 +131,7 @@ class DeviceSteps:
         program.executor.run(program)
         logits = program.logits  # [B, V]
         if self.sampling.do_sample:  # only the live rows draw, as the host step's rows do (read at once: lag 0)
-            there = on_device(alive, logits.device)
+            there = torch.tensor(alive, device=logits.device)
             new = st.token.clone()
             new[there] = choose(logits[there], self.sampling, self.generator)
         else:
@@ -161,18 +161,18 @@ class HostSteps:
     lag = 0
     path = "host"
 
-    def __init__(self, stack, cache, method, policy, cost, tokens: torch.Tensor, positions: torch.Tensor,
+    def __init__(self, stack, cache, method, policy, cost, tokens: torch.Tensor, positions: list[int],
                  sampling: Sampling, generator, eos, stop_strings):
         self.stack, self.cache, self.method, self.policy, self.cost = stack, cache, method, policy, cost
         self.tokens, self.positions, self.sampling, self.generator = tokens, positions, sampling, generator
         self.probes = len(method.criterion.probes(stack.n_layers))
         self.reads = 0
 
-    def launch(self, alive: torch.Tensor) -> list[list[float]]:
-        policy, device = self.policy, self.stack.device
+    def launch(self, alive: list[int]) -> list[list[float]]:
+        policy, device, alive = self.policy, self.stack.device, torch.tensor(alive)
         before = policy.extra.flops.clone(), policy.extra.bytes.clone()
         out = step(self.stack, self.cache, self.method, policy, self.cost, self.tokens[on_device(alive, device)],
-                   self.positions[alive], alive)
+                   torch.tensor([self.positions[r] for r in alive.tolist()]), alive)
         new = choose(out.logits, self.sampling, self.generator)
         logp = torch.log_softmax(out.logits.float(), -1).gather(-1, new[:, None]).squeeze(-1)  # [b]
         chosen = torch.stack([new.double(), logp.double()]).cpu()  # [2, b]: the step's one copy of its tokens
@@ -190,6 +190,40 @@ class HostSteps:
 
     def retire(self, rows: list[int]) -> None:
         pass
+
+
+@torch.inference_mode()
+def build(stack, method, batch: int, capacity: int) -> None:
+    """Compile and capture, before anything is timed, every piece a generation of ``method`` with ``batch`` rows
+    and ``capacity`` slots can run on a compiled stack: a device step's program and its graphs, or (the host step)
+    the segment between each two consecutive probes, each probe's fused estimate and the exit readout at each probe.
+    Nothing on an eager stack, nor for a strategy (its warm-up generation builds what it uses)."""
+    from emad.decode.device_step import uses_device_state
+    from emad.decode.step import as_method, prefill_states, reading
+    from emad.decode.strategy import Strategy
+    from emad.engine.cost import CostModel
+
+    if not getattr(stack, "compiles_shapes", False) or isinstance(method, Strategy):
+        return
+    stack, method = reading(stack, method), as_method(method)
+    cache = stack.new_cache(batch, capacity)
+    ids = torch.zeros(batch, 1, dtype=torch.long, device=stack.device)
+    prefill_states(stack, cache, ids, torch.ones_like(ids, dtype=torch.bool), stack.n_layers)  # makes the K/V buffers
+    cost = CostModel.from_stack(stack)
+    if uses_device_state(stack, method):
+        DeviceSteps(stack, cache, method, method.new_policy(batch, stack.n_layers, cost), cost, ids[:, 0],
+                    [1] * batch, Sampling(), None, set(), ())
+        return
+    slots = cache.allocate(torch.ones_like(ids, dtype=torch.bool), dense=True)
+    h = stack.embed(ids, torch.ones_like(ids))  # [B, 1, d]
+    positions, running, done = torch.ones_like(ids), torch.ones(batch, dtype=torch.bool, device=stack.device), 0
+    for probe in method.criterion.probes(stack.n_layers):
+        h = stack.run_masked(h, done, probe, cache, positions, slots, running).clone()
+        if stack.fuses(method.estimator):
+            stack.estimate_all(method.estimator, probe, h[:, -1])
+        if stack.fuse_probes:
+            stack.readout_all(probe, h[:, -1])
+        done = probe
 
 
 def steps_for(stack, cache, method, policy, cost, tokens, positions, sampling, generator, eos, stop_strings):

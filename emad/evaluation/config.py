@@ -14,6 +14,7 @@ from emad.evaluation.operating_point import PointConfig
 from emad.evaluation.sweeps import Screen, SweepPosition, expand_table, knob_of
 from emad.tasks.registry import TASKS, Task
 
+DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")  # keys of decode.speed_tokens_by_device
 NAME = r"^[A-Za-z0-9_-]+$"  # DVC addresses params by dotted keys: names may not contain dots
 
 
@@ -60,6 +61,8 @@ class DecodeConfig(Section):
             every other point is timed, one pair (point and full depth back to back) per prompt, ``speed_tokens``
             new tokens each: C2's 95% interval over prompts rests on them (at least
             :data:`~emad.evaluation.checks.MIN_SPEED_PROMPTS`).
+        speed_tokens_by_device: ``speed_tokens`` on a device type (``cuda: 64``): where a step takes a fraction of
+            a millisecond, generations long enough that the prompt's pass is a minority of their time.
         speed_flops_below: only points whose teacher-forced FLOPs ratio (per domain) is below this are timed over
             prompts; the others, which compute at least this share of full depth's FLOPs, get the cheap measure
             (null: every point that exits early and that no teacher-forced check rules out).
@@ -84,7 +87,8 @@ class DecodeConfig(Section):
         device, dtype: where and how the model runs.
         engine: how decode steps run: ``auto`` (compiled on CUDA, eager on CPU), ``eager`` or ``compiled``
             (segments between probes compiled over static caches, CUDA graphs on CUDA: :mod:`emad.engine.compiled`);
-            the same tokens, depths and costs either way.
+            ``compiled-if`` / ``compiled-lookahead`` ask for how a CUDA step takes its later blocks
+            (:mod:`emad.engine.engines`); the same tokens, depths and costs on any.
     """
 
     domains: dict[str, list[str]] = Field(min_length=1)
@@ -106,6 +110,7 @@ class DecodeConfig(Section):
     speed_repeats: int = Field(3, ge=0)
     speed_prompts: int = MIN_SPEED_PROMPTS
     speed_tokens: int = Field(32, ge=1)
+    speed_tokens_by_device: dict[str, int] = Field(default_factory=dict)
     speed_flops_below: float | None = Field(1.0, gt=0)
     speed_candidates: int | None = Field(None, ge=1)
     split_seed: int = Field(0, ge=0)
@@ -147,6 +152,18 @@ class DecodeConfig(Section):
     @classmethod
     def _known_engine(cls, value: str) -> str:
         return check_engine(value)
+
+    @field_validator("speed_tokens_by_device")
+    @classmethod
+    def _device_speed_tokens(cls, value: dict[str, int]) -> dict[str, int]:
+        for device, tokens in value.items():
+            if device not in DEVICE_TYPES:
+                raise ValueError(f"decode.speed_tokens_by_device: {device!r} is not a device type "
+                                 f"({', '.join(DEVICE_TYPES)})")
+            if tokens < 2:
+                raise ValueError(f"decode.speed_tokens_by_device.{device} = {tokens}: a timed generation needs at "
+                                 f"least 2 new tokens (one decode step)")
+        return value
 
     @field_validator("speed_prompts")
     @classmethod

@@ -170,6 +170,7 @@ class Decoder:
         plain = LayerStack(self.loaded.model)
         self.final_from = final_state_from(plain)  # exits from here on read the final state (emad.engine.idle)
         self.stack = with_engine(plain, cfg.engine)
+        self.speed_tokens = cfg.speed_tokens_by_device.get(self.stack.device.type, cfg.speed_tokens)
         self.jobs = [Job(j.kind, j.name, j.point, j.calibration, j.position) for j in plan.jobs]
         self._scores: dict[str, dict] = {}  # domain -> job label -> its teacher-forced scores (score_all)
         self._reference: dict[str, dict] = {}  # domain -> full depth's teacher-forced task results
@@ -291,9 +292,9 @@ class Decoder:
                         "not_run": {p.name: f"the teacher-forced screen rules the point out ({why})"
                                     for p in prepared if p.name not in result.tasks},
                         "speed_repeats": cfg.speed_repeats, "speed_prompts": cfg.speed_prompts,
-                        "speed_tokens": cfg.speed_tokens, "unserved_tokens": cfg.unserved_tokens,
+                        "speed_tokens": self.speed_tokens, "unserved_tokens": cfg.unserved_tokens,
                         "device": cfg.device, "dtype": cfg.dtype, "engine": stack.engine,
-                        **compile_stats(stack)}
+                        **compile_stats(stack), **result.step_facts()}
             histogram = result.depth_histogram()
             out.append(Outcome(job.label, domain, self.loaded.fingerprint.digest, stack.n_layers,
                                job.method.describe(), job.facts, result.tasks, {**result.cost(), **speeds[job.label]},
@@ -361,7 +362,7 @@ class Decoder:
             groups.setdefault(tuple(map(tuple, these)), []).append(i)
         out: list[dict] = [{}] * len(block)
         for these, members in groups.items():
-            timed = time_prompts(stack, tokenizer, [block[i][0].method for i in members], these, cfg.speed_tokens)
+            timed = time_prompts(stack, tokenizer, [block[i][0].method for i in members], these, self.speed_tokens)
             for i, speed in zip(members, timed):
                 out[i] = {**speed, "speed_timing": "pairs"}
         return out

@@ -42,6 +42,15 @@ class Evaluation:
     def generations(self) -> list[Generation]:
         return [o for o in self.outputs if isinstance(o, Generation)]
 
+    def step_facts(self) -> dict:
+        """How the point's generations stepped: ``step_path`` (the paths they took, :attr:`Generation.step_path`,
+        sorted and joined; empty without decode steps) and ``host_reads_per_step`` (reads of the device per decode
+        step over all of them; None without steps)."""
+        gens = [g for g in self.generations() if g.decode_steps]
+        steps = sum(g.decode_steps for g in gens)
+        return {"step_path": ",".join(sorted({g.step_path for g in gens})),
+                "host_reads_per_step": sum(g.host_reads for g in gens) / steps if steps else None}
+
     def depth_histogram(self) -> dict[int, int]:
         """Tokens per exit depth over all generated and scored tokens."""
         counts: Counter[int] = Counter()

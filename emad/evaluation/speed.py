@@ -29,11 +29,31 @@ from typing import Any
 
 from emad.decode import Generation, generate
 from emad.decode.step import elapsed
+from emad.decode.steppers import build
+from emad.engine.engines import compile_stats
 from emad.exits.criteria import Full
 
 
 def _tokens_per_s(out: Generation) -> float:
     return sum(len(row) for row in out.token_ids) / max(out.seconds, 1e-9)
+
+
+def _decode_tokens_per_s(out: Generation) -> float | None:
+    """Tokens/s of the decode steps alone: the tokens after each row's first over the time after the prompts' pass
+    and first token (None for a generation that does not split its time, e.g. a strategy's)."""
+    steps = sum(max(len(row) - 1, 0) for row in out.token_ids)
+    decoding = out.seconds - out.prefill_seconds
+    return steps / decoding if out.prefill_seconds and steps and decoding > 0 else None
+
+
+class CompiledWhileTimedError(RuntimeError):
+    """A timed block compiled a function or captured a graph: its time would include building the engine."""
+
+
+def _built(stack) -> tuple[int, int]:
+    """Functions compiled and graphs captured so far on ``stack``'s model (0, 0 on an eager stack)."""
+    stats = compile_stats(stack)
+    return stats.get("compilations", 0), stats.get("graphs", 0)
 
 
 def _speed_prompts(prepared: Sequence, result) -> tuple | None:
@@ -87,12 +107,20 @@ def hf_static_generate(stack, tokenizer, prompt: Sequence[int], new_tokens: int)
 
 def full_depth_references(stack) -> dict[str, Callable]:
     """The full-depth decoders C2 is timed against on ``stack``'s device, by name: ``(stack, tokenizer, prompt,
-    new_tokens) -> tokens/s``. Our full depth always; HF's static-cache ``generate`` on :data:`HF_STATIC_DEVICES`."""
-    refs = {FULL_DEPTH: lambda st, tok, prompt, new: _tokens_per_s(generate(st, tok, [list(prompt)], Full(), new))}
+    new_tokens) -> (tokens/s, decode-only tokens/s or None)``. Our full depth always; HF's static-cache ``generate``
+    on :data:`HF_STATIC_DEVICES` (whose time does not split its prompt's pass from its steps)."""
+    refs = {FULL_DEPTH: lambda st, tok, prompt, new: _rates(generate(st, tok, [list(prompt)], Full(), new))}
     device = getattr(getattr(stack, "device", None), "type", None)
     if device in HF_STATIC_DEVICES:
-        refs[HF_STATIC] = hf_static_generate
+        refs[HF_STATIC] = lambda st, tok, prompt, new: (hf_static_generate(st, tok, prompt, new), None)
     return refs
+
+
+def _rates(out: Generation) -> tuple[float, float | None]:
+    return _tokens_per_s(out), _decode_tokens_per_s(out)
+
+
+SPEED_BASIS = "whole generation (the prompt's pass included)"  # what C2's speed-up divides
 
 
 def time_prompts(stack, tokenizer, methods: Sequence, prompts: Sequence[Sequence[int]],
@@ -101,20 +129,25 @@ def time_prompts(stack, tokenizer, methods: Sequence, prompts: Sequence[Sequence
     references (:func:`full_depth_references`) and each method generate ``new_tokens`` from it back to back, after
     one untimed warm-up generation of each (:data:`WARM_UP_TOKENS` new tokens on the first prompt; an HF reference,
     and every generation on a compiled engine, warms up on the longest prompt with all its tokens, so that its
-    static cache and compiled steps serve every prompt).
+    static cache and compiled steps serve every prompt). On a compiled engine every piece a method can run at that
+    size is built before the warm-up (:func:`~emad.decode.steppers.build`), and a block that still compiles or
+    captures anything fails (:class:`CompiledWhileTimedError`): its time would include building the engine.
     The order within a block turns by one from prompt to prompt (with one method and one reference: the method
     first on the even-numbered prompts), so that each generation is in each place equally often.
 
     The speed reference is the faster full-depth decoder (the higher median tokens/s over the prompts); a method's
-    pair on a prompt is its tokens/s and the reference's in the same block.
+    pair on a prompt is its tokens/s and the reference's in the same block. Speed-ups divide whole generations
+    (:data:`SPEED_BASIS`); the decode steps' own speed-up against our full depth is reported beside them.
 
     Returns:
         Per method: ``speedup`` (geometric mean of the per-prompt ratios method tokens/s ÷ reference tokens/s), the
         medians ``speed_tokens_per_s`` and ``reference_tokens_per_s``, ``speed_reference`` (which decoder),
         ``speed_pairs`` (per prompt ``[method tokens/s, reference tokens/s]``), ``speedup_by_reference`` and
-        ``reference_tokens_per_s_by_reference`` (every reference timed), ``speed_unit`` (``prompt``),
-        ``speed_block`` (the methods timed in the blocks), ``speed_new_tokens`` and ``load_avg`` (1-minute load
-        average, the larger of before and after). Values are None without prompts.
+        ``reference_tokens_per_s_by_reference`` (every reference timed), ``decode_speedup`` and
+        ``decode_speed_pairs`` (the decode steps alone, against our full depth's; None where not split),
+        ``speed_basis``, ``speed_unit`` (``prompt``), ``speed_block`` (the methods timed in the blocks),
+        ``speed_new_tokens`` and ``load_avg`` (1-minute load average, the larger of before and after). Values are
+        None without prompts.
     """
     if not prompts:
         return [{"speedup": None, "speed_tokens_per_s": None, "reference_tokens_per_s": None, "speed_pairs": [],
@@ -122,35 +155,55 @@ def time_prompts(stack, tokenizer, methods: Sequence, prompts: Sequence[Sequence
                  "speed_new_tokens": None, "load_avg": None} for _ in methods]
     before = os.getloadavg()[0]
     refs = full_depth_references(stack)
-    runs = [lambda prompt, new, m=m: _tokens_per_s(generate(stack, tokenizer, [list(prompt)], m, new))
-            for m in methods]
+    runs = [lambda prompt, new, m=m: _rates(generate(stack, tokenizer, [list(prompt)], m, new)) for m in methods]
     runs += [lambda prompt, new, f=f: f(stack, tokenizer, prompt, new) for f in refs.values()]  # references last
     longest = max(prompts, key=len)
+    compiles = getattr(stack, "compiles_shapes", False)
+    for method in [*methods, Full()] if compiles else []:  # every segment, probe and graph, before any timing
+        build(stack, method, 1, len(longest) + new_tokens)
     for j, run in enumerate(runs):  # warm-up: caches, allocator, lazy initialisation, compilation — not timed
         hf = j >= len(methods) and list(refs)[j - len(methods)] != FULL_DEPTH
-        if hf or getattr(stack, "compiles_shapes", False):  # compiled once for the largest shape, every prompt fits
+        if hf or compiles:  # compiled once for the largest shape, every prompt fits
             run(longest, new_tokens)
         else:
             run(prompts[0], min(new_tokens, WARM_UP_TOKENS))
-    tps: list[list[float]] = [[] for _ in runs]  # per run, per prompt
+    built = _built(stack)
+    rates: list[list[tuple]] = [[] for _ in runs]  # per run, per prompt: (tokens/s, decode-only tokens/s)
     for i, prompt in enumerate(prompts):
         turn = i % len(runs)
         for j in [*range(turn, len(runs)), *range(turn)]:
-            tps[j].append(runs[j](prompt, new_tokens))
+            rates[j].append(runs[j](prompt, new_tokens))
+        if _built(stack) != built:
+            made = [a - b for a, b in zip(_built(stack), built)]
+            raise CompiledWhileTimedError(
+                f"C2's timed block on prompt {i} compiled {made[0]} function(s) and captured {made[1]} graph(s) that "
+                f"the warm-up did not build ({', '.join(_name(m) for m in methods)}): its time would include building "
+                f"the engine; run these points with decode.engine: eager, or report this as a bug")
     load = max(before, os.getloadavg()[0])
+    tps = [[r[0] for r in run] for run in rates]
     by_ref = dict(zip(refs, tps[len(methods):]))
     best = max(by_ref, key=lambda name: statistics.median(by_ref[name]))
+    ours = [r[1] for r in rates[len(methods) + list(refs).index(FULL_DEPTH)]]
     out = []
-    for own in tps[: len(methods)]:
+    for own, own_rates in zip(tps[: len(methods)], rates[: len(methods)]):
         speedups = {name: _geometric_mean([a / b for a, b in zip(own, ref)]) for name, ref in by_ref.items()}
+        decode = [[r[1], f] for r, f in zip(own_rates, ours)]
+        split = all(a is not None and b is not None for a, b in decode)
         out.append({"speedup": speedups[best], "speed_tokens_per_s": statistics.median(own),
                     "reference_tokens_per_s": statistics.median(by_ref[best]), "speed_reference": best,
                     "speed_pairs": [[a, b] for a, b in zip(own, by_ref[best])],
                     "speedup_by_reference": speedups,
                     "reference_tokens_per_s_by_reference": {n: statistics.median(r) for n, r in by_ref.items()},
+                    "decode_speedup": _geometric_mean([a / b for a, b in decode]) if split else None,
+                    "decode_speed_pairs": decode if split else [], "speed_basis": SPEED_BASIS,
                     "speed_unit": "prompt", "speed_block": len(methods), "speed_new_tokens": new_tokens,
                     "load_avg": load})
     return out
+
+
+def _name(method) -> str:
+    describe = getattr(method, "describe", None)
+    return str(describe().get("method", method)) if describe else str(method)
 
 
 def _geometric_mean(ratios: Sequence[float]) -> float:
