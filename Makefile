@@ -15,7 +15,7 @@ export MLFLOW_DISABLE_TELEMETRY ?= true
 export TOKENIZERS_PARALLELISM ?= false
 export DVC_NO_ANALYTICS ?= 1
 
-.PHONY: setup test test-heavy repro lint bench bench-gpu mlflow tracking-server clean-venv
+.PHONY: setup test test-heavy repro lint bench bench-gpu gpu-check mlflow tracking-server clean-venv
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -65,6 +65,14 @@ bench: $(STAMP)
 # Per-token decode time of HF generate and our eager and compiled engines on a GPU (bf16): reports/bench/gpu_decode-*.
 bench-gpu: $(STAMP)
 	$(BIN)/python benchmarks/bench_gpu_decode.py --device cuda --dtype bfloat16
+
+# The first run on a GPU machine (benchmarks/gpu_check.py, ~10 min): environment, graph latencies, IF nodes, exactness,
+# decode speed against HF static, a C2 dry run; reports/bench/gpu_check-cuda.json. It runs with the python that has a
+# CUDA torch (GPU_PYTHON), not .venv (whose torch is the CPU build), and needs only torch, transformers, accelerate,
+# gguf, pydantic and the embedded model's package beside this checkout.
+GPU_PYTHON ?= python3
+gpu-check:
+	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_PYTHON) benchmarks/gpu_check.py $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -191,6 +191,7 @@ def generate(
     out = _assemble(rows_state, tokenizer, stop_strings, cost, method, policy)
     out.seconds, out.timed = elapsed(stack.device, started), prefills is None
     out.prefill_seconds, out.step_path, out.host_reads, out.decode_steps = prefilled, steps.path, steps.reads, t - 1
+    out.graph_launches = steps.launches
     return out
 
 

@@ -52,6 +52,7 @@ class Generation:
             device: ``immediate``, ``graph-if`` or ``graph-lookahead``, :mod:`emad.engine.step_graphs`); empty where
             a strategy decoded.
         host_reads: the step loop's reads of the device (records, flags, row picks), over ``decode_steps`` steps.
+        graph_launches: graphs the device steps launched (None where not counted: the host step, strategies).
     """
 
     token_ids: list[list[int]]
@@ -75,6 +76,7 @@ class Generation:
     step_path: str = ""
     host_reads: int = 0
     decode_steps: int = 0
+    graph_launches: int | None = None
 
     @property
     def host_reads_per_step(self) -> float | None:

@@ -113,11 +113,17 @@ class DeviceSteps:
         self.lag = int(program.lanes.compiled and not sampling.do_sample and not coupled)
         self.mailbox = Mailbox(stack.device, (cache.batch_size, 7 + len(program.plan.probes)))
         self.path = f"device/{program.executor.name}"
+        self._launched = program.executor.launches
 
     @property
     def reads(self) -> int:
         """Host reads of the device so far: records, and any the executor or lanes made."""
         return self.mailbox.reads + self.program.executor.reads + self.program.lanes.reads
+
+    @property
+    def launches(self) -> int:
+        """Graphs this generation's steps launched."""
+        return self.program.executor.launches - self._launched
 
     @torch.inference_mode()
     def launch(self, alive: list[int]):
@@ -160,6 +166,7 @@ class HostSteps:
 
     lag = 0
     path = "host"
+    launches = None  # not counted: the host step replays a graph per segment, probe and readout it runs
 
     def __init__(self, stack, cache, method, policy, cost, tokens: torch.Tensor, positions: list[int],
                  sampling: Sampling, generator, eos, stop_strings):
@@ -207,16 +214,17 @@ def build(stack, method, batch: int, capacity: int) -> None:
         return
     stack, method = reading(stack, method), as_method(method)
     cache = stack.new_cache(batch, capacity)
-    ids = torch.zeros(batch, 1, dtype=torch.long, device=stack.device)
+    ids = torch.zeros(batch, 2, dtype=torch.long, device=stack.device)  # a two-token prompt: made eagerly
     prefill_states(stack, cache, ids, torch.ones_like(ids, dtype=torch.bool), stack.n_layers)  # makes the K/V buffers
     cost = CostModel.from_stack(stack)
     if uses_device_state(stack, method):
         DeviceSteps(stack, cache, method, method.new_policy(batch, stack.n_layers, cost), cost, ids[:, 0],
-                    [1] * batch, Sampling(), None, set(), ())
+                    [2] * batch, Sampling(), None, set(), ())
         return
+    ids = ids[:, :1]
     slots = cache.allocate(torch.ones_like(ids, dtype=torch.bool), dense=True)
-    h = stack.embed(ids, torch.ones_like(ids))  # [B, 1, d]
-    positions, running, done = torch.ones_like(ids), torch.ones(batch, dtype=torch.bool, device=stack.device), 0
+    h = stack.embed(ids, torch.full_like(ids, 2))  # [B, 1, d]
+    positions, running, done = torch.full_like(ids, 2), torch.ones(batch, dtype=torch.bool, device=stack.device), 0
     for probe in method.criterion.probes(stack.n_layers):
         h = stack.run_masked(h, done, probe, cache, positions, slots, running).clone()
         if stack.fuses(method.estimator):

@@ -40,10 +40,11 @@ class Immediate:
     """Runs the program on the host's thread, reading before each later block whether a row still runs.
 
     Attributes:
-        reads: host reads of the device so far.
+        reads: host reads of the device so far; launches: graphs launched (none).
     """
 
     name = "immediate"
+    launches = 0
 
     def __init__(self):
         self.reads = 0
@@ -93,16 +94,22 @@ class StepGraph:
 
 
 class OneGraph:
-    """One graph launch per token (``graph-if``)."""
+    """One graph launch per token (``graph-if``).
+
+    Attributes:
+        reads: host reads of the device (none); launches: graphs launched so far.
+    """
 
     name = "graph-if"
     reads = 0
 
     def __init__(self, program, capture=StepGraph):
         self.graph = capture(program)
+        self.launches = 0
 
     def run(self, program) -> None:
         self.graph.replay()
+        self.launches += 1
 
 
 class Flags:
@@ -130,7 +137,7 @@ class Lookahead:
     """Graphs per block, block k+1 launched before block k's flag is read (``graph-lookahead``).
 
     Attributes:
-        reads: host reads of the device so far (one per later block launched).
+        reads: host reads of the device so far (one per later block launched); launches: graphs launched so far.
     """
 
     name = "graph-lookahead"
@@ -138,21 +145,24 @@ class Lookahead:
     def __init__(self, program, capture):
         self.graphs = program.capture_blocks(capture)
         self.flags = Flags(program.state.more)
-        self.reads = 0
+        self.reads = self.launches = 0
 
     def run(self, program) -> None:
         first, *blocks, finish = self.graphs
         first.replay()
         if blocks:
             self.flags.post(1)
+        launched = 2  # the first block and the finish
         for k, graph in enumerate(blocks, start=1):
             graph.replay()  # before the flag that says whether it was needed is read
+            launched += 1
             if k < len(blocks):
                 self.flags.post(k + 1)
             self.reads += 1
             if not self.flags.read(k):
                 break
         finish.replay()
+        self.launches += launched
 
 
 BRANCHES = {"if": OneGraph, "lookahead": Lookahead}  # how graphs take a step's blocks, by name
