@@ -167,7 +167,7 @@ def section_exactness(spec: str, device: str, tokenizer_prompts: int, new: int) 
         hf = model.generate(ids, attention_mask=real.long(), max_new_tokens=new, min_new_tokens=new, do_sample=False,
                             pad_token_id=0)[:, ids.shape[1]:].tolist()
         rows = {}
-        for name, method in (("full", lambda: Method(Full())), ("emad-exits", lambda: Method(Emad(profile, 0.0)))):
+        for name, method in (("full", lambda: Method(Full())), ("emad-exits", lambda p=profile: Method(Emad(p, 0.0)))):
             a_tokens, a_depths = _tokens_and_depths(eager, tokenizer, prompts, method(), new)
             b_tokens, b_depths = _tokens_and_depths(compiled, tokenizer, prompts, method(), new)
             rows[name] = {"compiled_equals_eager_tokens": a_tokens == b_tokens,
