@@ -273,6 +273,15 @@ def test_inside_a_step_nothing_reads_the_device_and_one_graph_is_launched_per_to
     assert probing["ops"] == full["ops"]  # four probes a token add no host work
 
 
+def test_the_lookahead_path_reads_one_flag_per_later_block(profile):
+    """Without conditional nodes, the host reads each later block's flag (after launching that block) and the
+    record: 1 + 3 reads a token with probes at layers 1..4 and no exit."""
+    stack = _graphed("lookahead")
+    out = generate(stack, TOK, random_prompts(1, [6]), Method(Emad(profile, math.inf)), NEW, eos_token_ids=[])
+    assert out.step_path == "device/graph-lookahead" and out.host_reads_per_step == 1 + 3
+    assert out.graph_launches == out.decode_steps * (1 + 3 + 1)  # block 0, three later blocks, the finish
+
+
 def test_the_host_step_reads_the_device_at_every_probe(host, profile, monkeypatch):
     """What the device step removes: the host step reads each estimated probe's decisions."""
     out = generate(host, TOK, random_prompts(1, [6]), Method(Emad(profile, math.inf)), NEW, eos_token_ids=[])

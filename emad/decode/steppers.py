@@ -113,12 +113,12 @@ class DeviceSteps:
         self.lag = int(program.lanes.compiled and not sampling.do_sample and not coupled)
         self.mailbox = Mailbox(stack.device, (cache.batch_size, 7 + len(program.plan.probes)))
         self.path = f"device/{program.executor.name}"
-        self._launched = program.executor.launches
+        self._launched, self._read = program.executor.launches, program.executor.reads + program.lanes.reads
 
     @property
     def reads(self) -> int:
         """Host reads of the device so far: records, and any the executor or lanes made."""
-        return self.mailbox.reads + self.program.executor.reads + self.program.lanes.reads
+        return self.mailbox.reads + self.program.executor.reads + self.program.lanes.reads - self._read
 
     @property
     def launches(self) -> int:
