@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 
 from emad.engine.cost import CostModel
+from emad.engine.segments import options_key, own_code
 from emad.exits.batching import BATCH_EXITS
 from emad.exits.criteria import ProbeView
 from emad.exits.policies import POLICIES
@@ -222,16 +223,13 @@ def record_of(st: State, tokens: torch.Tensor, logprobs: torch.Tensor) -> torch.
     return torch.cat([torch.stack(columns, dim=1), st.entropies.double()], dim=1)
 
 
-RECORD_FIELDS = ("token", "logprob", "depth", "reason", "allowed", "flops", "bytes")  # then one column per probe
-
-
 class DeviceStep:
     """One method's decode step over a cache's ``B`` rows, as a program over a :class:`State` (see the module
     docstring): :meth:`run` is one step, taken by an executor (:mod:`emad.engine.step_graphs`) that decides how
     ``when any row still runs`` is answered.
 
     On a compiled stack the program's pieces — reset and embedding, each probe's settling, the finish — are compiled
-    once per kind of method (its :meth:`key`), shared by every point of the kind: the values that differ between
+    once per kind of method (:meth:`key_of`, and the readout), shared by every point of the kind: the values that differ between
     points (thresholds, τ − margin) are the tensors of :attr:`tables`, written per generation (:meth:`load`).
 
     Args:
@@ -264,8 +262,6 @@ class DeviceStep:
         """What the program's compiled pieces specialise on (besides the readout they read through): the plan, the
         criterion's structure, the estimator's options, policy and batch exit rule, the batch and the cache's
         capacity."""
-        from emad.engine.segments import options_key
-
         return (Plan.of(method, stack.n_layers, cost), method.criterion.structure(stack.n_layers),
                 options_key(method.estimator), method.policy, method.batch_exit, cache.batch_size, cache.capacity,
                 stack.dtype)
@@ -305,8 +301,6 @@ class DeviceStep:
     def _call(self, name: str, make, *args):
         if self.compile is None:
             return make()(*args)
-        from emad.engine.segments import own_code
-
         key = (name, *self.key)  # each piece a code object of its own: dynamo counts recompiles per code object
         return self.compile(key, lambda: own_code(make(), f"emad_step_{name}_{hash(key) & 0xFFFFFFFF:x}"), *args)
 
@@ -336,7 +330,8 @@ class DeviceStep:
         return begin_step
 
     def _make_settle(self, k: int):
-        plan, criterion, rule, lanes, names, n = self.plan, self.criterion, self.rule, self.lanes, self.names, 16
+        plan, criterion, rule, lanes, names, n = (self.plan, self.criterion, self.rule, self.lanes, self.names,
+                                                  len(State._fields))
 
         def settle_probe(h, *tensors):
             settle(plan, k, criterion, rule, lanes, h, State(*tensors[:n]), dict(zip(names, tensors[n:])))

@@ -1,6 +1,6 @@
 """A generation's decode steps, as the token loop of :func:`~emad.decode.generate.generate` sees them: ``launch`` a
 step for the rows still generating, ``read`` what it made (one ``[B, 7 + P]`` host record per step:
-:data:`~emad.decode.device_step.RECORD_FIELDS` and the entropies), ``retire`` rows that finished.
+:func:`~emad.decode.device_step.record_of`), ``retire`` rows that finished.
 
 - :class:`DeviceSteps`: the step's state on the device (:mod:`emad.decode.device_step`). The host reads one record
   per token; with ``lag`` 1 it launches step t+1 before reading step t's (greedy decoding, where no row's finish
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from emad.decode.device_step import DeviceStep, record_of
+from emad.decode.device_step import DeviceStep, Plan, record_of
 from emad.decode.lanes import MaskLanes, RowLanes, on_device
 from emad.decode.step import Sampling, choose, step
 from emad.engine.step_graphs import Immediate
@@ -36,7 +36,8 @@ def program_for(stack, method, cache, cost) -> DeviceStep:
     key = (DeviceStep.key_of(stack, method, cache, cost), id(view), id(cache.slab), stack.branches)
     program = runner.programs.get(key)
     if program is None:
-        estimated = [p for p, e in zip(method.criterion.probes(stack.n_layers), _estimated(method, stack)) if e]
+        plan = Plan.of(method, stack.n_layers, cost)
+        estimated = [p for p, e in zip(plan.probes, plan.estimates) if e]
         if estimated:  # shortlists, factorisations: made eagerly, once, outside anything compiled
             with torch.inference_mode():
                 h = torch.zeros(1, cost.d_model, dtype=stack.dtype, device=stack.device)
@@ -47,12 +48,6 @@ def program_for(stack, method, cache, cost) -> DeviceStep:
             runner.programs[key] = program
     program.lanes.cache = cache
     return program
-
-
-def _estimated(method, stack) -> list[bool]:
-    criterion = method.criterion
-    return [criterion.needs_estimate and criterion.wants_estimate(k, p)
-            for k, p in enumerate(criterion.probes(stack.n_layers))]
 
 
 class Mailbox:
