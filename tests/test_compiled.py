@@ -209,7 +209,7 @@ def test_fused_probes_and_readouts_compiled_by_inductor_equal_eager(eager, profi
     for name in ("emad-exact", "emad-topk", "emad-tuned", "full"):
         method = _methods(profile)[name]
         _same(generate(eager, TOK, prompts, method(), NEW), generate(fused, TOK, prompts, method(), NEW))
-    assert any(key[0] == "estimate" for key in fused.runner.stats.layouts)
+    assert any(str(key[0]).startswith("settle") for key in fused.runner.stats.layouts)  # probes compiled
 
 
 GRAPHED = ("full", "fixed", "emad-exact", "emad-topk", "emad-tuned", "confidence-copy", "confidence-backfill",
