@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import zlib
 
 import numpy as np
@@ -33,14 +34,22 @@ DOMAINS = ("code", "prose")
 
 
 UNITS, WINDOW, COMPARED = 50, 200, 100  # per-unit samples of the synthetic runs: windows / prompts, their tokens
+PROMPTS = 50  # the synthetic token agreement's prompts (25 judged: a token-level check counts prompts)
+POWERED = 880  # enough prompts for a met 1-point agreement check: 440 judged (368 needed at 95%, 437 at 97.5%)
 
 
-def _jitter(rid: str, scale: float, task: str) -> np.ndarray:
-    """Small per-unit noise, different for every run, centred on each split of ``task``'s units (the verdict's
-    confirmation split, the screen's selection split): tight paired intervals around the given values."""
-    x = np.random.default_rng(zlib.crc32(rid.encode())).normal(0.0, scale, UNITS)
+@pytest.fixture
+def powered(monkeypatch):
+    """Synthetic runs whose token agreement is powered (its judged prompts can meet 1 point): C1 can pass."""
+    monkeypatch.setattr(sys.modules[__name__], "PROMPTS", POWERED)
+
+
+def _jitter(rid: str, scale: float, task: str, n: int = UNITS) -> np.ndarray:
+    """Small per-unit noise, different for every run, centred on each split of ``task``'s ``n`` units (the
+    verdict's confirmation split, the screen's selection split): tight paired intervals around the given values."""
+    x = np.random.default_rng(zlib.crc32(rid.encode())).normal(0.0, scale, n)
     for which in (SELECTION, CONFIRMATION):
-        idx = indices(UNITS, which, 0, task)
+        idx = indices(n, which, 0, task)
         x[idx] -= x[idx].mean()
     return x
 
@@ -53,7 +62,7 @@ def synthetic_tasks(rid: str, ppl: float | None, acc: float | None, noise: float
         nll = WINDOW * (math.log(ppl) + _jitter(rid + "ppl", noise, "perplexity"))
         tasks["perplexity"] = {"perplexity": ppl, "samples": {"perplexity": [[float(v), WINDOW] for v in nll]}}
     if acc is not None:
-        agree = COMPARED * (acc + _jitter(rid + "acc", 1e-4, "fidelity"))
+        agree = COMPARED * (acc + _jitter(rid + "acc", 1e-4, "fidelity", PROMPTS))
         tasks["fidelity"] = {"token_agreement": acc,
                              "samples": {"token_agreement": [[float(v), COMPARED] for v in agree]}}
     return tasks
@@ -135,7 +144,7 @@ def test_pareto_data_without_full_run_has_no_speedups_and_rejects_empty():
 
 # --- verdict --------------------------------------------------------------------------------------------------
 
-def test_c1_and_c2_pass():
+def test_c1_and_c2_pass(powered):
     runs = full_runs() + point_runs("emad-a", flops=0.8, ppl=10.09, acc=0.492, tps=120)
     v = verdict(runs)["m"]
     assert v.c1.passed and not v.c1.falsified and v.c1.deciding.label == "emad-a"
@@ -165,7 +174,7 @@ def test_c1_fails_when_no_point_reaches_the_reduction():
     assert "no operating point reaches a 15% FLOP reduction" in v.c1.sentence()
 
 
-def test_literal_reading_can_be_true_while_c1_passes():
+def test_literal_reading_can_be_true_while_c1_passes(powered):
     runs = full_runs() + point_runs("emad-a", flops=0.8) + point_runs("emad-b", flops=0.6, acc=0.45)
     v = verdict(runs)["m"]
     assert v.c1.passed and v.c1.deciding.label == "emad-a"
@@ -173,7 +182,7 @@ def test_literal_reading_can_be_true_while_c1_passes():
     assert "— true: emad-b" in v.c1.literal_sentence(0.15)
 
 
-def test_perplexity_tolerance_is_relative_and_accuracy_tolerance_absolute():
+def test_perplexity_tolerance_is_relative_and_accuracy_tolerance_absolute(powered):
     base = full_runs(ppl=100.0, acc=0.5)
     ok = verdict(base + point_runs("emad-a", flops=0.8, ppl=100.9, acc=0.4905))["m"]
     assert ok.c1.passed  # +0.9 perplexity is 0.9% relative; -0.95 point is within 1 point
@@ -183,7 +192,7 @@ def test_perplexity_tolerance_is_relative_and_accuracy_tolerance_absolute():
     assert not bad_ppl.c1.passed and bad_ppl.c1.deciding.worst.metric == "perplexity"
 
 
-def test_thresholds_are_keyword_arguments():
+def test_thresholds_are_keyword_arguments(powered):
     runs = full_runs() + point_runs("emad-a", flops=0.8, ppl=10.2, tps=105)
     assert not verdict(runs)["m"].c1.passed
     loose = verdict(runs, ppl_rel_tol=0.05, min_speed_gain=0.05)["m"]
@@ -222,7 +231,7 @@ def test_verdict_errors_name_what_is_missing():
         verdict(full_runs() + [make_run("full", "code")])
 
 
-def test_family_verdicts_show_whether_baselines_pass():
+def test_family_verdicts_show_whether_baselines_pass(powered):
     runs = full_runs() + point_runs("emad-a", flops=0.8, tps=120) + point_runs("fixed-b", flops=0.5, acc=0.3)
     fams = family_verdicts(runs)
     assert sorted(fams) == ["emad", "fixed"]
@@ -314,7 +323,7 @@ def test_figures_are_written_as_png_with_their_run_ids(tmp_path):
         assert "ml-m--full--code" in entry["mlflow_run_ids"]
 
 
-def test_report_markdown_and_metrics(tmp_path):
+def test_report_markdown_and_metrics(powered, tmp_path):
     runs = report_runs()
     verdicts = verdict(runs)
     index = [{"path": str(tmp_path / "figures" / "m--code--perplexity.png"), "name": "m--code--perplexity",
@@ -357,7 +366,7 @@ def noisy_runs(point: str, ppl: float, noise: float, **kw) -> list[dict]:
             for d in DOMAINS]
 
 
-def test_checks_are_met_violated_or_unresolved_on_run_files(tmp_path):
+def test_checks_are_met_violated_or_unresolved_on_run_files(powered, tmp_path):
     runs = _saved(tmp_path, full_runs() + point_runs("emad-met", flops=0.8, ppl=10.05)
                   + point_runs("emad-bad", flops=0.8, ppl=10.3)
                   + noisy_runs("emad-open", ppl=10.08, noise=0.05, flops=0.8))
@@ -374,7 +383,7 @@ def test_checks_are_met_violated_or_unresolved_on_run_files(tmp_path):
     assert "95% CI" in open_.describe() and open_.describe().endswith(": unresolved")
 
 
-def test_c1_and_c2_are_unresolved_when_no_candidate_is_shown_either_way(tmp_path):
+def test_c1_and_c2_are_unresolved_when_no_candidate_is_shown_either_way(powered, tmp_path):
     runs = _saved(tmp_path, full_runs() + noisy_runs("emad-open", ppl=10.08, noise=0.05, flops=0.7, tps=130)
                   + point_runs("emad-bad", flops=0.6, ppl=10.5, tps=150) + point_runs("emad-slow", flops=0.95))
     v = verdict(runs)["m"]
@@ -437,19 +446,20 @@ def _exact_copy_of_full(point: str, flops: float, units: int) -> list[dict]:
     return out
 
 
-def test_equal_windows_without_an_identity_proof_do_not_meet_perplexity():
-    """Every unit equal on 50 windows and 50 prompts of 100 tokens: the token-level agreement is met (25 × 100
-    confirmation tokens bound the share that differ well within 1 point), but equal windows bound no relative
-    perplexity change: without the engine's proof the point is unresolved, and C1 with it; with it, identical."""
-    v = verdict(full_runs() + _exact_copy_of_full("emad-lossless", 0.6, UNITS))["m"]
+def test_equal_windows_without_an_identity_proof_do_not_meet_perplexity(powered):
+    """Every unit equal on 50 windows and 880 prompts of 100 tokens: the token-level agreement is met (its 440
+    confirmation prompts bound the share that differ within 1 point), but equal windows bound no relative
+    perplexity change, at any size: without the engine's proof the point is unresolved, and C1 with it; with it,
+    identical."""
+    v = verdict(full_runs() + _exact_copy_of_full("emad-lossless", 0.6, POWERED))["m"]
     point = next(p for p in v.points if p.point == "emad-lossless")
     agreement = [c for c in point.checks if c.metric == "fidelity.token_agreement"]
     perplexity = [c for c in point.checks if c.metric == "perplexity"]
-    assert all(c.state == "met" and 0 < c.hi < 0.01 and c.lo == -c.hi and c.has == 2500 for c in agreement)
+    assert all(c.state == "met" and 0 < c.hi < 0.01 and c.lo == -c.hi and c.has == 440 for c in agreement)
     assert all(c.state == "unresolved" and c.lo is None and "bounds no relative change" in c.method
                for c in perplexity)
     assert point.state == "unresolved" and v.c1.outcome == "unresolved"
-    proved = full_runs() + _exact_copy_of_full("emad-lossless", 0.6, UNITS)
+    proved = full_runs() + _exact_copy_of_full("emad-lossless", 0.6, POWERED)
     for r in proved:
         if r["point"] == "emad-lossless":
             r["identity"] = {"proved": True, "why": "every exit at depth ≥ 20", "final_from": 20}
@@ -457,6 +467,20 @@ def test_equal_windows_without_an_identity_proof_do_not_meet_perplexity():
     point = next(p for p in v.points if p.point == "emad-lossless")
     assert {c.state for c in point.checks} == {"identical by construction"} and point.state == "met"
     assert v.c1.outcome == "pass" and v.c1.deciding.point == "emad-lossless"
+
+
+def test_token_agreement_is_bounded_by_prompts_not_tokens():
+    """0 of 384 tokens over 24 judged prompts differ: the share bound counts prompts (14.25%), not tokens (0.96%),
+    so the check is underpowered (368 prompts needed) and the point untested, not met."""
+    full = make_run("full", "prose", tasks={"agreement": {"token_agreement": 1.0,
+                                                          "samples": {"token_agreement": [[16, 16]] * 48}}})
+    point = make_run("emad-a", "prose", flops=0.6, tasks=json.loads(json.dumps(full["tasks"])))
+    v = verdict([full, point])["m"]
+    (check,) = next(p for p in v.points if p.point == "emad-a").checks
+    assert check.all_equal and check.has == 24 and check.unit == "prompt"
+    assert check.hi == pytest.approx(1 - 0.025 ** (1 / 24)) and check.hi == pytest.approx(0.1425, abs=1e-4)
+    assert check.underpowered and not check.counted and check.needs == 368
+    assert "0 of 24 differ" in check.method and "needs ≥ 368 prompts" in check.power_text()
 
 
 def _equal_prompts(point: str, prompts: int, n_layers_hist: dict | None = None) -> list[dict]:
@@ -524,7 +548,7 @@ def test_a_check_on_fewer_than_eight_units_is_not_counted_anywhere(tmp_path):
     assert point.state == "unresolved" and v.c1.outcome != "pass"
     md = report_markdown(runs, verdict(runs), {}, [])
     row = next(line for line in md.splitlines() if line.startswith("| emad-few |"))
-    assert "0 met, 0 unresolved, 0 violated, 4 not counted" in row
+    assert "0 met, 0 unresolved, 0 violated, 4 not counted" in row and "underpowered" not in row.split("|")[6]
     metrics = metrics_summary(runs, verdict(runs))
     assert "emad-few" not in json.dumps(metrics)  # no headline number reads it
 
@@ -563,7 +587,7 @@ def test_a_family_run_on_fewer_domains_is_judged_on_those():
     assert "the method ran on these only" in md and "| ead | m | prose (only these) |" in md
 
 
-def test_c2_follows_the_speed_interval_over_prompts():
+def test_c2_follows_the_speed_interval_over_prompts(powered):
     def runs_with(pairs_of: dict[str, list[float]]) -> list[dict]:
         out = full_runs()
         for point, ratios in pairs_of.items():

@@ -43,8 +43,8 @@ def test_one_pair_per_prompt_after_a_warm_up_each_side_first_on_half(monkeypatch
 
 
 def test_points_timed_together_share_one_full_depth_generation_per_prompt_in_turning_order(monkeypatch):
-    """A block of two points: per prompt, full depth once and each point once, the order turning by one from
-    prompt to prompt; each point's pair holds full depth's generation of the same block."""
+    """A block of two points: per prompt, full depth once and each point once, the order reversed from prompt to
+    prompt and turning every two; each point's pair holds full depth's generation of the same block."""
     a, b = object(), object()
     calls = []
 
@@ -61,7 +61,9 @@ def test_points_timed_together_share_one_full_depth_generation_per_prompt_in_tur
     assert calls[:3] == [(0, "a"), (0, "b"), (0, "full")]  # the warm-up: one generation of each
     blocks = [calls[3 + 3 * i: 6 + 3 * i] for i in range(8)]
     assert len(calls) == 3 + 3 * 8 and all(sorted(w for _, w in blk) == ["a", "b", "full"] for blk in blocks)
-    assert [blk[0][1] for blk in blocks] == ["a", "b", "full"] * 2 + ["a", "b"]  # each first in turn
+    assert [blk[0][1] for blk in blocks] == ["a", "full", "b", "a", "full", "b", "a", "full"]  # each first in turn
+    for point in ("a", "b"):  # balanced per point: before full depth on half the prompts
+        assert sum([w for _, w in blk].index(point) < [w for _, w in blk].index("full") for blk in blocks) == 4
     assert all({p for p, _ in blk} == {i} for i, blk in enumerate(blocks))
     full_tps = [NEW / (1.0 + 0.1 * i) for i in range(8)]
     assert [b_ for _, b_ in out_a["speed_pairs"]] == pytest.approx(full_tps)
@@ -185,6 +187,20 @@ def test_the_verdict_names_the_speed_reference_and_the_speed_up_against_each_dec
     text = speed_text(point)
     assert text.startswith(f"0.50× vs {speed.HF_STATIC} (95% CI 0.50 to 0.50, 8 prompts")
     assert f"vs {speed.FULL_DEPTH} 2.00×" in text
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("n", [8, 9, 16])
+def test_every_point_runs_before_every_reference_on_half_its_prompts(size, n):
+    """C2's design: in blocks of any size, each generation runs before each other on ⌊n/2⌋ or ⌈n/2⌉ of n prompts
+    (with a block of three — reference, fixed, EMAD — turning alone gave EMAD 3 of 8 and fixed 6 of 8)."""
+    orders = [speed.block_order(i, size) for i in range(n)]
+    assert all(sorted(o) == list(range(size)) for o in orders)
+    for x in range(size):
+        for y in range(size):
+            if x != y:
+                assert sum(o.index(x) < o.index(y) for o in orders) in (n // 2, (n + 1) // 2)
+    assert {o[0] for o in orders} == set(range(size))  # every generation also leads some block
 
 
 def test_on_a_compiled_engine_every_generation_warms_up_on_the_longest_prompt_with_all_its_tokens(monkeypatch):

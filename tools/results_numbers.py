@@ -40,9 +40,12 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ("README.md", "docs/results.md")
 BLOCK = re.compile(r"<!-- numbers:begin (?P<name>\S+) -->(?P<body>.*?)<!-- numbers:end (?P<end>\S+) -->", re.S)
-OUTCOME = {"pass": "passes", "fail": "fails (falsified)", "unresolved": "is unresolved"}
+OUTCOME = {"pass": "passes", "fail": "fails (falsified)", "unresolved": "is unresolved",
+           "untested": "is not falsified; untested at this size"}
 GROUPS = [(("pass", "pass"), "C1 and C2 pass"), (("pass", "unresolved"), "C1 passes, C2 is unresolved"),
-          (("pass", None), "C1 passes, C2 fails"), (("unresolved", None), "C1 is unresolved"),
+          (("pass", "untested"), "C1 passes, C2 is untested at this size"),
+          (("pass", None), "C1 passes, C2 fails"), (("untested", None), "C1 is not falsified but untested at this size"),
+          (("unresolved", None), "C1 is unresolved"),
           (("fail", "fail"), "C1 and C2 fail"), ((None, None), "C1 fails")]  # (C1, C2); None: any other
 DEFAULT_TARGET = 0.15  # aggregate.min_flops_reduction when params.yaml leaves it out (its model's default)
 SUPERSCRIPT = str.maketrans("-0123456789", "⁻⁰¹²³⁴⁵⁶⁷⁸⁹")

@@ -19,8 +19,11 @@ with full depth on those units. Its 95% interval is paired over them
   measurement of its own (the point's measured teacher-forced violation stands for it).
 
 A check also states its power: the units it would need to be met with every unit equal (:attr:`Check.needs`, 368
-for one point) against those it has. One that cannot be met at its size is *underpowered*: kept out of the gate
-(its reason said), unless its data show it violated.
+for one point at 95%, more at the stricter level of a claim resting on several points) against those it has, and
+whether the side of its interval a label rests on covers at its size (:mod:`emad.evaluation.coverage`: the coverage
+table in force; a bootstrap's upper bound on a few units of which one changed a lot does not). One that cannot be
+met at its size, or whose label its interval cannot carry there, is *underpowered*: kept out of the gate (its reason
+said), unless its data show it violated with a lower bound that covers.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from emad.evaluation import coverage
 from emad.evaluation.intervals import (
     LEVEL,
     Interval,
@@ -75,9 +79,11 @@ class Check:
 
     ``full`` and ``value`` are the metric on the judged units; ``change`` is the relative rise (lower-better
     metric) or the absolute drop (higher-better metric), None without a measurement; ``lo``/``hi`` its 95% interval
-    over ``n`` units (None when undefined, with the reason in ``method``); ``unit`` the metric's own unit;
-    ``needs``/``has`` the units a check needs to be met with every unit equal and those it has (None: no such
-    bound, a relative metric); ``units`` the split judged.
+    over ``n`` units (None when undefined, with the reason in ``method``); ``unit`` what one sample is (a
+    token-level metric's prompt); ``needs``/``has`` the units a check needs to be met with every unit equal and
+    those it has (None: no such bound, a relative metric); ``units`` the split judged; ``untrusted``: why the label
+    its interval reads was withheld (the side it rests on does not cover at this size, :mod:`emad.evaluation.coverage`)
+    and ``covers_from`` the size from which it would.
     """
 
     domain: str
@@ -98,6 +104,8 @@ class Check:
     units: str = CONFIRMATION
     level: float = LEVEL
     all_equal: bool = False
+    untrusted: str | None = None
+    covers_from: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -111,9 +119,12 @@ class Check:
 
     @property
     def underpowered(self) -> bool:
-        """Cannot be met at its size: fewer units than :attr:`needs` (not for a check identical by construction)."""
-        return (self.state != IDENTICAL and self.needs is not None and self.has is not None
-                and self.has < self.needs)
+        """Cannot be decided at its size: fewer units than :attr:`needs`, or a label withheld because its interval
+        does not cover there (:attr:`untrusted`) (not for a check identical by construction)."""
+        if self.state == IDENTICAL:
+            return False
+        return self.untrusted is not None or (self.needs is not None and self.has is not None
+                                              and self.has < self.needs)
 
     @property
     def counted(self) -> bool:
@@ -138,7 +149,11 @@ class Check:
         return STATE_RANK[self.state], self.severity if self.severity is not None else -math.inf
 
     def power_text(self) -> str:
-        """``needs ≥ 368 prompts; has 24`` (or why it has no such bound)."""
+        """``needs ≥ 368 prompts with every one equal; has 24``, or why its interval carries no label at its size
+        (or why it has no such bound)."""
+        if self.untrusted is not None:
+            wants = f"; covers from n {self.covers_from}" if self.covers_from else "; at no simulated size"
+            return f"{self.untrusted}{wants}"
         if self.needs is None:
             return "met only by a paired interval (or identity by construction)"
         return f"needs ≥ {self.needs} {self.unit}s with every one equal; has {self.has}"
@@ -211,7 +226,7 @@ def _interval(metric: str, point_run: dict, full_run: dict, units: Units, level:
     key, point, full = same
     m = METRICS.get(metric)
     try:
-        return change_interval(key, point, full, m.tolerance == "relative", m.bound_units(point), level)
+        return change_interval(key, point, full, m.tolerance == "relative", m.bound_units(point), level, m.noise)
     except ValueError as err:
         raise ValueError(f"{point_run['run_id']} vs {full_run['run_id']}: {err}") from None
 
@@ -229,7 +244,7 @@ def build_check(domain: str, metric: str, point_run: dict, full_run: dict, toler
     units = units or Units(CONFIRMATION, int((point_run.get("split") or {}).get("seed", 0)))
     m = METRICS.get(metric)
     relative = relative_tolerance(metric)
-    base = dict(unit=m.unit, needs=m.needs(tolerance), units=units.describe(), level=level)
+    base = dict(unit=m.sampled, needs=m.needs(tolerance, level), units=units.describe(), level=level)
     value = point_run.get("quality", {}).get(metric)
     if value is None:  # a task the point did not run (the teacher-forced screen ruled it out), or a metric missing
         not_run = point_run.get("not_run", {}).get(m.task)
@@ -256,7 +271,25 @@ def build_check(domain: str, metric: str, point_run: dict, full_run: dict, toler
         check.state = IDENTICAL
     elif check.n is not None and check.n < MIN_UNITS:
         check.state = NOT_COUNTED
+    else:
+        _withhold_uncovered(check, coverage.active())
     return check
+
+
+def _withhold_uncovered(check: Check, table: coverage.Coverage | None) -> None:
+    """A met (violated) label whose interval's upper (lower) bound does not cover at the check's size under
+    ``table`` is withheld: the check becomes unresolved and says why (:attr:`Check.untrusted`)."""
+    if table is None or check.state not in (MET, VIOLATED) or check.all_equal or check.n is None:
+        return
+    method, side = coverage.family(check.method), "upper" if check.state == MET else "lower"
+    if table.trusted(check.metric, method, check.n, side):
+        return
+    found = table.coverage(check.metric, method, check.n, side)
+    measured = f"covers {found:.1%}" if found is not None else "was not simulated"
+    check.untrusted = (f"{check.state} withheld: the {side} bound of its {method} interval {measured} at n "
+                       f"{check.n} ({table.threshold:.0%} needed)")
+    check.covers_from = table.needs(check.metric, method, side)
+    check.state = UNRESOLVED
 
 
 def checks_against(domain: str, tasks: dict[str, dict], reference: dict[str, dict],

@@ -20,10 +20,12 @@ lower-better metric, the absolute drop ``s_f − s_p`` of a higher-better one �
   ``c / n`` give ``[lo_b − hi_c, hi_b − lo_c]``, which covers the drop with probability ≥ 95% (Bonferroni). The
   bootstrap would collapse to zero width when no unit differs; this interval does not.
 
-When every paired unit is equal, no resample can size the uncertainty, and the change is not shown to be zero:
-the data rule out only a share of differing units above the exact 95% upper bound for 0 differing of ``N``,
-``1 − 0.025^(1/N)`` (:func:`share_bound`), ``N`` counted in the metric's own unit (its prompts, items, problems;
-tokens for a token-level metric), which the caller names (:meth:`emad.evaluation.metrics.QualityMetric.bound_units`).
+When every paired unit is equal — up to the float noise of two runs that compute the same thing in another order,
+a tolerance per metric (:attr:`emad.evaluation.metrics.QualityMetric.noise`) — no resample can size the
+uncertainty, and the change is not shown to be zero: the data rule out only a share of differing units above the
+exact 95% upper bound for 0 differing of ``N``, ``1 − 0.025^(1/N)`` (:func:`share_bound`), ``N`` counted in the
+metric's own unit (its prompts, items, problems; a token-level metric's prompts), which the caller names
+(:meth:`emad.evaluation.metrics.QualityMetric.bound_units`).
 For a score in [0, 1] that bounds the change: the interval is ± that bound, and a check is met only when ``N`` is
 large enough for the tolerance (368 units for one point). A relative change (perplexity) has no such bound: the
 interval is undefined. Otherwise an interval is undefined (``lo = hi = None``; the report prints "n/a") with fewer than 2 units,
@@ -235,14 +237,19 @@ def share_bound(n: int, level: float = LEVEL) -> float:
     return 1.0 - ((1 - level) / 2) ** (1.0 / n) if n > 0 else 1.0
 
 
-def finest_units(key: str, samples: Sequence) -> int:
-    """The finest units that can differ in ``samples``: Σ denominators of pairs (tokens), else the units."""
-    x = unit_columns(samples, key)
-    return int(x[1].sum()) if x.shape[0] == 2 else x.shape[1]
+def changed_units(xp: np.ndarray, xf: np.ndarray, noise: float = 0.0) -> int | None:
+    """How many paired units ``[k, n]`` differ beyond ``noise`` (in the numerator; a denominator must be equal);
+    None when the runs have different unit counts (not paired)."""
+    if xp.shape != xf.shape:
+        return None
+    moved = np.abs(xp[0] - xf[0]) > noise
+    if xp.shape[0] == 2:
+        moved |= xp[1] != xf[1]
+    return int(moved.sum())
 
 
 def change_interval(key: str, point: Sequence, full: Sequence, relative: bool,
-                    bound_units: int | None = None, level: float = LEVEL) -> Interval:
+                    bound_units: int | None = None, level: float = LEVEL, noise: float = 0.0) -> Interval:
     """The change of a point against full depth, with its 95% interval over the shared units.
 
     Args:
@@ -252,26 +259,29 @@ def change_interval(key: str, point: Sequence, full: Sequence, relative: bool,
             (absolute drop ``s_f − s_p``).
         bound_units: when every paired unit is equal, the units the share bound runs over (None: no bound, the
             interval is undefined); see the module docstring.
+        noise: a paired unit whose value moved by at most this much is equal (the float noise of two runs that
+            compute the same thing; :attr:`emad.evaluation.metrics.QualityMetric.noise`).
     """
     # the report asks for the same change several times (verdicts per family, domain-shift table): computed once
-    return _change_interval(key, _frozen(point, key), _frozen(full, key), relative, bound_units, level)
+    return _change_interval(key, _frozen(point, key), _frozen(full, key), relative, bound_units, level, noise)
 
 
 @lru_cache(maxsize=4096)
 def _change_interval(key: str, point: tuple, full: tuple, relative: bool, bound_units: int | None,
-                     level: float) -> Interval:
+                     level: float, noise: float) -> Interval:
     xp, xf = unit_columns(point, key), unit_columns(full, key)  # [k, n_p], [k, n_f]
     if xp.shape[0] != xf.shape[0]:
         raise ValueError(f"samples of {key!r} differ in kind between the point and full depth (numbers vs pairs)")
     stat, change = STATISTICS[statistic_name(key, xp.shape[0])], _change(relative)
     np_, nf = xp.shape[1], xf.shape[1]
     value = float(change(stat(xp), stat(xf))) if np_ and nf else None
-    if np_ == nf and np_ and np.array_equal(xp, xf):  # every paired unit equal: only a share of them is ruled out
+    if np_ and changed_units(xp, xf, noise) == 0:  # every paired unit equal: only a share of them is ruled out
+        within = f" (within float noise {noise:g})" if noise and not np.array_equal(xp, xf) else ""
         if bound_units is None:
-            return _undefined(value, np_, EQUAL_UNBOUNDED)
+            return _undefined(value, np_, EQUAL_UNBOUNDED + within)
         bound = share_bound(bound_units, level)
-        return Interval(value, -bound, bound, np_, f"exact: 0 of {bound_units} differ ({level:.1%} bound on the share "
-                        f"that differ {bound:.2%})", all_equal=True)
+        return Interval(value, -bound, bound, np_, f"exact: 0 of {bound_units} differ{within} ({level:.1%} bound on "
+                        f"the share that differ {bound:.2%})", all_equal=True)
     if min(np_, nf) < 2:
         return _undefined(value, min(np_, nf), "fewer than 2 units")
     if not (np.isfinite(xp).all() and np.isfinite(xf).all()):

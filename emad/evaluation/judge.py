@@ -4,11 +4,16 @@ report, the decode stage's early stop of C2 and any other reader share one rule.
 
 - A point (:class:`PointAssessment`, :func:`assess_point`): its runs on every domain, token-weighted FLOPs, its
   checks on the confirmation split (:mod:`emad.evaluation.checks`), its C2 interval over prompts; its state by
-  :func:`gate_state` (a met point needs its perplexity check counted).
+  :func:`gate_state`: *met* only when every check the criteria name (perplexity and every accuracy-like task the
+  run has) counts and is met, or the point is identical by construction; *untested at this size* when every check
+  that counts is met but a named one cannot count (underpowered, fewer than 8 units, no samples).
 - C1 (:func:`decide_c1`): some point with ≥ ``min_flops_reduction`` met, each of the m candidates judged at
-  1 − 0.05/m (:func:`family_wise`); falsified only when every candidate is measured beyond a tolerance.
+  1 − 0.05/m (:func:`family_wise`); "not falsified; untested at this size" where the best a candidate reaches is
+  untested; falsified only when every candidate is measured beyond a tolerance.
 - C2 (:func:`decide_c2`): some met point whose interval over prompts lies at or above ``1 + min_speed_gain``
-  (Bonferroni over the timed candidates); unresolved when no eligible point was timed.
+  (Bonferroni over the timed candidates); untested where that point's accuracy is untested; falsified only when
+  every eligible point that saves FLOPs was timed and each interval lies wholly below the gain; otherwise
+  unresolved, naming the eligible points not timed.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from emad.evaluation import identity
+from emad.evaluation import coverage, identity
 from emad.evaluation.checks import (
     IDENTICAL,
     MET,
@@ -34,6 +39,7 @@ from emad.evaluation.checks import (
     combined_state,
 )
 from emad.evaluation.intervals import LEVEL, Interval, floor_state, ratio_interval
+from emad.evaluation.states import UNTESTED
 from emad.evaluation.units import SELECTION, Units
 
 EPS = 1e-9
@@ -49,11 +55,18 @@ def uncounted_defining(checks: Sequence[Check]) -> list[Check]:
     return [c for c in checks if c.relative and not c.counted and c.state != IDENTICAL]
 
 
+def untested(checks: Sequence[Check]) -> list[Check]:
+    """The named checks among ``checks`` that do not enter the gate: underpowered, on fewer than 8 units, or without
+    a measurement (a task the screen stopped is a measurement: its violation stands)."""
+    return [c for c in checks if not c.counted and c.state not in (IDENTICAL, RULED_OUT)]
+
+
 def gate_state(checks: Sequence[Check]) -> State:
-    """:func:`~emad.evaluation.checks.combined_state`, except that ``met`` needs every perplexity check counted
-    (C1's defining check: without it no point is shown within the tolerances)."""
+    """:func:`~emad.evaluation.checks.combined_state`, except that ``met`` needs every named check counted: where
+    every check that counts is met but one cannot count (:func:`untested`), the point is untested at this size —
+    not met (C1 names perplexity and every accuracy; without them no point is shown within the tolerances)."""
     state = combined_state(list(checks))
-    return UNRESOLVED if state == MET and uncounted_defining(checks) else state
+    return UNTESTED if state == MET and untested(checks) else state
 
 
 @dataclass
@@ -105,6 +118,11 @@ class PointAssessment:
         return uncounted_defining(self.checks)
 
     @property
+    def untested(self) -> list[Check]:
+        """The point's named checks that do not enter the gate (:func:`untested`)."""
+        return untested(self.checks)
+
+    @property
     def underpowered(self) -> list[Check]:
         """The checks kept out of the gate because they cannot be met at their size."""
         return [c for c in self.checks if c.measured and c.underpowered and not c.counted]
@@ -115,8 +133,18 @@ class PointAssessment:
         return self.state == MET
 
     def speed_state(self, floor: float) -> str | None:
-        """C2's state of this point's speed-up interval against ``floor`` (None: not timed over prompts)."""
-        return None if self.speed is None else floor_state(self.speed, floor)
+        """C2's state of this point's speed-up interval against ``floor`` (None: not timed over prompts): a pass
+        (fail) whose lower (upper) bound does not cover at its number of prompts under the coverage table in force
+        is unresolved (:mod:`emad.evaluation.coverage`)."""
+        if self.speed is None:
+            return None
+        state = floor_state(self.speed, floor)
+        table = coverage.active()
+        if table is not None and state in (MET, VIOLATED) and self.speed.defined:
+            side = "lower" if state == MET else "upper"
+            if not table.trusted(coverage.SPEED, coverage.family(self.speed.method), self.speed.n, side):
+                return UNRESOLVED
+        return state
 
     @property
     def worst(self) -> Check | None:
@@ -246,6 +274,7 @@ class Outcome(StrEnum):
 
     PASS = "pass"
     FAIL = "fail"  # falsified
+    UNTESTED = "untested"  # not falsified; untested at this size (a named check cannot count)
     UNRESOLVED = "unresolved"
 
 
@@ -253,6 +282,7 @@ class C1Reason(StrEnum):
     """Why C1 came out as it did."""
 
     MET = "a candidate is met"
+    UNTESTED = "a candidate is met where it counts, a named check cannot count"
     OPEN = "a candidate is unresolved"
     BEYOND = "every candidate is measured beyond a tolerance"
     UNMEASURED = "no candidate has a measured check"
@@ -264,6 +294,7 @@ class C2Reason(StrEnum):
     """Why C2 came out as it did."""
 
     FAST = "a met point reaches the gain"
+    UNTESTED = "a point untested at this size reaches the gain"
     OPEN = "a timed point is not shown below the gain"
     NONE_ELIGIBLE = "no point within the tolerances"
     NOT_TIMED = "no eligible point timed"
@@ -287,8 +318,9 @@ class C1Decision:
 
 @dataclass(frozen=True)
 class C2Decision:
-    """C2: ``outcome``, ``reason``, the ``deciding`` point, the ``matched`` (met) and ``unresolved`` points, how many
-    timed candidates were judged (``timed``) and at which ``level``."""
+    """C2: ``outcome``, ``reason``, the ``deciding`` point, the ``matched`` (met) and ``unresolved`` (unresolved or
+    untested) points, how many timed candidates were judged (``timed``) and at which ``level``, and the eligible
+    points that save FLOPs but were not timed over prompts (``untimed``: C2 cannot be falsified while there are)."""
 
     outcome: Outcome
     reason: C2Reason
@@ -297,6 +329,7 @@ class C2Decision:
     unresolved: list[str] = field(default_factory=list)
     timed: int = 0
     level: float = LEVEL
+    untimed: list[str] = field(default_factory=list)
 
 
 def decide_c1(points: list[PointAssessment], thr: Thresholds, reassess: Reassess | None = None) -> C1Decision:
@@ -305,12 +338,15 @@ def decide_c1(points: list[PointAssessment], thr: Thresholds, reassess: Reassess
     big = [p for p in points if p.reduction >= need - EPS]
     judged, level = family_wise([p for p in big if p.state != RULED_OUT], reassess)
     met = _by_reduction([p for p in judged if p.state == MET])
+    untested_ = _by_reduction([p for p in judged if p.state == UNTESTED])
     unresolved = _by_reduction([p for p in judged if p.state == UNRESOLVED])
     literal = sorted(p.label for p in big if p.state in (VIOLATED, RULED_OUT))
-    open_labels = sorted(p.label for p in unresolved)
+    open_labels = sorted(p.label for p in untested_ + unresolved)
     m = len(judged)
     if met:
         return C1Decision(Outcome.PASS, C1Reason.MET, met[0], literal, open_labels, m, level)
+    if untested_:
+        return C1Decision(Outcome.UNTESTED, C1Reason.UNTESTED, untested_[0], literal, open_labels, m, level)
     if unresolved:
         return C1Decision(Outcome.UNRESOLVED, C1Reason.OPEN, unresolved[0], literal, open_labels, m, level)
     measured = [p for p in big if p.worst is not None and p.worst.severity is not None]
@@ -328,24 +364,30 @@ def decide_c2(points: list[PointAssessment], thr: Thresholds, reassess: Reassess
     """C2 over ``points`` (see the module docstring); ``reassess`` judges the timed candidates at a stricter
     level."""
     need = 1.0 + thr.min_speed_gain
-    eligible = [p for p in points if p.state in (MET, UNRESOLVED)]
+    eligible = [p for p in points if p.state in (MET, UNTESTED, UNRESOLVED)]
     labels = sorted(p.label for p in eligible if p.state == MET)
-    open_labels = sorted(p.label for p in eligible if p.state == UNRESOLVED)
+    open_labels = sorted(p.label for p in eligible if p.state in (UNTESTED, UNRESOLVED))
     timed, level = family_wise([p for p in eligible if p.speed is not None and p.speed.value is not None], reassess)
     timed = sorted(timed, key=lambda p: (-(p.speed.lo if p.speed.defined else 0.0), -p.speed.value, p.label))
+    untimed = sorted(p.label for p in eligible if p.reduction > EPS and p.label not in {t.label for t in timed})
     m = len(timed)
     passing = [p for p in timed if p.state == MET and p.speed_state(need) == MET]
     if passing:
-        return C2Decision(Outcome.PASS, C2Reason.FAST, passing[0], labels, open_labels, m, level)
+        return C2Decision(Outcome.PASS, C2Reason.FAST, passing[0], labels, open_labels, m, level, untimed)
+    fast_untested = [p for p in timed if p.state == UNTESTED and p.speed_state(need) == MET]
+    if fast_untested:
+        return C2Decision(Outcome.UNTESTED, C2Reason.UNTESTED, fast_untested[0], labels, open_labels, m, level,
+                          untimed)
     open_ = [p for p in timed if p.speed_state(need) != VIOLATED]
     if open_:
         p = max(open_, key=lambda p: (p.speed.value, p.label))
-        return C2Decision(Outcome.UNRESOLVED, C2Reason.OPEN, p, labels, open_labels, m, level)
+        return C2Decision(Outcome.UNRESOLVED, C2Reason.OPEN, p, labels, open_labels, m, level, untimed)
     if not eligible:
         return C2Decision(Outcome.FAIL, C2Reason.NONE_ELIGIBLE, None)
-    if not timed:  # never timed, so never falsified; say whether anything eligible saved compute at all
+    if not timed or untimed:  # an eligible point never timed can never be shown slow: not falsified
         reason = C2Reason.NO_SAVING if all(p.reduction <= EPS for p in eligible) else C2Reason.NOT_TIMED
-        return C2Decision(Outcome.UNRESOLVED, reason, None, labels, open_labels)
+        best = max(timed, key=lambda p: (p.speed.value, p.label)) if timed else None
+        return C2Decision(Outcome.UNRESOLVED, reason, best, labels, open_labels, m, level, untimed)
     p = max(timed, key=lambda p: (p.speed.value, p.label))
     return C2Decision(Outcome.FAIL, C2Reason.SLOW, p, labels, open_labels, m, level)
 
@@ -354,5 +396,9 @@ def passes_c2(checks: Sequence[Check], pairs: Sequence[Sequence[float]], floor: 
     """C2 on one domain, as the decode stage's early stop reads it: every counted check met (``checks``, on the
     selection split) and the speed-up's interval over ≥ :data:`MIN_SPEED_PROMPTS` prompts (``pairs`` of the point's
     and the reference's tokens/s) at or above ``floor``."""
-    return (len(pairs) >= MIN_SPEED_PROMPTS and gate_state(checks) == MET
-            and floor_state(ratio_interval([a / b for a, b in pairs]), floor) == MET)
+    if len(pairs) < MIN_SPEED_PROMPTS or gate_state(checks) != MET:
+        return False
+    speed = ratio_interval([a / b for a, b in pairs])
+    table = coverage.active()
+    trusted = table is None or table.trusted(coverage.SPEED, coverage.family(speed.method), speed.n, "lower")
+    return floor_state(speed, floor) == MET and trusted

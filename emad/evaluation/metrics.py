@@ -3,8 +3,10 @@
 A metric is one :class:`QualityMetric` in :data:`METRICS` (as lm-eval registers ``higher_is_better`` with a
 metric): the task whose result holds it, its key there, whether higher is better, whether the verdict's
 tolerance is ``relative`` (perplexity: a rise of 1%) or ``absolute`` (scores in [0, 1]: a drop of 1 point = 0.01),
-and its independent ``unit`` (a window, prompt, item or problem; ``token`` for a token-level metric, whose per-unit
-samples are still one per prompt, so that intervals resample whole prompts). A run's quality, its 95% intervals,
+its independent ``unit`` (a window, prompt, item or problem; ``token`` for a token-level metric, whose per-unit
+samples are one per prompt: its intervals resample whole prompts and its bounds count prompts, since a prompt's
+tokens are not drawn independently), and its float ``noise`` (how far one unit's value may move between two runs
+that compute the same thing in another order: a unit within it is unchanged). A run's quality, its 95% intervals,
 its MLflow names and the verdict's bound when every unit is equal all follow from this one table, so a metric
 added here reaches the run file, MLflow and the report with no other edit.
 """
@@ -16,16 +18,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from emad.evaluation.intervals import LEVEL, finest_units, metric_interval
+from emad.evaluation.intervals import LEVEL, metric_interval
 from emad.registry import Registry
 
 
 @dataclass(frozen=True)
 class QualityMetric:
     """One quality metric: ``name`` (its key in a run file's ``quality``), ``task`` and ``key`` (where its value
-    sits in the task results), ``higher_is_better``, ``tolerance`` (``relative`` or ``absolute``) and ``unit``
+    sits in the task results), ``higher_is_better``, ``tolerance`` (``relative`` or ``absolute``), ``unit``
     (what is drawn independently: ``window``, ``prompt``, ``item``, ``problem``; ``token`` for a token-level
-    metric)."""
+    metric, whose samples and bounds are per prompt) and ``noise`` (the largest change of one unit's value —
+    the numerator of a pair — that two runs computing the same thing in another order can show: a unit within it
+    counts as unchanged)."""
 
     name: str
     task: str
@@ -33,22 +37,28 @@ class QualityMetric:
     higher_is_better: bool = True
     tolerance: Literal["relative", "absolute"] = "absolute"
     unit: str = "item"
+    noise: float = 0.0
+
+    @property
+    def sampled(self) -> str:
+        """What one sample is (and what bounds count): the unit, or ``prompt`` for a token-level metric."""
+        return "prompt" if self.unit == "token" else self.unit
 
     def bound_units(self, samples: Sequence) -> int | None:
-        """When every paired unit is equal: how many units the exact share bound runs over — the tokens of a
-        token-level metric (Σ denominators of its pairs), else the metric's own units. None for a relative
-        metric: a bound on the share of units that differ bounds no relative change."""
+        """When every paired unit is equal: how many units the exact share bound runs over — the samples (a
+        token-level metric's prompts: its tokens are not independent). None for a relative metric: a bound on
+        the share of units that differ bounds no relative change."""
         if self.tolerance == "relative":
             return None
-        return finest_units(self.key, samples) if self.unit == "token" else len(samples)
+        return len(samples)
 
-    def needs(self, tolerance: float) -> int | None:
-        """The units a check needs to be met with every unit equal: the smallest n with
-        ``1 − 0.025^(1/n) ≤ tolerance`` (368 for one point); None for a relative metric (only a paired interval,
-        or identity by construction, meets it)."""
+    def needs(self, tolerance: float, level: float = LEVEL) -> int | None:
+        """The units a check judged at ``level`` needs to be met with every unit equal: the smallest n with
+        ``1 − ((1 − level)/2)^(1/n) ≤ tolerance`` (368 for one point at 95%, 505 at 98.75%); None for a relative
+        metric (only a paired interval, or identity by construction, meets it)."""
         if self.tolerance == "relative" or not 0 < tolerance < 1:
             return None
-        return math.ceil(math.log((1 - LEVEL) / 2) / math.log(1 - tolerance) - 1e-9)
+        return math.ceil(math.log((1 - level) / 2) / math.log(1 - tolerance) - 1e-9)
 
     @property
     def mlflow_name(self) -> str:
@@ -60,22 +70,27 @@ METRICS: Registry[QualityMetric] = Registry("quality metric")
 
 
 def register_metric(name: str, task: str, key: str, higher_is_better: bool = True,
-                    tolerance: Literal["relative", "absolute"] = "absolute", unit: str = "item") -> QualityMetric:
+                    tolerance: Literal["relative", "absolute"] = "absolute", unit: str = "item",
+                    noise: float = 0.0) -> QualityMetric:
     """Registers a quality metric in :data:`METRICS`; a name registered twice is an error."""
-    metric = QualityMetric(name, task, key, higher_is_better, tolerance, unit)
+    metric = QualityMetric(name, task, key, higher_is_better, tolerance, unit, noise)
     METRICS.add(name, metric)
     return metric
 
 
+# A window's summed NLL over its tokens, computed at full depth by the engine and by a point that never exits there,
+# differs by its float rounding (≈ 1e-5 nats on 64 fp32 tokens); a 1% perplexity rise moves it by ≈ 0.6 nats.
+WINDOW_NOISE = 1e-3  # nats
 register_metric("perplexity", "perplexity", "perplexity", higher_is_better=False, tolerance="relative",
-                unit="window")
-for _task, _key, _unit in [("fidelity", "token_agreement", "token"), ("fidelity", "exact_match", "prompt"),
-                           ("fidelity", "rouge_l", "prompt"), ("agreement", "token_agreement", "token"),
-                           ("gsm8k", "accuracy", "problem"), ("humaneval", "pass_at_1", "problem"),
-                           ("multiple_choice", "acc", "item"), ("multiple_choice", "acc_norm", "item"),
-                           ("cloze", "acc", "item"), ("cloze", "generation_acc", "item"), ("choice", "acc", "item"),
-                           ("choice", "acc_norm", "item")]:
-    register_metric(f"{_task}.{_key}", _task, _key, unit=_unit)
+                unit="window", noise=WINDOW_NOISE)
+for _task, _key, _unit, _noise in [
+        ("fidelity", "token_agreement", "token", 0.0), ("fidelity", "exact_match", "prompt", 0.0),
+        ("fidelity", "rouge_l", "prompt", 1e-9), ("agreement", "token_agreement", "token", 0.0),
+        ("gsm8k", "accuracy", "problem", 0.0), ("humaneval", "pass_at_1", "problem", 0.0),
+        ("multiple_choice", "acc", "item", 0.0), ("multiple_choice", "acc_norm", "item", 0.0),
+        ("cloze", "acc", "item", 0.0), ("cloze", "generation_acc", "item", 0.0), ("choice", "acc", "item", 0.0),
+        ("choice", "acc_norm", "item", 0.0)]:
+    register_metric(f"{_task}.{_key}", _task, _key, unit=_unit, noise=_noise)
 
 
 def higher_is_better(metric: str) -> bool:

@@ -132,8 +132,8 @@ def time_prompts(stack, tokenizer, methods: Sequence, prompts: Sequence[Sequence
     static cache and compiled steps serve every prompt). On a compiled engine every piece a method can run at that
     size is built before the warm-up (:func:`~emad.decode.steppers.build`), and a block that still compiles or
     captures anything fails (:class:`CompiledWhileTimedError`): its time would include building the engine.
-    The order within a block turns by one from prompt to prompt (with one method and one reference: the method
-    first on the even-numbered prompts), so that each generation is in each place equally often.
+    The order within a block (:func:`block_order`) is reversed from one prompt to the next and turns by one every
+    two prompts, so that each point runs before each reference on half of its prompts.
 
     The speed reference is the faster full-depth decoder (the higher median tokens/s over the prompts); a method's
     pair on a prompt is its tokens/s and the reference's in the same block. Speed-ups divide whole generations
@@ -170,8 +170,7 @@ def time_prompts(stack, tokenizer, methods: Sequence, prompts: Sequence[Sequence
     built = _built(stack)
     rates: list[list[tuple]] = [[] for _ in runs]  # per run, per prompt: (tokens/s, decode-only tokens/s)
     for i, prompt in enumerate(prompts):
-        turn = i % len(runs)
-        for j in [*range(turn, len(runs)), *range(turn)]:
+        for j in block_order(i, len(runs)):
             rates[j].append(runs[j](prompt, new_tokens))
         if _built(stack) != built:
             made = [a - b for a, b in zip(_built(stack), built)]
@@ -199,6 +198,15 @@ def time_prompts(stack, tokenizer, methods: Sequence, prompts: Sequence[Sequence
                     "speed_unit": "prompt", "speed_block": len(methods), "speed_new_tokens": new_tokens,
                     "load_avg": load})
     return out
+
+
+def block_order(i: int, size: int) -> list[int]:
+    """The order of a timed block's ``size`` generations on prompt ``i``: on prompts 2k and 2k + 1 one order and its
+    reverse, the order turning by one from pair to pair. Each generation runs before each other on half the
+    prompts (⌊n/2⌋ or ⌈n/2⌉ of n): every point before every reference equally often, whatever the block's size."""
+    turn = (i // 2) % size
+    order = [*range(turn, size), *range(turn)]
+    return order[::-1] if i % 2 else order
 
 
 def _name(method) -> str:

@@ -19,7 +19,8 @@ class State(StrEnum):
     IDENTICAL = "identical by construction"
     NOT_COUNTED = f"not counted (n < {MIN_UNITS})"
     RULED_OUT = "ruled out by the screen"
+    UNTESTED = "untested at this size"  # a point: every check that counts is met, some named check cannot count
 
 
 MET, VIOLATED, UNRESOLVED = State.MET, State.VIOLATED, State.UNRESOLVED
-IDENTICAL, NOT_COUNTED, RULED_OUT = State.IDENTICAL, State.NOT_COUNTED, State.RULED_OUT
+IDENTICAL, NOT_COUNTED, RULED_OUT, UNTESTED = State.IDENTICAL, State.NOT_COUNTED, State.RULED_OUT, State.UNTESTED

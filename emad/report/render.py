@@ -80,7 +80,8 @@ def _aside(checks) -> list[tuple[str, int]]:
     by the screen, underpowered (kept out of the gate), not counted (n < 8)."""
     return [("identical by construction", sum(c.state == IDENTICAL for c in checks)),
             ("ruled out by the screen", sum(c.state == RULED_OUT for c in checks)),
-            ("underpowered", sum(c.measured and c.underpowered and not c.counted for c in checks)),
+            ("underpowered", sum(c.measured and c.underpowered and not c.counted and c.state != NOT_COUNTED
+                                 for c in checks)),
             ("not counted", sum(c.state == NOT_COUNTED for c in checks))]
 
 

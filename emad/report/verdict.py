@@ -16,29 +16,35 @@
   (:mod:`emad.evaluation.units`; the screen chose on the selection split): ``met``, ``violated``, ``unresolved``,
   ``identical by construction`` (proved by the engine: :mod:`emad.evaluation.proof`), ``not counted`` (n < 8) or
   ``ruled out by the screen`` (a task not run). Underpowered checks (too few units to be met even with every
-  unit equal) stay out of the gate unless violated. A point is ruled out when a task was not run for it (its
-  worst check is then the teacher-forced violation the screen measured, :attr:`PointAssessment.screened`);
-  else violated when a counted check is, met when every counted check is and its perplexity check is counted,
-  unresolved otherwise.
-- C1: passes when some point reducing FLOPs by ≥ ``min_flops_reduction`` is met — with m such candidates (not
-  ruled out), each judged at 1 − 0.05/m (Bonferroni, the first step of Holm's procedure: the existence claim holds
-  at 95% family-wise). It is falsified only when every such point is measured beyond a tolerance (violated, or
-  ruled out by a measured violation) or none reaches the reduction; otherwise it is unresolved at this sample size.
+  unit equal, at the level they are judged; or an interval whose side a label rests on does not cover at its size,
+  :mod:`emad.evaluation.coverage`) stay out of the gate unless violated. A point is ruled out when a task was not
+  run for it (its worst check is then the teacher-forced violation the screen measured,
+  :attr:`PointAssessment.screened`); else violated when a counted check is, met when every named check counts and
+  is met, untested at this size when every check that counts is met but a named one cannot count, unresolved
+  otherwise.
+- C1 (the seed's: within 1% perplexity *and* 1 point accuracy): passes when some point reducing FLOPs by ≥
+  ``min_flops_reduction`` is met — with m such candidates (not ruled out), each judged at 1 − 0.05/m (Bonferroni,
+  the first step of Holm's procedure: the existence claim holds at 95% family-wise). Where the best candidates are
+  untested at this size, C1 reads "not falsified; untested at this size", naming the checks and what each would
+  need. It is falsified only when every such point is measured beyond a tolerance (violated, or ruled out by a
+  measured violation) or none reaches the reduction; otherwise it is unresolved at this sample size.
   "Closest" and every headline number are read from measured checks only.
 - C2: each point that can decide it (not ruled out; it exits and spends fewer FLOPs than full depth,
   ``decode.speed_flops_below`` — or it is a strategy, which trades FLOPs for fewer sequential passes) was timed on
   ≥ :data:`~emad.evaluation.checks.MIN_SPEED_PROMPTS` distinct prompts per domain, one pair per prompt (point and the
-  full-depth reference back to back in the decode process, in blocks whose order turns by one from prompt to
-  prompt, so each member of a block of b is first on ⌊n/b⌋ or ⌈n/b⌉ of n prompts: half with one point;
+  full-depth reference back to back in the decode process, in blocks whose order turns from prompt to prompt and
+  is reversed on every other prompt, so that each point runs before each reference on ⌊n/2⌋ or ⌈n/2⌉ of its n
+  prompts;
   ``cost.speed_pairs``; the reference is the faster of our full depth and, on CUDA, HF's static-cache
   ``generate``, ``cost.speed_reference``); the per-prompt ratios of all its domains give an interval over prompts
   (Student t on the log ratios, :func:`emad.evaluation.intervals.ratio_interval`; Bonferroni over the timed
   candidates). Its speed state is met when the interval lies at or above ``1 + min_speed_gain``, violated when
-  wholly below, unresolved otherwise. C2 passes when a met point has a met speed state (a decode stage that runs
-  one domain times a family's candidates cheapest first and stops once one passes there: the family has decided
-  C2, its dearer points get the cheap measure); it is falsified when every timed met-or-unresolved point's
-  interval lies wholly below the gain; it is unresolved otherwise, and when no eligible point was timed ("not
-  timed": nothing was measured).
+  wholly below, unresolved otherwise (also where the side it rests on does not cover at its number of prompts).
+  C2 passes when a met point has a met speed state (a decode stage that runs one domain times a family's
+  candidates cheapest first and stops once one passes there: the family has decided C2, its dearer points get the
+  cheap measure); it is "not falsified; untested at this size" when the point that reaches the gain is untested;
+  it is falsified only when every met, untested or unresolved point that saves FLOPs was timed over prompts and
+  each interval lies wholly below the gain; it is unresolved otherwise, naming the eligible points not timed.
 - Literal reading: "some operating point with ≥ 15% reduction degrades more than the tolerance" — true when some
   such point is violated or ruled out by a measured violation, with those points (it can be true while C1
   passes); unresolved ones are named apart.
@@ -66,9 +72,10 @@ from emad.evaluation.judge import (  # noqa: F401  (the verdict's decisions, re-
     decide_c1,
     decide_c2,
 )
+from emad.evaluation.states import MIN_UNITS, NOT_COUNTED, State
 from emad.report.frontier import FULL, baselines, point_label
 
-PASS, FAIL, UNRESOLVED = Outcome.PASS, Outcome.FAIL, Outcome.UNRESOLVED
+PASS, FAIL, UNRESOLVED, UNTESTED = Outcome.PASS, Outcome.FAIL, Outcome.UNRESOLVED, Outcome.UNTESTED
 
 
 def speed_text(p: PointAssessment) -> str:
@@ -146,13 +153,14 @@ class C2Result(CriterionResult):
     matched: list[str]
     text: str
     unresolved: list[str] = field(default_factory=list)
+    untimed: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         speed = self.deciding.speed if self.deciding else None
         return {**self._head(), "speedup": self.deciding.speedup if self.deciding else None,
                 "speed": speed.to_dict() if speed else None,
                 "load_avg": self.deciding.load_avg if self.deciding else None,
-                "matched": self.matched, "unresolved": self.unresolved, "text": self.text}
+                "matched": self.matched, "unresolved": self.unresolved, "untimed": self.untimed, "text": self.text}
 
 
 @dataclass
@@ -207,6 +215,20 @@ def _kept_out(p: PointAssessment) -> str:
     return "".join(f" ({part})" for part in parts)
 
 
+def _needing(p: PointAssessment) -> str:
+    """Which of ``p``'s named checks cannot count at this size, and what each would need."""
+    parts = []
+    for c in p.untested:
+        if c.state == NOT_COUNTED:
+            why = f"{c.n} {c.unit}s judged (≥ {MIN_UNITS} needed)"
+        elif c.underpowered:
+            why = c.power_text()
+        else:
+            why = c.method.removeprefix("undefined: ")
+        parts.append(f"{c.metric} on {c.domain} ({why})")
+    return ("these cannot count at this size: " + "; ".join(parts)) if parts else "none cannot count"
+
+
 def _level_text(level: float, m: int) -> str:
     return "" if m <= 1 else f" (each of the {m} candidates judged at {100 * level:.4g}%, Bonferroni: 95% family-wise)"
 
@@ -220,6 +242,10 @@ def c1_result(d: C1Decision, thr: Thresholds, methods: str, domains: list[str]) 
         text = (f"C1 passes (not falsified): {p.named} cuts FLOPs by {p.reduction:.1%} (token-weighted over "
                 f"{len(p.domains)} domains) with every counted tolerance met on the confirmation split{family}"
                 + (f"; tightest check: {w.describe()}" if w else "") + f"{_kept_out(p)}.")
+    elif d.reason == C1Reason.UNTESTED:
+        text = (f"C1 not falsified; untested at this size: {p.named} cuts FLOPs by {p.reduction:.1%} with every "
+                f"check that counts met on the confirmation split{family}, but C1 names every accuracy and "
+                f"{_needing(p)}.")
     elif d.reason == C1Reason.OPEN:
         n = len(d.unresolved)
         text = (f"C1 unresolved at this sample size (neither shown nor falsified): no operating point with "
@@ -260,9 +286,17 @@ def c2_result(d: C2Decision, thr: Thresholds) -> C2Result:
         text = (f"C2 passes (not falsified): at matched accuracy (every counted tolerance met) {p.named} runs "
                 f"{speed_text(p)} the full-depth tokens/s: the whole interval is at or above the gain of "
                 f"{gain}{family}{_kept_out(p)}.")
+    elif d.reason == C2Reason.UNTESTED:
+        text = (f"C2 not falsified; untested at this size: {p.named} runs {speed_text(p)} the full-depth tokens/s, "
+                f"its whole interval at or above the gain of {gain}{family}, but at matched accuracy only where it "
+                f"counts: {_needing(p)}.")
     elif d.reason == C2Reason.OPEN:
-        why = (f"whether it keeps accuracy is unresolved ({p.worst.describe() if p.worst else 'none measured'})"
-               if p.state == UNRESOLVED else f"its interval straddles the gain of {gain}")
+        if p.state == State.UNRESOLVED:
+            why = f"whether it keeps accuracy is unresolved ({p.worst.describe() if p.worst else 'none measured'})"
+        elif p.state == State.UNTESTED:
+            why = f"its interval straddles the gain of {gain}, and {_needing(p)}"
+        else:
+            why = f"its interval straddles the gain of {gain}"
         text = f"C2 unresolved at this sample size: {p.named} runs {speed_text(p)} the full-depth tokens/s{family}, " \
                f"but {why}."
     elif d.reason == C2Reason.NONE_ELIGIBLE:
@@ -273,16 +307,21 @@ def c2_result(d: C2Decision, thr: Thresholds) -> C2Result:
                 f"({_some(d.matched + d.unresolved)}) spends at least full depth's FLOPs (it never exits early, or its "
                 "probes cost more than the layers it skips), so none was timed: at matched accuracy no point saves "
                 "compute to be timed.")
+    elif d.reason == C2Reason.NOT_TIMED and p is not None:
+        text = (f"C2 unresolved: every timed point within (or possibly within) the tolerances is slower than the "
+                f"gain of {gain} requires{family} (the best, {p.named}, runs {speed_text(p)} the full-depth "
+                f"tokens/s), but {len(d.untimed)} eligible point(s) that save FLOPs were not timed over prompts "
+                f"({_some(d.untimed)}): C2 is falsified only when every one of them is.")
     elif d.reason == C2Reason.NOT_TIMED:
         text = ("C2 unresolved: not timed — no point within (or possibly within) the tolerances "
                 f"({_some(d.matched + d.unresolved)}) was timed on {MIN_SPEED_PROMPTS} distinct prompts per "
                 "domain (the decode stage times the points that exit early and spend fewer FLOPs than full depth, "
                 "decode.speed_flops_below, and every strategy; a domain needs a task with speed prompts).")
     else:
-        text = (f"C2 fails (falsified): every timed point within (or possibly within) the tolerances is slower "
-                f"than the gain of {gain} requires{family}; the best, {p.named} ({p.state}), runs {speed_text(p)} "
-                "the full-depth tokens/s.")
-    return C2Result(d.outcome, p, list(d.matched), text, list(d.unresolved))
+        text = (f"C2 fails (falsified): every point within (or possibly within) the tolerances that saves FLOPs was "
+                f"timed over prompts and is slower than the gain of {gain} requires{family}; the best, {p.named} "
+                f"({p.state}), runs {speed_text(p)} the full-depth tokens/s.")
+    return C2Result(d.outcome, p, list(d.matched), text, list(d.unresolved), list(d.untimed))
 
 
 def _model_domains(runs: Sequence[dict], base: dict, model: str) -> list[str]:
