@@ -92,7 +92,8 @@ def test_power_is_taken_at_the_level_a_check_is_judged_at():
     assert "needs ≥ 437 prompts" in v.c1.sentence()
 
 
-def test_c2_is_not_falsified_while_an_eligible_point_was_not_timed(powered):
+@pytest.mark.usefixtures("powered")
+def test_c2_is_not_falsified_while_an_eligible_point_was_not_timed():
     """Every timed point is slower than the gain, but one eligible point that saves FLOPs was never timed over
     prompts: C2 is unresolved, naming it — not falsified."""
     slow = point_runs("emad-a", flops=0.7, tps=95)
