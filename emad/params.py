@@ -15,7 +15,7 @@ from pydantic import AfterValidator, Field, RootModel, StringConstraints, field_
 from emad.calibration.config import CalibrateConfig, EstimatorsConfig, ReadoutsConfig, SmoothConfig
 from emad.config import ConfigError, Section, read_params, validate_section
 from emad.corpus.config import CorpusConfig
-from emad.engine.idle import parse_idle_spec
+from emad.engine.idle_spec import parse_idle_spec
 from emad.evaluation.config import DecodeConfig
 from emad.evaluation.risk_config import RiskConfig
 from emad.report.config import AggregateConfig

@@ -13,6 +13,8 @@ import tempfile
 from pathlib import Path
 
 from emad import tracking
+from emad.evaluation import coverage
+from emad.evaluation.coverage import Coverage
 from emad.evaluation.record import load_records
 from emad.io import atomic_write_json, atomic_write_text, read_json
 from emad.params import load_section
@@ -105,6 +107,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--pareto", type=Path, required=True, help="folder for dvc plots data")
     parser.add_argument("--figures", type=Path, required=True, help="folder for Pareto PNGs")
     parser.add_argument("--report", type=Path, required=True, help="report.md to write")
+    parser.add_argument("--coverage", type=Path, help="coverage table of the intervals (reports/bench/coverage.json: "
+                        "benchmarks/bench_coverage.py); without it every interval is taken at face value")
     parser.add_argument("--params", default="params.yaml")
     return parser.parse_args(argv)
 
@@ -117,7 +121,13 @@ def load_params(args: argparse.Namespace) -> AggregateConfig:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = load_params(args)
+    table = Coverage.load(args.coverage) if args.coverage else None  # a bad table fails before any work
     runs = [r.to_dict() for r in load_records(args.runs)]  # the report reads each record as its dict
+    with coverage.using(table):  # every label the verdict gives rests on an interval that covers at its size
+        return _aggregate(args, cfg, runs)
+
+
+def _aggregate(args: argparse.Namespace, cfg: AggregateConfig, runs: list[dict]) -> int:
     verdicts = verdict(runs, families_of(runs, cfg.methods), **cfg.thresholds())
     others = family_verdicts(runs, **cfg.thresholds())
     tables = {"ablations": ablation_tables(runs, default_point=args.default_point)

@@ -13,6 +13,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from emad.engine.idle_spec import parse_idle_spec
+from emad.evaluation import coverage
 from emad.evaluation.checks import IDENTICAL, NOT_COUNTED, RULED_OUT
 from emad.evaluation.states import MET, UNRESOLVED, VIOLATED
 from emad.report.curves import Curve, domain_curves, domain_shift_curves, model_curves
@@ -42,36 +44,62 @@ REPRODUCE = ("`dvc repro` rebuilds every stage from params.yaml (only what chang
 
 UNCERTAINTY_RULE = (
     "Each check compares a point with full depth on the same units, in the metric's own unit (perplexity windows; "
-    "prompts for exact match and ROUGE-L; items and problems for accuracies; tokens for token agreement, resampled "
-    "by prompt), on the *confirmation* half of each task's units: the teacher-forced screen, the placement of "
-    "screened points and C2's early stop chose on the other (*selection*) half, fixed by decode.split_seed and "
-    "recorded in each run file. The change's 95% interval is a paired bootstrap (BCa) over the units, or exact "
-    "(Clopper–Pearson on the units where the two runs disagree) for 0/1 scores. When every paired unit is equal, the "
-    "data rule out only a share of differing units above the exact bound 1 − 0.025^(1/N) over the N judged units: "
-    "a 1-point tolerance needs N ≥ 368, and for perplexity no share bounds a relative change (equal windows are "
-    "unresolved). A check is *met* when its whole interval lies within the tolerance, *violated* when it lies "
-    "wholly beyond, *unresolved* otherwise; *identical by construction* only where the engine proved the output "
-    "equal to full depth's (it never exits and reads the final layer, or exits only where the model's state is "
-    "already final: layers whose output projections are zero, checked on the weights and by running them). A check "
-    "that cannot be met at its size is *underpowered* (it says how many units it needs) and kept out of the gate "
-    "unless its data show it violated; one on fewer than 8 units is *not counted*; a task the screen stopped is "
-    "*ruled out by the screen*, and the point's worst check is then the teacher-forced violation the screen "
-    "measured. C1 passes when some point with the required reduction has every counted check met, its perplexity "
-    "check among them; where several candidates could carry the claim each is judged at 1 − 0.05/m (Bonferroni "
-    "over the m candidates, the first step of Holm's procedure), so the claim holds at 95% family-wise. It is "
-    "falsified only when every such point is measured beyond a tolerance; otherwise it is unresolved at this sample "
-    "size. C2 reads a speed-up of whole generations (tokens/s with the prompt's pass included; each point's run file "
-    "gives its decode-only speed-up against our full depth beside it) with an interval over distinct prompts (≥ 8 "
-    "per domain, one pair per prompt — point "
-    "and full-depth reference back to back in one process, the order turning from prompt to prompt, after an untimed "
-    "warm-up — Student t on the log ratios; Bonferroni over the timed candidates): it passes when a point with every "
-    "counted check met has its whole interval at or above the gain, is falsified when every timed met-or-unresolved "
-    "point has its interval wholly below it, and is unresolved otherwise — also when no eligible point was timed. "
-    "Points the screen rules out, points that never exit and points whose teacher-forced FLOPs ratio is at least "
-    "decode.speed_flops_below keep a cheap timed pair for the figures; strategies (EAD, speculative decoding) are "
-    "timed over prompts whatever their FLOPs. Where a decode stage runs one domain, a family's candidates are timed "
-    "cheapest first and, once one passes C2 there, the rest keep the cheap pair (\"C2 decided for … by …\"). The "
-    "literal reading counts the points with a violated check or a violation measured by the screen.")
+    "prompts for exact match and ROUGE-L; items and problems for accuracies; prompts for token agreement, whose "
+    "tokens are resampled and bounded by prompt), on the *confirmation* half of each task's units: the "
+    "teacher-forced screen, the placement of screened points and C2's early stop chose on the other (*selection*) "
+    "half, fixed by decode.split_seed and recorded in each run file. A unit whose value moved by no more than the "
+    "float noise of two runs computing the same thing (1e-3 nats for a perplexity window, exact elsewhere) is "
+    "unchanged. The change's 95% interval is a paired bootstrap (BCa) over the units, or exact (Clopper–Pearson on "
+    "the units where the two runs disagree) for 0/1 scores. When every paired unit is unchanged, the data rule out "
+    "only a share of differing units above the exact bound 1 − 0.025^(1/N) over the N judged units: a 1-point "
+    "tolerance needs N ≥ 368 (more at the stricter level of a claim resting on several points: 437 at 97.5%), and "
+    "for perplexity no share bounds a relative change (unchanged windows are unresolved). A check is *met* when its "
+    "whole interval lies within the tolerance, *violated* when it lies wholly beyond, *unresolved* otherwise; "
+    "*identical by construction* only where the engine proved the output equal to full depth's (it never exits and "
+    "reads the final layer, or exits only where the model's state is already final: layers whose output projections "
+    "are zero, checked on the weights and by running them). A check that cannot be met at its size is "
+    "*underpowered* (it says how many units it needs) and kept out of the gate unless its data show it violated; one "
+    "on fewer than 8 units is *not counted*; a task the screen stopped is *ruled out by the screen*, and the point's "
+    "worst check is then the teacher-forced violation the screen measured. A point is *met* only when every check "
+    "the criteria name — perplexity and every accuracy-like task the run has — counts and is met (or it is "
+    "identical by construction); where every check that counts is met but a named one cannot count, it is "
+    "*untested at this size*. C1 (within 1% perplexity and 1 point accuracy) passes when some point with the "
+    "required reduction is met; where the best candidates are untested it reads *not falsified; untested at this "
+    "size*, naming the checks and what each would need. Where several candidates could carry the claim each is "
+    "judged at 1 − 0.05/m (Bonferroni over the m candidates, the first step of Holm's procedure), so the claim holds "
+    "at 95% family-wise. It is falsified only when every such point is measured beyond a tolerance; otherwise it is "
+    "unresolved at this sample size. C2 reads a speed-up of whole generations (tokens/s with the prompt's pass "
+    "included; each point's run file gives its decode-only speed-up against our full depth beside it) with an "
+    "interval over distinct prompts (≥ 8 per domain, one block per prompt — the points and the full-depth "
+    "reference back to back in one process, after an untimed warm-up, in an order reversed from one prompt to the "
+    "next so that each point runs before the reference on half its prompts — Student t on the log ratios; "
+    "Bonferroni over the timed candidates): it passes when a met point has its whole interval at or above the gain "
+    "(*not falsified; untested at this size* where that point is untested), is falsified only when every met, "
+    "untested or unresolved point that saves FLOPs was timed and each interval lies wholly below the gain, and is "
+    "unresolved otherwise, naming the eligible points not timed. What is timed over prompts: per family and domain, "
+    "the decode.speed_candidates points with the fewest FLOPs among those the screen keeps, that exit early and "
+    "spend fewer FLOPs than decode.speed_flops_below of full depth's, and every strategy (EAD, speculative "
+    "decoding); where a decode stage runs one domain, a family's candidates are timed cheapest first and, once one "
+    "passes C2 there, the rest are not (\"C2 decided for … by …\"). A point the screen rules out is not timed at "
+    "all (it decodes nothing free running); every other point not timed over prompts — never exiting, too dear, "
+    "beyond decode.speed_candidates, or after C2 was decided — gets decode.speed_repeats cheap timed pairs for the "
+    "figures, which C2 does not read. The literal reading counts the points with a violated check or a violation measured by the "
+    "screen.")
+
+
+def coverage_rule() -> str:
+    """What the labels rest on: the coverage table in force (:mod:`emad.evaluation.coverage`), or that there is
+    none."""
+    table = coverage.active()
+    if table is None:
+        return ("No coverage table was in force: every interval was taken at face value, whatever its size "
+                "(`aggregate --coverage`).")
+    return (f"A met or violated label stands only where the side of the interval it rests on (the upper bound for "
+            f"met, the lower for violated; the lower for a C2 pass) covered at least {table.threshold:.0%} of the "
+            f"time at the check's size in the coverage simulation ({table.source or 'the table in force'}: "
+            f"benchmarks/bench_coverage.py, on paired differences shaped like the run files' own — most units "
+            f"unchanged, a few with large changes); elsewhere the check is *underpowered*, kept out of the gate, "
+            f"and says from which size its interval would cover.")
 
 
 
@@ -191,6 +219,9 @@ def verdict_markdown(verdicts: Mapping[str, ModelVerdict]) -> str:
                  f"{_split_text(v)}."]
         if v.incomplete:
             lines.append(f"- Not on every domain (left out): {', '.join(v.incomplete)}.")
+        control = control_note(model)
+        if control:
+            lines.append(f"- {control}")
         if v.points:
             lines += ["", "The point that speaks for each family (with the required reduction: the met one cutting "
                       "most, else the unresolved one, else the one closest to its tolerances):", "",
@@ -201,6 +232,24 @@ def verdict_markdown(verdicts: Mapping[str, ModelVerdict]) -> str:
             lines += ["", checks]
         out.append("\n".join(lines))
     return "\n\n".join(out) if out else "_No verdict._"
+
+
+def control_note(model: str) -> str | None:
+    """What a verdict on the positive control (``<base>+idle<N>``, :mod:`emad.engine.idle`) shows and does not; None
+    for any other model."""
+    try:
+        found = parse_idle_spec(model)
+    except ValueError:
+        return None
+    if found is None:
+        return None
+    base, n = found
+    return (f"The positive control: {base} with {n} idle layers appended (copies of its last layer whose output "
+            f"projections are zero: they leave the residual stream as it is). A point that exits only into the idle "
+            f"layers is identical to full depth by construction — the engine proves it — and its EMAD points set "
+            f"their minimum exit layer at {base}'s depth, so identity there holds by design. A pass here shows that "
+            f"the FLOPs accounting, the timing and the verdict's machinery find a saving that is there; it does not "
+            f"test EMAD's criterion, which never chooses between layers that differ.")
 
 
 def _split_text(v: ModelVerdict) -> str:
@@ -324,7 +373,7 @@ def report_markdown(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, Model
         readout_fits: ``{"model/source": metrics.json of fit_readouts}`` for the "Readouts" section.
     """
     parts = ["# EMAD report", *mixed_units_markdown(runs), "## Verdict (DESIGN.md §4)",
-             f"Uncertainty. {UNCERTAINTY_RULE}", verdict_markdown(verdicts)]
+             f"Uncertainty. {UNCERTAINTY_RULE} {coverage_rule()}", verdict_markdown(verdicts)]
     if family_verdicts:
         parts += ["## Every family against the same criteria", baselines_markdown(family_verdicts)]
         parts += curves_sections(family_verdicts)
