@@ -12,7 +12,7 @@ from emad.decode.step import Method
 from emad.engine.idle import append_idle_layers, final_state_from
 from emad.engine.stack import LayerStack
 from emad.evaluation.proof import prove_identical
-from emad.evaluation.units import ALL, CONFIRMATION, SELECTION, Units, indices, split_record
+from emad.evaluation.units import ALL, BLOCK, CONFIRMATION, SELECTION, Units, indices, split_record
 from emad.exits.criteria import Contrastive, Fixed, Full
 from emad.exits.estimators import ESTIMATORS
 from emad.exits.readouts import TunedLens
@@ -82,9 +82,19 @@ def test_what_reads_tokens_otherwise_is_never_proved():
 def test_selection_and_confirmation_are_disjoint_balanced_and_cover_every_unit(n):
     sel, conf = indices(n, SELECTION, 0, "fidelity"), indices(n, CONFIRMATION, 0, "fidelity")
     assert not set(sel) & set(conf) and sorted(sel + conf) == indices(n, ALL, 0, "fidelity") == list(range(n))
-    assert abs(len(sel) - len(conf)) <= 1
+    assert abs(len(sel) - len(conf)) <= BLOCK  # balanced up to one block
     # a run scored on fewer (leading) units keeps each unit on the same side
     assert indices(n - 1, CONFIRMATION, 0, "fidelity") == [i for i in conf if i < n - 1]
+
+
+def test_consecutive_units_stay_on_one_side():
+    """Neighbouring windows of one text (a block) are judged together: never one in the selection half and its
+    neighbour in the confirmation half, but at a block's edge."""
+    conf = set(indices(48, CONFIRMATION, 0, "perplexity"))
+    for start in range(0, 48, BLOCK):
+        block = set(range(start, start + BLOCK))
+        assert block <= conf or not block & conf
+    assert len(conf) == 24
 
 
 def test_the_split_is_fixed_by_its_seed_and_recorded():

@@ -33,8 +33,8 @@ from emad.report.verdict import verdict
 DOMAINS = ("code", "prose")
 
 
-UNITS, WINDOW, COMPARED = 50, 200, 100  # per-unit samples of the synthetic runs: windows / prompts, their tokens
-PROMPTS = 50  # the synthetic token agreement's prompts (25 judged: a token-level check counts prompts)
+UNITS, WINDOW, COMPARED = 48, 200, 100  # per-unit samples of the synthetic runs: windows / prompts, their tokens
+PROMPTS = 48  # the synthetic token agreement's prompts (24 judged: a token-level check counts prompts)
 POWERED = 880  # enough prompts for a met 1-point agreement check: 440 judged (368 needed at 95%, 437 at 97.5%)
 
 
@@ -376,7 +376,7 @@ def test_checks_are_met_violated_or_unresolved_on_run_files(powered, tmp_path):
     assert ppl["emad-met"].state == "met" and ppl["emad-met"].hi <= 0.01
     assert ppl["emad-bad"].state == "violated" and ppl["emad-bad"].lo > 0.01
     open_ = ppl["emad-open"]
-    assert open_.state == "unresolved" and open_.lo < 0.01 < open_.hi and open_.n == 25  # the confirmation half
+    assert open_.state == "unresolved" and open_.lo < 0.01 < open_.hi and open_.n == 24  # the confirmation half
     assert all(c.lo <= c.change <= c.hi for c in ppl.values())
     assert {label: p.state for label, p in points.items()} == {"emad-met": "met", "emad-bad": "violated",
                                                                "emad-open": "unresolved"}
@@ -427,10 +427,10 @@ def test_results_table_shows_intervals_and_sample_sizes():
     runs = full_runs() + point_runs("emad-a", flops=0.8, ppl=10.05)
     md = report_markdown(runs, verdict(runs), {}, [])
     iv = runs[0]["intervals"]["perplexity"]
-    assert iv["n"] == 50 and iv["lo"] < 10.0 < iv["hi"]
-    assert f"10.000 [{iv['lo']:.3f}, {iv['hi']:.3f}] n=50" in md
+    assert iv["n"] == UNITS and iv["lo"] < 10.0 < iv["hi"]
+    assert f"10.000 [{iv['lo']:.3f}, {iv['hi']:.3f}] n={UNITS}" in md
     metrics = run_details(runs, verdict(runs))["models"]["m"]["runs"]["full"]["code"]
-    assert metrics["perplexity.n"] == 50 and metrics["perplexity.lo"] < 10.0 < metrics["perplexity.hi"]
+    assert metrics["perplexity.n"] == UNITS and metrics["perplexity.lo"] < 10.0 < metrics["perplexity.hi"]
 
 
 def _exact_copy_of_full(point: str, flops: float, units: int) -> list[dict]:
@@ -570,8 +570,9 @@ def test_a_point_on_a_subset_of_full_depths_windows_is_compared_on_that_subset()
         spec.append(make_run("spec-lossless", r["domain"], family="speculative", flops=1.1, tasks=tasks))
     runs = full + spec
     check = next(c for c in family_verdicts(runs)["speculative"]["m"].points[0].checks if c.metric == "perplexity")
-    # equal on the 5 leading windows of its confirmation split: no bound on a relative change, and too few windows
-    assert check.change == 0.0 and check.full == pytest.approx(math.exp(1.5)) and check.n == 5
+    # equal on the 4 leading windows of its confirmation split (of the first 10): no bound on a relative change, and too
+    # few windows
+    assert check.change == 0.0 and check.full == pytest.approx(math.exp(1.5)) and check.n == 4
     assert check.state == "not counted (n < 8)"
     series = next(s for s in pareto_data(runs) if s.metric == "perplexity")
     row = next(r for r in series.rows if r["point"] == "spec-lossless")
@@ -657,7 +658,7 @@ def test_a_task_not_run_is_ruled_out_with_the_measured_violation_as_worst():
     assert all(c.state == "ruled out by the screen" and c.change is None and not c.counted for c in ruled)
     worst = out.worst
     assert worst.metric == "perplexity" and worst.state == "violated" and worst.change == pytest.approx(0.05, rel=1e-3)
-    assert worst.lo > 0.01 and "selection split" in worst.units and worst.n == 25
+    assert worst.lo > 0.01 and "selection split" in worst.units and worst.n == 24
     assert v.c1.falsified and v.c1.deciding.point == "emad-near"  # the measured violation closest to the tolerance
     assert "emad-out" in v.c1.literal_points
     assert "inf" not in v.c1.sentence() and "not run" not in v.c1.sentence()

@@ -60,13 +60,13 @@ def test_a_label_its_interval_cannot_carry_at_its_size_is_withheld():
         v = verdict(runs)["m"]
     checks = [c for p in v.points if p.point == "emad-a" for c in p.checks if c.metric == "perplexity"]
     assert checks and all(c.state == "unresolved" and c.underpowered and not c.counted for c in checks)
-    assert all("met withheld: the upper bound of its bootstrap interval covers 69.0% at n 25" in c.power_text()
+    assert all("met withheld: the upper bound of its bootstrap interval covers 69.0% at n 24" in c.power_text()
                and "covers from n 64" in c.power_text() for c in checks)
     assert coverage.active() is None  # the table was in force inside the block only
 
 
 def test_c1_with_its_accuracy_checks_underpowered_is_untested_not_passed():
-    """Perplexity met, token agreement on 25 judged prompts (368 needed): C1 is not falsified but untested at this
+    """Perplexity met, token agreement on 24 judged prompts (368 needed): C1 is not falsified but untested at this
     size, naming the check and what it would need — not a pass."""
     v = verdict(full_runs() + point_runs("emad-a", flops=0.8, ppl=10.01, acc=0.5, tps=130))["m"]
     point = next(p for p in v.points if p.point == "emad-a")
@@ -76,7 +76,7 @@ def test_c1_with_its_accuracy_checks_underpowered_is_untested_not_passed():
     assert v.c1.outcome == "untested" and v.c2.outcome == "untested"
     sentence = v.c1.sentence()
     assert sentence.startswith("C1 not falsified; untested at this size")
-    assert "fidelity.token_agreement on prose (needs ≥ 368 prompts with every one equal; has 25)" in sentence
+    assert "fidelity.token_agreement on prose (needs ≥ 368 prompts with every one equal; has 24)" in sentence
     assert v.c2.sentence().startswith("C2 not falsified; untested at this size")
 
 
