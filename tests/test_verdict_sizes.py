@@ -123,3 +123,20 @@ def test_the_new_states_reach_the_report_metrics_and_readme_blocks(tmp_path):
     spec.loader.exec_module(tool)
     assert tool.OUTCOME["untested"] == "is not falsified; untested at this size"
     json.dumps(metrics)
+
+
+def test_the_flops_reduction_is_read_on_the_half_the_checks_judge():
+    """A point that saves FLOPs only on the selection half's windows: its reduction on the confirmation half (the
+    units its checks judge) is 0, not the every-unit figure; a run file without per-unit costs reads every unit."""
+    runs = full_runs() + point_runs("emad-a", flops=0.8)
+    for r in runs:
+        n = len(r["tasks"]["perplexity"]["samples"]["perplexity"])
+        selection = set(indices(n, SELECTION, 0, "perplexity"))
+        cost = [[0.5, 1.0] if i in selection and r["point"] != "full" else [1.0, 1.0] for i in range(n)]
+        r["tasks"]["perplexity"]["unit_flops"] = cost
+        r["tasks"]["fidelity"]["unit_flops"] = [[1.0, 1.0]] * len(r["tasks"]["fidelity"]["samples"]["token_agreement"])
+    point = next(p for p in verdict(runs)["m"].points if p.point == "emad-a")
+    assert point.flops_half == "confirmation half" and point.reduction == pytest.approx(0.0)
+    plain = next(p for p in verdict(full_runs() + point_runs("emad-a", flops=0.8))["m"].points
+                 if p.point == "emad-a")
+    assert plain.flops_half == "every unit" and plain.reduction == pytest.approx(0.2)

@@ -90,6 +90,10 @@ class Generation:
         full = sum(sum(getattr(self, "full_" + kind)[r]) for r in rows)
         return spent / full if full else 1.0
 
+    def unit_flops(self) -> list[list[float]]:
+        """Per row (a task's unit): ``[FLOPs, full depth's FLOPs]`` of its tokens."""
+        return [[sum(f), sum(ff)] for f, ff in zip(self.flops, self.full_flops)]
+
     def step_cost(self, kind: str = "flops") -> tuple[float, float]:
         """Numerator and denominator of the step ratio (:func:`emad.engine.cost.step_bound`): per step, the
         costliest running row's token, and the costliest at full depth, summed over steps."""

@@ -170,14 +170,23 @@ class Check:
             return f"{ci} {self.lo:+.2%} to {self.hi:+.2%}, n {self.n}"
         return f"{ci} {-100 * self.hi:+.2f} to {-100 * self.lo:+.2f}, n {self.n}"  # as value − full, in points
 
+    @property
+    def half(self) -> str:
+        """Which half of the units the check reads: ``confirmation half``, ``selection half`` or ``every unit``."""
+        for which in (CONFIRMATION, SELECTION):
+            if which in self.units:
+                return f"{which} half"
+        return "every unit"
+
     def describe(self) -> str:
         state = f"{self.state}, underpowered ({self.power_text()})" if self.underpowered else str(self.state)
+        where = f"{self.metric} on {self.domain} ({self.half})"
         if self.value is None or self.full is None:
-            return f"{self.metric} on {self.domain}: {self.method.removeprefix('undefined: ')}: {state}"
+            return f"{where}: {self.method.removeprefix('undefined: ')}: {state}"
         if self.relative:
-            return (f"{self.metric} on {self.domain} {self.change:+.2%} ({self.interval_text()} {self.unit}s; "
+            return (f"{where} {self.change:+.2%} ({self.interval_text()} {self.unit}s; "
                     f"{self.full:.4g} → {self.value:.4g}; tolerance +{self.tolerance:.0%}): {state}")
-        return (f"{self.metric} on {self.domain} {100 * (self.value - self.full):+.2f} points "
+        return (f"{where} {100 * (self.value - self.full):+.2f} points "
                 f"({self.interval_text()} {self.unit}s; {self.full:.4f} → {self.value:.4f}; "
                 f"tolerance −{100 * self.tolerance:g} point): {state}")
 

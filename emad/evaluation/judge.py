@@ -40,7 +40,7 @@ from emad.evaluation.checks import (
 )
 from emad.evaluation.intervals import LEVEL, Interval, floor_state, ratio_interval
 from emad.evaluation.states import UNTESTED
-from emad.evaluation.units import SELECTION, Units
+from emad.evaluation.units import CONFIRMATION, SELECTION, Units
 
 EPS = 1e-9
 
@@ -95,6 +95,7 @@ class PointAssessment:
     screened: list[Check] = field(default_factory=list)  # a ruled-out point's violations on the selection split
     level: float = LEVEL  # of its intervals (above 95% where one claim rests on several points)
     runs: list[dict] = field(default_factory=list, repr=False)  # its run records (one per domain)
+    flops_half: str = "confirmation half"  # the units its FLOPs ratio is read on (those its checks judge)
 
     @property
     def reduction(self) -> float:
@@ -160,7 +161,8 @@ class PointAssessment:
         return {"label": self.label, "point": self.point, "calibration": self.calibration, "family": self.family,
                 "domains": self.domains, "run_ids": self.run_ids, "mlflow_run_ids": self.mlflow_run_ids,
                 "curve": self.curve, "knob": self.knob, "value": self.value,
-                "flops_ratio": self.flops_ratio, "flops_reduction": self.reduction, "speedup": self.speedup,
+                "flops_ratio": self.flops_ratio, "flops_reduction": self.reduction, "flops_half": self.flops_half,
+                "speedup": self.speedup,
                 "speed": self.speed.to_dict() if self.speed else None, "load_avg": self.load_avg,
                 "speed_reference": self.speed_reference, "speedup_by_reference": self.speedup_by_reference,
                 "flops_by_domain": self.flops_by_domain,
@@ -207,14 +209,39 @@ def _prompt_speed(runs: Sequence[dict], level: float = LEVEL) -> Interval | None
     return ratio_interval([own / ref for c in costs for own, ref in c["speed_pairs"]], level)
 
 
+def half_flops(run: dict, units: Units) -> float | None:
+    """The run's FLOPs ratio over ``units``' half of every task's units: Σ FLOPs / Σ full depth's FLOPs of the units
+    there (``unit_flops`` of each task result); None when a task with per-unit samples records no per-unit cost (a
+    run file of an older version)."""
+    spent = full = 0.0
+    for task, result in run.get("tasks", {}).items():
+        costs = result.get("unit_flops")
+        if costs is None:
+            if result.get("samples"):
+                return None
+            continue
+        for f, ff in units.take(task, costs):
+            spent, full = spent + f, full + ff
+    return spent / full if full else None
+
+
+def _judged_flops(run: dict) -> tuple[float, str]:
+    """The run's FLOPs ratio on the half its checks judge (the confirmation half under its seed), and which half
+    that is; every unit where the run records no per-unit cost."""
+    seed = int((run.get("split") or {}).get("seed", 0))
+    found = half_flops(run, Units(CONFIRMATION, seed))
+    return (found, "confirmation half") if found is not None else (run["cost"]["flops_ratio"], "every unit")
+
+
 def assess_point(runs: Sequence[dict], base: dict[tuple[str, str], dict], thr: Thresholds,
                  level: float = LEVEL) -> PointAssessment:
     """Aggregate one operating point's runs (one per domain) and check every tolerance on the confirmation split,
-    intervals at ``level``."""
+    intervals at ``level``; its FLOPs ratio read on the same half (:func:`half_flops`)."""
     runs = sorted(runs, key=lambda r: r["domain"])
     bases = [base[(r["model"], r["domain"])] for r in runs]
     weights = _token_weights(runs)
-    flops = sum(w * r["cost"]["flops_ratio"] for w, r in zip(weights, runs)) / sum(weights)
+    judged = [_judged_flops(r) for r in runs]
+    flops = sum(w * f for w, (f, _) in zip(weights, judged)) / sum(weights)
     checks = [build_check(r["domain"], m, r, b, thr.tolerance(m), level=level)
               for r, b in zip(runs, bases) for m in sorted(b.get("quality", {}))]
     first = runs[0]
@@ -223,12 +250,13 @@ def assess_point(runs: Sequence[dict], base: dict[tuple[str, str], dict], thr: T
                            ", ".join(sorted({r["family"] for r in runs})), [r["domain"] for r in runs],
                            [r["run_id"] for r in runs], [r["mlflow_run_id"] for r in runs if r.get("mlflow_run_id")],
                            flops, _aggregate_speedup(runs, bases, weights), checks,
-                           {r["domain"]: r["cost"]["flops_ratio"] for r in runs}, first.get("curve"),
+                           {r["domain"]: f for r, (f, _) in zip(runs, judged)}, first.get("curve"),
                            first.get("knob"), first.get("value"), _prompt_speed(runs, level),
                            max((r["cost"]["load_avg"] for r in runs if finite(r.get("cost", {}).get("load_avg"))),
                                default=None),
                            {r["domain"]: r.get("depth_histogram") or {} for r in runs},
-                           *_references(runs), screened, level, list(runs))
+                           *_references(runs), screened, level, list(runs),
+                           " and ".join(sorted({half for _, half in judged})))
 
 
 def screened_checks(run: dict, base: dict, thr: Thresholds) -> list[Check]:

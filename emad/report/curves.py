@@ -174,13 +174,12 @@ class Curve:
 def _curve(cid: CurveId, target: float, assessed: Sequence[PointAssessment]) -> Curve:
     curve, domain = Curve.of(cid, target), cid.domain
     for p in assessed:
-        # only counted checks (≥ 8 units, measured, not underpowered) enter a curve: one resting on fewer is no
-        # reading of it; a point the screen ruled out reads its measured teacher-forced violations
+        # only counted checks (≥ 8 units, measured, not underpowered) on the confirmation half enter a curve: one
+        # resting on fewer is no reading of it, and the selection half's screen violations are another half's numbers
         mine_all = [c for c in p.checks if domain is None or c.domain == domain]
         checks: list[Check] = [c for c in mine_all if c.counted]
-        screened = [c for c in p.screened if domain is None or c.domain == domain]
         flops = p.flops_ratio if domain is None else p.flops_by_domain.get(domain)
-        used = tolerance_used(checks + screened)
+        used = tolerance_used(checks)
         if flops is None or used is None:
             continue
         curve.points.append(CurvePoint(p.label, flops, used, combined_state(mine_all)))

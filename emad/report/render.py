@@ -225,7 +225,7 @@ def verdict_markdown(verdicts: Mapping[str, ModelVerdict]) -> str:
         if v.points:
             lines += ["", "The point that speaks for each family (with the required reduction: the met one cutting "
                       "most, else the unresolved one, else the one closest to its tolerances):", "",
-                      markdown_table(["family", "point", "FLOPs reduction", "state", "speed-up", "why"],
+                      markdown_table(["family", "point", "FLOPs reduction (confirmation half)", "state", "speed-up", "why"],
                                      _family_rows(v))]
         checks = deciding_checks_markdown(v)
         if checks:
@@ -264,7 +264,7 @@ def points_markdown(verdicts: Mapping[str, ModelVerdict]) -> str:
     for model, v in verdicts.items():
         if v.points:
             out.append(f"### {model} — {v.name}\n\n" + markdown_table(
-                ["point", "family", "FLOPs reduction", "speed-up", "state", "checks", "worst check"], _point_rows(v)))
+                ["point", "family", "FLOPs reduction (confirmation half)", "speed-up", "state", "checks", "worst check"], _point_rows(v)))
     return "\n\n".join(out) if out else "_No points._"
 
 
@@ -301,7 +301,8 @@ def results_markdown(runs: Sequence[dict[str, Any]]) -> str:
                         + [fmt_quality(r.get("quality", {}).get(m), r.get("intervals", {}).get(m)) for m in metrics]
                         + [fmt(c.get("flops_ratio")), fmt(c.get("bytes_ratio")),
                            fmt(speedup(r, base.get((model, domain))), ".2f"), fmt(c.get("mean_depth"), ".1f")])
-        header = ["point", "family"] + metrics + ["FLOPs ratio", "bytes ratio", "speed-up", "mean depth"]
+        header = ["point", "family"] + [f"{m} (every unit)" for m in metrics] + ["FLOPs ratio (every unit)",
+                                                                              "bytes ratio", "speed-up", "mean depth"]
         out.append(f"### {model} · {domain}\n\n" + markdown_table(header, rows))
     return "\n\n".join(out)
 
@@ -379,8 +380,10 @@ def report_markdown(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, Model
         parts += curves_sections(family_verdicts)
     parts += ["## Every point judged", points_markdown(verdicts)]
     parts += ["## Results per model and domain",
-              "Speed-up = the run's own speed-up against a full-depth reference generated in the same process "
-              "where measured, else tokens/s over the full-depth run of the same model and domain.",
+              "Every run's numbers over all its units (both halves: the verdict's checks above read the "
+              "confirmation half, the screen chose on the selection half). Speed-up = the run's own speed-up against "
+              "a full-depth reference generated in the same process where measured, else tokens/s over the "
+              "full-depth run of the same model and domain.",
               results_markdown(runs)]
     if "domain_shift" in tables:
         parts += ["## Domain shift per operating point", domain_shift_markdown(tables["domain_shift"])]

@@ -300,8 +300,10 @@ def curves_markdown(curves: Sequence[Curve], outcomes: Mapping[tuple[str, str], 
     target = curves[0].target
     rows = [[c.model, c.family, str(len(c.points)), *(outcomes or {}).get((c.model, c.family), ("–", "–")),
              *_curve_cells(c)] for c in curves]
-    return markdown_table(["model", "family", "points", "C1", "C2", f"tolerance used at {1 - target:.0%} fewer FLOPs",
-                           "measured beside it", "perplexity", "largest reduction within tolerance"], rows)
+    return markdown_table(["model", "family", "points", "C1", "C2",
+                           f"tolerance used at {1 - target:.0%} fewer FLOPs (confirmation half)",
+                           "measured beside it", "perplexity (confirmation half)",
+                           "largest reduction within tolerance"], rows)
 
 
 def domain_curves_markdown(curves: Sequence[Curve]) -> str:
@@ -311,8 +313,8 @@ def domain_curves_markdown(curves: Sequence[Curve]) -> str:
     target = curves[0].target
     rows = [[c.model, c.family, c.calibration or "–", c.domain or "–", *_curve_cells(c)] for c in curves]
     return markdown_table(["model", "family", "calibration", "domain",
-                           f"tolerance used at {1 - target:.0%} fewer FLOPs", "measured beside it", "perplexity",
-                           "largest reduction within tolerance"], rows)
+                           f"tolerance used at {1 - target:.0%} fewer FLOPs (confirmation half)", "measured beside it",
+                           "perplexity (confirmation half)", "largest reduction within tolerance"], rows)
 
 
 def _shift_reading(cell: dict[str, Any]) -> str:

@@ -5,7 +5,8 @@
   the judged families ran on count (the others are listed as incomplete). A family run on fewer domains than the
   model is judged on those domains, and the report names them.
 - FLOPs reduction of a point: ``1 − Σ_d tokens_d · flops_ratio_d / Σ_d tokens_d`` — token-weighted over its
-  domains (``cost.tokens``; an unweighted mean when a run lacks a token count).
+  domains (``cost.tokens``; an unweighted mean when a run lacks a token count), each ``flops_ratio_d`` read on the
+  confirmation half, the units its checks judge (every unit for a run file without per-unit costs).
 - Speed-up of a point: time the full-depth runs would take for the point's tokens over the time the point took,
   ``Σ_d (tokens_d / tps_full_d) / Σ_d (tokens_d / tps_d)`` — one wall-clock ratio on the same workload. Where a run
   measured its own speed-up against a full-depth reference in the same process (``cost.speedup``), its
@@ -239,13 +240,14 @@ def c1_result(d: C1Decision, thr: Thresholds, methods: str, domains: list[str]) 
     family = _level_text(d.level, d.candidates)
     if d.reason == C1Reason.MET:
         w = p.worst
-        text = (f"C1 passes (not falsified): {p.named} cuts FLOPs by {p.reduction:.1%} (token-weighted over "
-                f"{len(p.domains)} domains) with every counted tolerance met on the confirmation split{family}"
+        text = (f"C1 passes (not falsified): {p.named} cuts FLOPs by {p.reduction:.1%} ({p.flops_half}, "
+                f"token-weighted over {len(p.domains)} domains) with every counted tolerance met on the confirmation "
+                f"split{family}"
                 + (f"; tightest check: {w.describe()}" if w else "") + f"{_kept_out(p)}.")
     elif d.reason == C1Reason.UNTESTED:
-        text = (f"C1 not falsified; untested at this size: {p.named} cuts FLOPs by {p.reduction:.1%} with every "
-                f"check that counts met on the confirmation split{family}, but C1 names every accuracy and "
-                f"{_needing(p)}.")
+        text = (f"C1 not falsified; untested at this size: {p.named} cuts FLOPs by {p.reduction:.1%} "
+                f"({p.flops_half}) with every check that counts met on the confirmation split{family}, but C1 names "
+                f"every accuracy and {_needing(p)}.")
     elif d.reason == C1Reason.OPEN:
         n = len(d.unresolved)
         text = (f"C1 unresolved at this sample size (neither shown nor falsified): no operating point with "

@@ -29,7 +29,7 @@ def agreement_metrics(scored: Sequence[Sequence[Scored]]) -> dict:
     tokens = sum(n for _, n in pairs)
     return {"token_agreement": sum(a for a, _ in pairs) / tokens, "nll": sum(s.nll for s in rows) / tokens,
             "tokens": tokens, "flops_ratio": sum(s.flops for s in rows) / sum(s.full_flops for s in rows),
-            "samples": {"token_agreement": pairs}}
+            "samples": {"token_agreement": pairs}, "unit_flops": [[s.flops, s.full_flops] for s in rows]}
 
 
 def agreement(stack: LayerStack, prompts: Sequence[Sequence[int]], reference: Generation, method: Method,

@@ -85,6 +85,7 @@ def cloze_metrics(items: Sequence[ClozeItem], scored: Sequence[Sequence[Scored]]
     loglik = [sum(s.logprobs[len(s.logprobs) - tail:]) for s, tail in zip(rows, tails)]
     flops = sum(s.flops for s in rows)
     full = sum(s.full_flops for s in rows)
+    units = [[s.flops, s.full_flops] for s in rows]  # per item: its scoring, and its generation where it has one
     n = len(items)
     out = {"acc": sum(acc) / n, "loglikelihood": sum(loglik) / n, "perplexity": math.exp(-sum(loglik) / n),
            "chance": majority_rate([item.target for item in items]), "n": n,
@@ -95,7 +96,9 @@ def cloze_metrics(items: Sequence[ClozeItem], scored: Sequence[Sequence[Scored]]
         out["samples"]["generation_acc"] = hits
         flops += sum(sum(row) for row in generated.flops)
         full += sum(sum(row) for row in generated.full_flops)
-    return {**out, "flops_ratio": flops / full if full else 1.0}
+        for unit, (f, ff) in zip(units, generated.unit_flops()):
+            unit[0], unit[1] = unit[0] + f, unit[1] + ff
+    return {**out, "flops_ratio": flops / full if full else 1.0, "unit_flops": units}
 
 
 def cloze_generation(stack: LayerStack, tokenizer, items: Sequence[ClozeItem], method: Method,

@@ -56,4 +56,4 @@ def fidelity(stack: LayerStack, tokenizer, prompts: Sequence[Sequence[int]], met
             "samples": {"exact_match": exact, "tokens_to_divergence": diverge, "token_agreement": agreement,
                         "rouge_l": rouge},
             # a prompt's exact match and ROUGE-L equal full depth's (1) only when every generated token does
-            "finest_units": {"exact_match": total, "rouge_l": total}}
+            "finest_units": {"exact_match": total, "rouge_l": total}, "unit_flops": ours.unit_flops()}

@@ -73,4 +73,5 @@ def gsm8k(stack: LayerStack, tokenizer, problems: Sequence[tuple[str, str]], met
     answers = [extract(text) for text in out.texts]
     correct = [int(a is not None and a == g) for a, g in zip(answers, golds)]
     return {"accuracy": sum(correct) / len(problems), "invalid": sum(a is None for a in answers) / len(problems),
-            "n": len(problems), "flops_ratio": out.cost_ratio(), "samples": {"accuracy": correct}}
+            "n": len(problems), "flops_ratio": out.cost_ratio(), "samples": {"accuracy": correct},
+            "unit_flops": out.unit_flops()}

@@ -101,4 +101,4 @@ def humaneval(stack: LayerStack, tokenizer, problems: Sequence[dict], method: Me
     passed = [int(o.passed) for o in outcomes]
     return {"pass_at_1": sum(passed) / len(problems), "n": len(problems),
             "timed_out": sum(o.result == "timed out" for o in outcomes), "flops_ratio": out.cost_ratio(),
-            "samples": {"pass_at_1": passed}}
+            "samples": {"pass_at_1": passed}, "unit_flops": out.unit_flops()}

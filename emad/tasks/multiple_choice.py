@@ -67,7 +67,8 @@ def choice_metrics(items: Sequence[Item], scored: Sequence[Sequence[Scored]]) ->
     full = sum(s.full_flops for row in scored for s in row)
     n = len(items)
     return {"acc": sum(correct) / n, "acc_norm": sum(correct_norm) / n, "n": n,
-            "flops_ratio": flops / full if full else 1.0, "samples": {"acc": correct, "acc_norm": correct_norm}}
+            "flops_ratio": flops / full if full else 1.0, "samples": {"acc": correct, "acc_norm": correct_norm},
+            "unit_flops": [[sum(s.flops for s in row), sum(s.full_flops for s in row)] for row in scored]}
 
 
 def multiple_choice(stack: LayerStack, tokenizer, items: Sequence[Item], method: Method, sink: list | None = None) -> dict:

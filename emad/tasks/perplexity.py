@@ -41,7 +41,8 @@ def perplexity_metrics(scored: Sequence[Sequence[Scored]], prefix: int) -> dict:
     return {"perplexity": math.exp(nll / tokens), "nll": nll, "tokens": tokens,
             "flops_ratio": sum(s.flops for s in windows) / sum(s.full_flops for s in windows),
             "mean_depth": sum(sum(s.depths) for s in windows) / tokens,
-            "samples": {"perplexity": [[float(s.nll), len(s.logprobs)] for s in windows]}}
+            "samples": {"perplexity": [[float(s.nll), len(s.logprobs)] for s in windows]},
+            "unit_flops": [[s.flops, s.full_flops] for s in windows]}
 
 
 def first_tokens(requests: Sequence[Request], tokens: int) -> list[Request]:
