@@ -85,7 +85,7 @@ def test_largest_reduction_within_tolerance_skips_violated_points():
 
 def test_model_curve_reads_the_tolerance_used_at_the_target_from_swept_runs():
     # perplexity rises 0.2%, 0.6%, 3% at 10%, 20%, 40% fewer FLOPs; tolerance 1% relative, accuracy unchanged
-    runs = full_runs() + _sweep("emad", [(0.9, 10.02), (0.8, 10.06), (0.6, 10.3)])
+    runs = full_runs(acc=None) + _sweep("emad", [(0.9, 10.02), (0.8, 10.06), (0.6, 10.3)], acc=None)
     (curve,) = model_curves(family_verdicts(runs))
     assert (curve.model, curve.family, curve.domain, curve.target) == ("m", "emad", None, pytest.approx(0.85))
     at = curve.at_target
@@ -98,8 +98,8 @@ def test_model_curve_reads_the_tolerance_used_at_the_target_from_swept_runs():
 
 
 def test_largest_reduction_counts_unresolved_points_but_not_violated_ones(tmp_path):
-    runs = full_runs() + _sweep("emad", [(0.9, 10.02), (0.6, 10.5)]) \
-        + noisy_runs("emad-open", ppl=10.08, noise=0.05, flops=0.7)
+    runs = full_runs(acc=None) + _sweep("emad", [(0.9, 10.02), (0.6, 10.5)], acc=None) \
+        + noisy_runs("emad-open", ppl=10.08, noise=0.05, flops=0.7, acc=None)
     (curve,) = model_curves(family_verdicts(runs))
     assert curve.largest_ok.label == "emad-open" and curve.largest_ok.state == "unresolved"
     assert curve.largest_met.label == "emad-v0"
@@ -186,7 +186,7 @@ def test_metrics_json_holds_few_headline_keys_for_eight_families_of_eight_points
     assert _leaves(metrics) <= 60
     emad = metrics["m"]["emad"]
     assert set(emad) <= {"c1", "c2", "tolerance_multiple_at_target", "perplexity_change_at_target",
-                         "max_reduction_within_tolerance", "max_reduction_unresolved"}
+                         "max_reduction_within_tolerance", "max_reduction_unresolved", "max_reduction_untested"}
     assert {"c1", "c2", "tolerance_multiple_at_target"} <= set(emad)
     assert emad["c1"] == "pass" and emad["perplexity_change_at_target"] == pytest.approx(0.005, abs=1e-6)
     # 0.2% per 6% of FLOPs: 0.8% at 24% is the last shown within; 1% at 30% straddles the tolerance (unresolved)
@@ -198,7 +198,8 @@ def test_metrics_json_holds_few_headline_keys_for_eight_families_of_eight_points
 
 
 def test_metrics_name_the_judged_method_when_it_spans_families():
-    runs = full_runs() + _sweep("emad", [(0.8, 10.05)]) + _sweep("emad+tuned", [(0.7, 10.05)])
+    runs = full_runs(acc=None) + _sweep("emad", [(0.8, 10.05)], acc=None) \
+        + _sweep("emad+tuned", [(0.7, 10.05)], acc=None)
     metrics = metrics_summary(runs, verdict(runs, ("emad", "emad+tuned")))
     assert sorted(metrics["m"]) == ["emad", "emad (all)", "emad+tuned"]
     assert metrics["m"]["emad (all)"]["max_reduction_within_tolerance"] == pytest.approx(0.3)

@@ -42,7 +42,8 @@ from typing import Any
 
 from emad.evaluation.checks import Check, combined_state, tolerance_used
 from emad.evaluation.identity import CurveId, split_family
-from emad.evaluation.states import MET, UNRESOLVED
+from emad.evaluation.judge import gate_state
+from emad.evaluation.states import MET, UNRESOLVED, UNTESTED
 from emad.report.frontier import finite
 from emad.report.verdict import ModelVerdict, PointAssessment
 
@@ -112,7 +113,8 @@ def at_flops(points: Iterable[CurvePoint], flops_ratio: float) -> AtFlops:
     return AtFlops(flops_ratio, cheaper.value + t * (costlier.value - cheaper.value), cheaper, costlier)
 
 
-def largest_reduction(points: Iterable[CurvePoint], states: Sequence[str] = (MET, UNRESOLVED)) -> CurvePoint | None:
+def largest_reduction(points: Iterable[CurvePoint],
+                      states: Sequence[str] = (MET, UNTESTED, UNRESOLVED)) -> CurvePoint | None:
     """The point with the largest positive FLOPs reduction whose state is in ``states`` (ties: the smaller
     degradation, then the label); None when there is none (a point costing full depth or more reduces nothing)."""
     ok = [p for p in points if p.state in states and finite(p.flops_ratio) and p.flops_ratio < 1.0]
@@ -154,7 +156,7 @@ class Curve:
 
     @property
     def largest_ok(self) -> CurvePoint | None:
-        """The largest FLOPs reduction with every check met or unresolved."""
+        """The largest FLOPs reduction with every check met, untested at this size or unresolved."""
         return largest_reduction(self.points)
 
     @property
@@ -182,7 +184,7 @@ def _curve(cid: CurveId, target: float, assessed: Sequence[PointAssessment]) -> 
         used = tolerance_used(checks)
         if flops is None or used is None:
             continue
-        curve.points.append(CurvePoint(p.label, flops, used, combined_state(mine_all)))
+        curve.points.append(CurvePoint(p.label, flops, used, gate_state(mine_all)))
         for metric in sorted({c.metric for c in checks}):
             mine = [c for c in checks if c.metric == metric]
             curve.metrics.setdefault(metric, []).append(

@@ -16,7 +16,7 @@ from typing import Any
 from emad.engine.idle_spec import parse_idle_spec
 from emad.evaluation import coverage
 from emad.evaluation.checks import IDENTICAL, NOT_COUNTED, RULED_OUT
-from emad.evaluation.states import MET, UNRESOLVED, VIOLATED
+from emad.evaluation.states import MET, UNRESOLVED, UNTESTED, VIOLATED
 from emad.report.curves import Curve, domain_curves, domain_shift_curves, model_curves
 from emad.report.frontier import FULL, baselines, point_label, speedup
 from emad.report.readouts import readouts_markdown
@@ -117,7 +117,7 @@ def _family_best(points: list[PointAssessment], need: float) -> PointAssessment:
     """The point that speaks for a family: with the required reduction, the met one cutting most, else the
     unresolved one cutting most, else the one closest to its tolerances; without the reduction, the cheapest."""
     big = [p for p in points if p.reduction >= need - 1e-9]
-    for state in (MET, UNRESOLVED):
+    for state in (MET, UNTESTED, UNRESOLVED):
         these = [p for p in big if p.state == state]
         if these:
             return max(these, key=lambda p: (p.reduction, p.label))
@@ -438,6 +438,7 @@ def _headline(curve: Curve, v: ModelVerdict) -> dict[str, Any]:
     return _clean({"c1": v.c1.outcome, "c2": v.c2.outcome, "tolerance_multiple_at_target": curve.at_target.value,
                    "perplexity_change_at_target": ppl, "max_reduction_within_tolerance": met.reduction if met else None,
                    "max_reduction_unresolved": ok.reduction if ok and ok.state == UNRESOLVED else None,
+                   "max_reduction_untested": ok.reduction if ok and ok.state == UNTESTED else None,
                    "c2_point": timed.label if timed else None, "speedup": speed.value if speed else None,
                    "speedup_lo": speed.lo if speed else None, "speedup_hi": speed.hi if speed else None,
                    "speedup_prompts": speed.n if speed else None,
@@ -449,12 +450,14 @@ def metrics_summary(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, Model
     """reports/metrics.json, headline numbers only: ``{model: {family: headline}}``, no nulls.
 
     A headline (:mod:`emad.report.curves`, read on the family's curve over the model's domains): ``c1``, ``c2``
-    (``pass``, ``fail`` = falsified, ``unresolved`` at this sample size); ``tolerance_multiple_at_target`` (the
+    (``pass``, ``fail`` = falsified, ``untested`` at this size, ``unresolved`` at this sample size);
+    ``tolerance_multiple_at_target`` (the
     largest change / tolerance over the checks, 1 = at the tolerance) and ``perplexity_change_at_target``
     (relative rise, ratio − 1, worst domain) at the FLOPs ratio 1 − ``min_flops_reduction``, interpolated on the
     envelope (left out when the curve does not reach it); ``max_reduction_within_tolerance``: the largest positive
-    FLOPs reduction of a point with every counted check met (left out when there is none);
-    ``max_reduction_unresolved``: the largest one met or unresolved, when that point is unresolved; ``c2_point``,
+    FLOPs reduction of a point with every named check counted and met (left out when there is none);
+    ``max_reduction_unresolved`` / ``max_reduction_untested``: the largest one met, untested at this size or
+    unresolved, when that point is unresolved / untested; ``c2_point``,
     ``speedup`` (``_lo``, ``_hi``, ``_prompts``, ``_level``): the point C2 names when it was timed over prompts
     with every counted check met, its tokens/s over full depth's with the interval over prompts at the level C2
     judged it (family-wise). Families are those of ``family_verdicts`` (judged alone; computed from ``runs`` with
