@@ -231,6 +231,24 @@ def table_of(cells: dict) -> dict:
     return out
 
 
+def markdown(table: dict, threshold: float = THRESHOLD) -> str:
+    """The table as docs/params.md shows it: per metric and side, the coverage at each size (a cell below the
+    threshold in bold: no label rests on that side there)."""
+    sizes = sorted({int(n) for methods in table.values() for cells in methods.values() for n in cells})
+    lines = ["| metric (method) | side | " + " | ".join(f"n {n}" for n in sizes) + " |",
+             "|---|---|" + "---|" * len(sizes)]
+    for metric, methods in table.items():
+        for method, cells in methods.items():
+            for side in ("upper", "lower"):
+                row = []
+                for n in sizes:
+                    found = cells.get(str(n))
+                    value = "–" if found is None else f"{100 * found[side]:.1f}"
+                    row.append(f"**{value}**" if found is not None and found[side] < threshold else value)
+                lines.append(f"| {metric} ({method}) | {side} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", default="reports/runs")
@@ -278,6 +296,7 @@ def main(argv: list[str] | None = None) -> dict:
               "cells": [{"metric": m, "method": method, "shape": shape, "rows": rows}
                         for (m, method, shape), rows in cells.items()],
               "table": table_of(cells), "seconds": round(time.perf_counter() - began, 1)}
+    print(markdown(result["table"], THRESHOLD))
     print(f"written to {write(args.out, result)} in {result['seconds']:.0f} s")
     return result
 

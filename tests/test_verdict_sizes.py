@@ -140,3 +140,16 @@ def test_the_flops_reduction_is_read_on_the_half_the_checks_judge():
     plain = next(p for p in verdict(full_runs() + point_runs("emad-a", flops=0.8))["m"].points
                  if p.point == "emad-a")
     assert plain.flops_half == "every unit" and plain.reduction == pytest.approx(0.2)
+
+
+@pytest.mark.usefixtures("powered")
+def test_a_speed_up_whose_lower_bound_does_not_cover_at_its_prompts_does_not_pass_c2():
+    """An interval wholly above the gain, over 8 prompts where the t interval's lower bound covered 95% in the
+    simulation: C2 is unresolved, saying why and from how many prompts it would count."""
+    runs = full_runs() + point_runs("emad-a", flops=0.8, ppl=10.01, tps=130)
+    assert verdict(runs)["m"].c2.outcome == "pass"
+    table = Coverage({"speed": {"t-log": {8: {"lower": 0.95, "upper": 0.98}, 32: {"lower": 0.97, "upper": 0.98}}}})
+    with coverage.using(table):
+        v = verdict(runs)["m"]
+    assert v.c2.outcome == "unresolved" and "its lower bound covers 95.0% (96% needed; from 32 prompts it does)" in \
+        v.c2.sentence()

@@ -133,19 +133,31 @@ class PointAssessment:
         """Every tolerance is met at this sample size."""
         return self.state == MET
 
+    def speed_withheld(self, floor: float) -> str | None:
+        """Why this point's speed-up interval carries no label against ``floor`` though it lies on one side of it
+        (the side does not cover at its number of prompts, :mod:`emad.evaluation.coverage`); None otherwise."""
+        if self.speed is None or not self.speed.defined:
+            return None
+        state, table = floor_state(self.speed, floor), coverage.active()
+        if table is None or state not in (MET, VIOLATED):
+            return None
+        side, method = ("lower" if state == MET else "upper"), coverage.family(self.speed.method)
+        if table.trusted(coverage.SPEED, method, self.speed.n, side):
+            return None
+        found = table.coverage(coverage.SPEED, method, self.speed.n, side)
+        need = table.needs(coverage.SPEED, method, side)
+        measured = f"covers {found:.1%}" if found is not None else "was not simulated"
+        return (f"its interval lies {'at or above' if state == MET else 'below'} the gain, but at {self.speed.n} "
+                f"prompts its {side} bound {measured} ({table.threshold:.0%} needed"
+                + (f"; from {need} prompts it does)" if need else ")"))
+
     def speed_state(self, floor: float) -> str | None:
         """C2's state of this point's speed-up interval against ``floor`` (None: not timed over prompts): a pass
         (fail) whose lower (upper) bound does not cover at its number of prompts under the coverage table in force
         is unresolved (:mod:`emad.evaluation.coverage`)."""
         if self.speed is None:
             return None
-        state = floor_state(self.speed, floor)
-        table = coverage.active()
-        if table is not None and state in (MET, VIOLATED) and self.speed.defined:
-            side = "lower" if state == MET else "upper"
-            if not table.trusted(coverage.SPEED, coverage.family(self.speed.method), self.speed.n, side):
-                return UNRESOLVED
-        return state
+        return UNRESOLVED if self.speed_withheld(floor) else floor_state(self.speed, floor)
 
     @property
     def worst(self) -> Check | None:

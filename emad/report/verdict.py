@@ -293,12 +293,14 @@ def c2_result(d: C2Decision, thr: Thresholds) -> C2Result:
                 f"its whole interval at or above the gain of {gain}{family}, but at matched accuracy only where it "
                 f"counts: {_needing(p)}.")
     elif d.reason == C2Reason.OPEN:
+        withheld = p.speed_withheld(1.0 + thr.min_speed_gain)
+        speed_why = withheld or f"its interval straddles the gain of {gain}"
         if p.state == State.UNRESOLVED:
             why = f"whether it keeps accuracy is unresolved ({p.worst.describe() if p.worst else 'none measured'})"
         elif p.state == State.UNTESTED:
-            why = f"its interval straddles the gain of {gain}, and {_needing(p)}"
+            why = f"{speed_why}, and {_needing(p)}"
         else:
-            why = f"its interval straddles the gain of {gain}"
+            why = speed_why
         text = f"C2 unresolved at this sample size: {p.named} runs {speed_text(p)} the full-depth tokens/s{family}, " \
                f"but {why}."
     elif d.reason == C2Reason.NONE_ELIGIBLE:
