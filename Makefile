@@ -35,10 +35,10 @@ test: $(STAMP)
 test-heavy: $(STAMP)
 	$(BIN)/python -m pytest -q -m heavy
 
-# The stages start in a warm stage server (emad/stage_server.py: torch, mlflow ... imported once, not per stage);
-# after the pipeline, the numbers README.md and docs/results.md quote are rewritten from reports/metrics.json.
+# `dvc repro` as a user types it (each stage the process DVC starts); after the pipeline, the numbers README.md and
+# docs/results.md quote are rewritten from reports/metrics.json.
 repro: $(STAMP)
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m emad.stage_server -- $(BIN)/dvc repro
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/dvc repro
 	$(BIN)/python tools/results_numbers.py
 
 # A shared tracking store: PostgreSQL (data under .tracking/) + `mlflow server`; prints the MLFLOW_TRACKING_URI to

@@ -3,12 +3,17 @@
 A stage reads only its own section (:func:`load_section`), but a typo anywhere in the file fails the
 first stage in seconds rather than the stage that reads it after an hour of calibration. Errors name the full
 parameter path, the value given and what is allowed.
+
+The sections of operating points (``decode``, ``risk``, ``control.decode``) are checked by building each point's
+criterion, estimator and strategy, which imports torch; a stage that touches no model (``sample_corpus``,
+``smooth``, ``aggregate``) checks every other section (``points=False``) and starts without torch. Every stage
+that loads a model checks them all.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 from pydantic import AfterValidator, Field, RootModel, StringConstraints, field_validator
 
@@ -16,10 +21,10 @@ from emad.calibration.config import CalibrateConfig, EstimatorsConfig, ReadoutsC
 from emad.config import ConfigError, Section, read_params, validate_section
 from emad.corpus.config import CorpusConfig
 from emad.engine.idle_spec import parse_idle_spec
-from emad.evaluation.config import DecodeConfig
-from emad.evaluation.risk_config import RiskConfig
 from emad.report.config import AggregateConfig
-from emad.tasks.registry import TASKS
+
+if TYPE_CHECKING:
+    from emad.evaluation.config import DecodeConfig
 
 S = TypeVar("S", bound=Section)
 
@@ -86,6 +91,8 @@ def control_decode(raw: dict[str, Any], context: dict | None = None) -> DecodeCo
         raise ConfigError(f"control.decode: give {', '.join(missing)} (the control's own; it inherits only "
                           f"decode.{', decode.'.join(CONTROL_INHERITS)})")
     base = {k: v for k, v in (raw.get("decode") or {}).items() if k in CONTROL_INHERITS}
+    from emad.evaluation.config import DecodeConfig  # its points import torch (module docstring)
+
     return validate_section("control.decode", {**base, **own}, DecodeConfig, context)
 
 
@@ -94,6 +101,8 @@ def load_decode(path: str | Path = "params.yaml", control: bool = False, context
     """The decode section (``control``: the control's, :func:`control_decode`) after checking the whole file;
     ``context`` (``{"n_layers": L, "auto": {sweep: largest tau}}``) resolves its layers and ranges for one model
     (:mod:`emad.evaluation.sweeps`)."""
+    from emad.evaluation.config import DecodeConfig
+
     if not control:
         cfg = load_section("decode", DecodeConfig, path)
         return cfg if context is None else validate_section("decode", read_params(path).get("decode"),
@@ -105,31 +114,41 @@ def load_decode(path: str | Path = "params.yaml", control: bool = False, context
     return control_decode(raw, context)
 
 
-def sections() -> dict[str, type[Section] | type[RootModel]]:
-    """Section name → its typed model."""
-    return {"models": ModelsConfig, "control": ControlConfig, "corpus": CorpusConfig, "readouts": ReadoutsConfig, "calibrate": CalibrateConfig,
-            "smooth": SmoothConfig,
-            "estimators": EstimatorsConfig, "decode": DecodeConfig, "risk": RiskConfig,
-            "aggregate": AggregateConfig}
+POINT_SECTIONS = ("decode", "risk")
+"""The sections of operating points: checked by building their points (torch; the module docstring)."""
 
 
-def validate_params(path: str | Path = "params.yaml") -> dict[str, Any]:
+def sections(points: bool = True) -> dict[str, type[Section] | type[RootModel]]:
+    """Section name → its typed model (``points=False``: without :data:`POINT_SECTIONS`, importing no torch)."""
+    known = {"models": ModelsConfig, "control": ControlConfig, "corpus": CorpusConfig, "readouts": ReadoutsConfig,
+             "calibrate": CalibrateConfig, "smooth": SmoothConfig, "estimators": EstimatorsConfig}
+    if points:
+        from emad.evaluation.config import DecodeConfig
+        from emad.evaluation.risk_config import RiskConfig
+
+        known.update(decode=DecodeConfig, risk=RiskConfig)
+    return {**known, "aggregate": AggregateConfig}
+
+
+def validate_params(path: str | Path = "params.yaml", points: bool = True) -> dict[str, Any]:
     """Every section present in the params file as its typed model, after the cross-section checks.
 
     Sections left out take their defaults where the stage that reads them has any; a check across two sections
-    runs when both are present.
+    runs when both are present. ``points=False`` leaves out the sections of operating points (:data:`POINT_SECTIONS`,
+    and ``control.decode``) and the checks that read them: what a stage that touches no model checks.
 
     Raises:
         ConfigError: an unknown section, an invalid value (full path, value, rule), or a name used in one section
             that another section must define (e.g. a calibration source that is not sampled).
     """
     raw = read_params(path)
-    known = sections()
-    unknown = sorted(set(raw) - set(known))
+    known = sections(points)
+    unknown = sorted(set(raw) - set(known) - (set() if points else set(POINT_SECTIONS)))
     if unknown:
-        raise ConfigError(f"params file {path}: unknown section(s) {', '.join(unknown)}; valid: {', '.join(known)}")
+        valid = ", ".join(sections()) if points else ", ".join([*known, *POINT_SECTIONS])
+        raise ConfigError(f"params file {path}: unknown section(s) {', '.join(unknown)}; valid: {valid}")
     cfg = {name: validate_section(name, raw[name], known[name]) for name in known if name in raw}
-    _check_across({**cfg, "control.decode": control_decode(raw)} if "control" in cfg else cfg)
+    _check_across({**cfg, "control.decode": control_decode(raw)} if "control" in cfg and points else cfg)
     return cfg
 
 
@@ -166,6 +185,8 @@ def _check_across(cfg: dict[str, Any]) -> None:
                 raise ConfigError(f"{section}.domains.{domain}: the domain is not sampled; add it to "
                                   f"corpus.sources ({', '.join(sorted(sampled))})")
             for task in tasks:
+                from emad.tasks.registry import TASKS  # a decode section was checked: its tasks are imported
+
                 items = TASKS.get(task).corpus_items
                 if items is not None and not cfg["corpus"].tasks.builds(domain, items):
                     raise ConfigError(f"{section}.domains.{domain}: task {task!r} reads items that sample_corpus "
@@ -236,7 +257,8 @@ def _check_readout_tokens(calib_tokens: int, calibrate: CalibrateConfig, readout
                           f"on (set calibrate.max_tokens; valid: corpus.calib_tokens >= {needed})")
 
 
-def load_section(name: str, model: type[S], path: str | Path = "params.yaml") -> S:
-    """Section ``name`` of the params file as ``model``, after checking the whole file (:func:`validate_params`)."""
-    validate_params(path)
+def load_section(name: str, model: type[S], path: str | Path = "params.yaml", points: bool = True) -> S:
+    """Section ``name`` of the params file as ``model``, after checking the whole file (:func:`validate_params`;
+    ``points=False``: a stage that touches no model, every section but the operating points')."""
+    validate_params(path, points)
     return validate_section(name, read_params(path).get(name), model)

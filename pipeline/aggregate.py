@@ -27,9 +27,6 @@ from emad.report import (
     pareto_data,
     report_markdown,
     run_details,
-    write_domain_shift_figure,
-    write_overview_figure,
-    write_pareto_figures,
 )
 from emad.report.config import AggregateConfig
 from emad.report.figures.lines import plot_fields
@@ -115,7 +112,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def load_params(args: argparse.Namespace) -> AggregateConfig:
     """The params this stage reads, checked (the whole file first): section ``aggregate``."""
-    return load_section("aggregate", AggregateConfig, args.params)
+    return load_section("aggregate", AggregateConfig, args.params, points=False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,6 +133,11 @@ def _aggregate(args: argparse.Namespace, cfg: AggregateConfig, runs: list[dict])
     series = pareto_data(runs, [read_json(p, "screen file", ValueError)
                                 for p in sorted(args.runs.rglob("screens/*.json"))])
     thresholds = Thresholds(**cfg.thresholds())
+    from emad.report.figures.frontier import (  # matplotlib: imported where the figures are drawn
+        write_domain_shift_figure,
+        write_overview_figure,
+        write_pareto_figures,
+    )
 
     with tempfile.TemporaryDirectory(dir=args.figures.parent if args.figures.parent.exists() else None) as tmp:
         staged = Path(tmp)  # figures and plot data appear whole, or not at all

@@ -47,7 +47,6 @@ from emad.io import atomic_write_json, atomic_write_text
 from emad.params import load_decode, load_section
 from emad.report.config import AggregateConfig
 from emad.report.heatmap import heatmap_html
-from emad.report.plots import depth_histogram_figure, save_figure
 from emad.stage import run_stage
 
 KINDS = ["baseline", "point", "ablation", "related"]
@@ -257,6 +256,8 @@ def _write(args, cfg: DecodeConfig, job: Job, out: Outcome) -> None:
         if out.free_prompts != 0:  # a point the screen rules out decoded nothing free running: its histogram is
             artifacts = args.artifacts / job.label / out.domain  # the run file's, and it has no heat map
             texts, prompts, full = out.heatmap
+            from emad.report.plots import depth_histogram_figure, save_figure  # matplotlib, where it draws
+
             run.log_artifact(save_figure(depth_histogram_figure(out.histogram, out.n_layers, rid),
                                          artifacts / "depth.png", tight=False))
             run.log_artifact(atomic_write_text(artifacts / "heatmap.html", heatmap_html(

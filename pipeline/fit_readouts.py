@@ -29,7 +29,6 @@ from emad.engine.models import load_model, prepared_spec
 from emad.exits.readouts import TunedLens
 from emad.io import atomic_write_json, read_json
 from emad.params import load_section
-from emad.report.plots import readouts_figure, save_figure
 from emad.stage import run_stage
 
 
@@ -92,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
                 metrics |= {"grown_from": str(args.grown_from), "seconds": base[1]["seconds"],
                             "tokens_per_s": base[1]["tokens_per_s"]}
             atomic_write_json(args.out_dir / "metrics.json", metrics)
+            from emad.report.plots import readouts_figure, save_figure  # matplotlib, where it draws
+
             save_figure(readouts_figure(result.held_out, title=str(args.out_dir)), args.plot)
             for readout, per_layer in result.held_out.items():
                 for key in ("kl", "agreement", "perplexity"):

@@ -19,14 +19,27 @@ from emad.stage import run_stage
 
 
 def load_tokenizer(spec: str) -> Any:
-    """The tokenizer of model `spec`: an embedded alias (converted once), a folder or a hub id."""
-    from transformers import AutoTokenizer
+    """The tokenizer of model `spec`: an embedded alias (converted once), a folder or a hub id.
 
-    from emad.engine import models
+    A folder with a ``tokenizer.json`` (every converted embedded model) is read as the fast tokenizer it holds,
+    which imports no torch (``AutoTokenizer`` imports it through the model configurations); the same vocabulary,
+    special tokens and token ids as ``AutoTokenizer`` gives.
+    """
+    from emad.engine import embedded
 
     source: str | Path = spec
-    if spec in models.EMBEDDED:
-        source = models.convert_embedded(spec, models.model_cache_dir() / spec)
+    if spec in embedded.EMBEDDED:
+        source = embedded.model_cache_dir() / spec
+        if embedded.source_alias(source) != spec:  # first use on this host: the conversion loads the model
+            from emad.engine.models import convert_embedded
+
+            convert_embedded(spec, source)
+    if (Path(source) / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(source)
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(source)
 
 
@@ -48,7 +61,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def load_params(args: argparse.Namespace) -> CorpusConfig:
     """The params this stage reads, checked (the whole file first): section ``corpus``."""
-    return load_section("corpus", CorpusConfig, args.params)
+    return load_section("corpus", CorpusConfig, args.params, points=False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     tokenizer = load_tokenizer(cfg.tokenizer_model)
-    from emad.engine.models import tokenizer_sha256
+    from emad.engine.fingerprint import tokenizer_sha256
 
     manifest = sample_corpus(
         args.source,

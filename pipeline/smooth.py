@@ -14,9 +14,8 @@ from emad import tracking
 from emad.calibration.config import CalibrateConfig, SmoothConfig
 from emad.calibration.profile import smooth, smooth_variants, variant_path
 from emad.calibration.stats import CalibrationStats
-from emad.engine.models import ModelFingerprint
+from emad.engine.fingerprint import ModelFingerprint
 from emad.params import load_section
-from emad.report.plots import profile_figure, save_figure
 from emad.stage import READOUT, per_readout, run_stage
 
 
@@ -35,8 +34,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def load_params(args: argparse.Namespace) -> tuple[SmoothConfig, list[str]]:
     """The params this stage reads, checked (the whole file first): section ``smooth``, and the readouts to smooth
     (``--readout``, else ``calibrate.readouts``)."""
-    return (load_section("smooth", SmoothConfig, args.params),
-            args.readout or load_section("calibrate", CalibrateConfig, args.params).readouts)
+    return (load_section("smooth", SmoothConfig, args.params, points=False),
+            args.readout or load_section("calibrate", CalibrateConfig, args.params, points=False).readouts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _smooth(cfg: SmoothConfig, stats: CalibrationStats, source: Path, out: Path, plot: Path) -> None:
     """One readout's profile (and its stratification variants), figure and MLflow run."""
+    from emad.report.plots import profile_figure, save_figure  # matplotlib: imported where a figure is drawn
+
     profile = smooth(stats, cfg.statistic, cfg.min_count, cfg.isotonic)
     params = {"smooth": cfg.model_dump(), "stats": str(source)}
     tags = {"model_fingerprint": ModelFingerprint(**profile.model).digest if profile.model else "",

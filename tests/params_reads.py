@@ -179,8 +179,8 @@ def _watched_loaders(watch: Watch) -> dict[str, Callable]:
     """Stand-ins for ``load_section`` and ``load_decode`` that watch what they return."""
     load_section, load_decode = emad.params.load_section, emad.params.load_decode
 
-    def watched_section(name, model, path="params.yaml"):
-        return watch.watch(load_section(name, model, path), section_node(_read_once(path), name))
+    def watched_section(name, model, path="params.yaml", points=True):
+        return watch.watch(load_section(name, model, path, points), section_node(_read_once(path), name))
 
     def watched_decode(path="params.yaml", control=False, context=None):
         raw = _read_once(path)
@@ -208,14 +208,14 @@ def _read_once(path: str | Path = "params.yaml") -> dict:
 
 
 @functools.cache
-def _validated(stamp: tuple[Path, int, int]) -> dict:
-    return VALIDATE_PARAMS(stamp[0])
+def _validated(stamp: tuple[Path, int, int], points: bool) -> dict:
+    return VALIDATE_PARAMS(stamp[0], points)
 
 
-def _validate_once(path: str | Path = "params.yaml") -> dict:
+def _validate_once(path: str | Path = "params.yaml", points: bool = True) -> dict:
     """``validate_params``, checking each file once (a check, not a read: every stage checks the whole file)."""
     stamp = _stamp(path)
-    return VALIDATE_PARAMS(path) if stamp is None else _validated(stamp)
+    return VALIDATE_PARAMS(path, points) if stamp is None else _validated(stamp, points)
 
 
 @contextlib.contextmanager

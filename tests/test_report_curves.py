@@ -203,3 +203,19 @@ def test_metrics_name_the_judged_method_when_it_spans_families():
     metrics = metrics_summary(runs, verdict(runs, ("emad", "emad+tuned")))
     assert sorted(metrics["m"]) == ["emad", "emad (all)", "emad+tuned"]
     assert metrics["m"]["emad (all)"]["max_reduction_within_tolerance"] == pytest.approx(0.3)
+
+
+def test_a_metric_curve_skips_a_check_identical_by_construction_without_a_measured_change():
+    """A point proved identical counts its checks, but a judged half with no units of a metric has no change to
+    place: that metric's curve skips it instead of failing, the other metrics still read it."""
+    from types import SimpleNamespace
+
+    from emad.evaluation.checks import IDENTICAL, Check
+    from emad.report.curves import CurveId, _curve
+
+    ppl = Check("d", "perplexity", 10.0, 10.0, 0.0, 0.01, True, state=IDENTICAL)
+    cloze = [Check(d, "cloze.accuracy", None, None, None, 0.01, False, state=IDENTICAL) for d in ("d", "e")]
+    point = SimpleNamespace(label="p", checks=[ppl, *cloze], flops_ratio=0.8, flops_by_domain={"d": 0.8, "e": 0.8})
+    curve = _curve(CurveId("m", "emad"), 0.85, [point])  # over both domains
+    assert [p.label for p in curve.points] == ["p"]
+    assert set(curve.metrics) == {"perplexity"} and curve.metrics["perplexity"][0].value == 0.0

@@ -167,10 +167,10 @@ def calibrate(
         if ckpt is not None and (i + 1) % checkpoint_every == 0 and i + 1 < len(batches):
             atomic_write_json(ckpt, {"key": key, "done_batches": i + 1, "stats": stats.to_dict()})
     if world > 1:
-        for t in stats.arrays():
-            moved = t.to(stack.device)
+        for array in stats.arrays():
+            moved = torch.from_numpy(array).to(stack.device)
             dist.all_reduce(moved)
-            t.copy_(moved.cpu())
+            array[...] = moved.cpu().numpy()
     if ckpt is not None:
         ckpt.unlink(missing_ok=True)
     return stats

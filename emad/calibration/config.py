@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from emad.config import Section
-from emad.exits.readouts import READOUTS
+from emad.exits.registries import READOUTS
 from emad.exits.strata import Strata
 
 

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from emad.calibration.stats import CalibrationStats
 from emad.exits.strata import Strata
 from emad.io import atomic_write_json, read_json
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT, VERSION = "emad-profile", 1
 
@@ -65,6 +68,8 @@ class Profile:
     # ----------------------------------------------------------------- lookup
     def table(self, device=None) -> torch.Tensor:
         """τ as a tensor ``[S, P]`` in stratum-index order."""
+        import torch  # a decode's table; the smooth stage reads and writes profiles without torch
+
         return torch.tensor([self.tau[name] for name in self.strata.names()], dtype=torch.float32, device=device)
 
     def check_model(self, fingerprint: dict) -> None:
@@ -121,10 +126,10 @@ def smooth(stats: CalibrationStats, statistic: str = "mean", min_count: int = 50
         raise ValueError(f"min_count must be >= 1, got {min_count}")
     value_of = _statistic(statistic)
     strata, names = stats.strata, stats.strata.names()
-    counts = stats.count.numpy()  # [S, P]
-    raw = value_of(stats).numpy()
+    counts = stats.count  # [S, P]
+    raw = value_of(stats)
     global_stats = _marginal(stats, [list(range(len(strata)))])
-    global_raw, global_count = value_of(global_stats).numpy()[0], global_stats.count.numpy()[0]
+    global_raw, global_count = value_of(global_stats)[0], global_stats.count[0]
     position_groups = [list(range(i * strata.n_confidence, (i + 1) * strata.n_confidence))
                        for i in range(strata.n_position)]
     position_stats = _marginal(stats, position_groups)
@@ -136,7 +141,7 @@ def smooth(stats: CalibrationStats, statistic: str = "mean", min_count: int = 50
         if counts[s, -1] < min_count:
             parent = parents[s]
             if parent is not None and position_stats.count[parent, -1] >= min_count:
-                values, weights = value_of(position_stats).numpy()[parent], position_stats.count.numpy()[parent]
+                values, weights = value_of(position_stats)[parent], position_stats.count[parent]
                 source = f"position marginal {strata.names()[s].split('|')[0]}"
             else:
                 values, weights, source = global_raw, global_count, "global"
@@ -184,5 +189,5 @@ def _marginal(stats: CalibrationStats, groups: list[list[int]]) -> CalibrationSt
     out = CalibrationStats(stats.probe_layers, Strata(), stats.vocab_size, stats.hist_bins)
     for name in ("count", "sum", "sumsq", "hist"):
         arr = getattr(stats, name)
-        setattr(out, name, torch.stack([arr[g].sum(0) for g in groups]))
+        setattr(out, name, np.stack([arr[g].sum(0) for g in groups]))
     return out

@@ -6,6 +6,9 @@ arrays: ``count[S][P]``, ``sum[S][P]``, ``sumsq[S][P]`` (of entropies, nats), ``
 (tokens whose argmax at the probe equals the final argmax), ``oracle[P]`` (tokens whose oracle depth — the
 shallowest probe whose argmax equals the final argmax — is that probe), ``tokens``; plus ``model`` (fingerprint)
 and ``corpus`` (manifest hash). Two stats over disjoint tokens merge by adding every array.
+
+The arrays are float64 numpy arrays: the smooth stage reads them without torch; only :meth:`CalibrationStats.add`
+(the calibrate stage, on a model's tensors) imports it.
 """
 
 from __future__ import annotations
@@ -14,11 +17,15 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 
 from emad.exits.strata import VARIANTS, Strata
 from emad.io import atomic_write_text, read_json
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT, VERSION = "emad-stats", 1
 _ARRAYS = ("count", "sum", "sumsq", "hist", "agree", "oracle")
@@ -52,12 +59,12 @@ class CalibrationStats:
 
     def __post_init__(self):
         s, p = len(self.strata), len(self.probe_layers)
-        self.count = torch.zeros(s, p, dtype=torch.float64)
-        self.sum = torch.zeros(s, p, dtype=torch.float64)
-        self.sumsq = torch.zeros(s, p, dtype=torch.float64)
-        self.hist = torch.zeros(s, p, self.hist_bins, dtype=torch.float64)
-        self.agree = torch.zeros(p, dtype=torch.float64)
-        self.oracle = torch.zeros(p, dtype=torch.float64)
+        self.count = np.zeros((s, p))  # float64, as every array
+        self.sum = np.zeros((s, p))
+        self.sumsq = np.zeros((s, p))
+        self.hist = np.zeros((s, p, self.hist_bins))
+        self.agree = np.zeros(p)
+        self.oracle = np.zeros(p)
 
     @property
     def hist_max(self) -> float:
@@ -76,21 +83,24 @@ class CalibrationStats:
             argmax: ``[N, P]`` readout argmax at each probe.
             strata: ``[N]`` stratum index of each token.
         """
+        import torch
+
         entropy, argmax, strata = entropy.double().cpu(), argmax.cpu(), strata.cpu()
         n, p = entropy.shape
         s = len(self.strata)
         index = strata[:, None] * p + torch.arange(p)[None, :]  # [N, P] flat (stratum, probe) cell
-        self.count += torch.bincount(index.flatten(), minlength=s * p).view(s, p).double()
-        self.sum += torch.zeros(s * p, dtype=torch.float64).index_add_(0, index.flatten(), entropy.flatten()).view(s, p)
+        self.count += torch.bincount(index.flatten(), minlength=s * p).view(s, p).double().numpy()
+        self.sum += torch.zeros(s * p, dtype=torch.float64).index_add_(
+            0, index.flatten(), entropy.flatten()).view(s, p).numpy()
         self.sumsq += torch.zeros(s * p, dtype=torch.float64).index_add_(
-            0, index.flatten(), entropy.flatten() ** 2).view(s, p)
+            0, index.flatten(), entropy.flatten() ** 2).view(s, p).numpy()
         bins = (entropy / self.hist_max * self.hist_bins).long().clamp(0, self.hist_bins - 1)
         cell = index * self.hist_bins + bins
-        self.hist += torch.bincount(cell.flatten(), minlength=s * p * self.hist_bins).view(s, p, -1).double()
+        self.hist += torch.bincount(cell.flatten(), minlength=s * p * self.hist_bins).view(s, p, -1).double().numpy()
         agree = argmax == argmax[:, -1:]  # [N, P]
-        self.agree += agree.double().sum(0)
+        self.agree += agree.double().sum(0).numpy()
         first = agree.double().argmax(-1)  # shallowest agreeing probe (the last one always agrees)
-        self.oracle += torch.bincount(first, minlength=p).double()
+        self.oracle += torch.bincount(first, minlength=p).double().numpy()
 
     def merge(self, other: CalibrationStats) -> CalibrationStats:
         """Add another accumulator over disjoint tokens (same probes, strata, bins) into this one."""
@@ -98,7 +108,7 @@ class CalibrationStats:
                 self.probe_layers, self.strata, self.hist_bins, self.vocab_size):
             raise ValueError("cannot merge stats with different probe layers, strata, bins or vocabulary")
         for name in _ARRAYS:
-            getattr(self, name).add_(getattr(other, name))
+            getattr(self, name).__iadd__(getattr(other, name))
         return self
 
     def restrict(self, variant: str) -> CalibrationStats:
@@ -111,17 +121,17 @@ class CalibrationStats:
         pos, conf = VARIANTS[variant]
         n_pos, n_conf = self.strata.n_position, self.strata.n_confidence
 
-        def fold(array: torch.Tensor) -> torch.Tensor:  # [S, ...] -> [S', ...]
-            grid = array.view(n_pos, n_conf, *array.shape[1:])
-            grid = grid if conf else grid.sum(1, keepdim=True)
-            grid = grid if pos else grid.sum(0, keepdim=True)
-            return grid.reshape(-1, *array.shape[1:]).clone()
+        def fold(array: np.ndarray) -> np.ndarray:  # [S, ...] -> [S', ...]
+            grid = array.reshape(n_pos, n_conf, *array.shape[1:])
+            grid = grid if conf else grid.sum(1, keepdims=True)
+            grid = grid if pos else grid.sum(0, keepdims=True)
+            return grid.reshape(-1, *array.shape[1:]).copy()
 
         out = CalibrationStats(list(self.probe_layers), strata, self.vocab_size, self.hist_bins, self.model,
                                self.corpus, self.readout)
         for name in ("count", "sum", "sumsq", "hist"):
             setattr(out, name, fold(getattr(self, name)))
-        out.agree, out.oracle = self.agree.clone(), self.oracle.clone()
+        out.agree, out.oracle = self.agree.copy(), self.oracle.copy()
         return out
 
     def grown(self, probe_layers: list[int], model: dict) -> CalibrationStats:
@@ -143,36 +153,38 @@ class CalibrationStats:
         out = CalibrationStats(list(probe_layers), self.strata, self.vocab_size, self.hist_bins, model, self.corpus,
                                self.readout)
         for name in ("count", "sum", "sumsq", "hist"):
-            setattr(out, name, getattr(self, name)[:, cols].clone())
-        out.agree = self.agree[cols].clone()
+            setattr(out, name, getattr(self, name)[:, cols])  # a copy (index lists copy)
+        out.agree = self.agree[cols]
         first = next(i for i, p in enumerate(probe_layers) if p >= n)  # the grown model's first probe from L on
         out.oracle[:first] = self.oracle[cols[:first]]
         out.oracle[first] = self.oracle[-1]
         return out
 
-    def arrays(self) -> list[torch.Tensor]:
-        """The accumulator tensors (for all-reduce)."""
+    def arrays(self) -> list[np.ndarray]:
+        """The accumulator arrays (for all-reduce)."""
         return [getattr(self, name) for name in _ARRAYS]
 
     # ----------------------------------------------------------------- read
-    def mean(self) -> torch.Tensor:
+    def mean(self) -> np.ndarray:
         """Mean entropy ``[S, P]`` (NaN where a cell is empty)."""
-        return self.sum / self.count
+        with np.errstate(invalid="ignore"):
+            return self.sum / self.count
 
-    def quantile(self, q: float) -> torch.Tensor:
+    def quantile(self, q: float) -> np.ndarray:
         """The q-quantile of entropy ``[S, P]`` read off the histograms (linear within a bin)."""
         cdf = self.hist.cumsum(-1)  # [S, P, B]
         total = cdf[..., -1:]
         target = q * total
-        idx = torch.searchsorted(cdf.contiguous(), target.contiguous()).clamp(max=self.hist_bins - 1)  # [S, P, 1]
-        below = torch.where(idx > 0, cdf.gather(-1, (idx - 1).clamp(min=0)), torch.zeros_like(target))
-        in_bin = self.hist.gather(-1, idx)
-        frac = torch.where(in_bin > 0, (target - below) / in_bin, torch.zeros_like(target))
+        idx = np.minimum((cdf < target).sum(-1, keepdims=True), self.hist_bins - 1)  # [S, P, 1] first bin >= target
+        below = np.where(idx > 0, np.take_along_axis(cdf, np.maximum(idx - 1, 0), -1), 0.0)
+        in_bin = np.take_along_axis(self.hist, idx, -1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            frac = np.where(in_bin > 0, (target - below) / in_bin, 0.0)
         width = self.hist_max / self.hist_bins
-        out = ((idx.double() + frac) * width).squeeze(-1)
-        return torch.where(total.squeeze(-1) > 0, out, torch.full_like(out, float("nan")))
+        out = ((idx + frac) * width).squeeze(-1)
+        return np.where(total.squeeze(-1) > 0, out, np.nan)
 
-    def agreement(self) -> torch.Tensor:
+    def agreement(self) -> np.ndarray:
         """Per probe, the share of tokens whose argmax equals the final argmax ``[P]``."""
         return self.agree / max(self.tokens, 1)
 
@@ -205,7 +217,7 @@ class CalibrationStats:
                         int(data["hist_bins"]), data.get("model", {}), data.get("corpus", ""),
                         data.get("readout", "logit"))
             for name in _ARRAYS:
-                value = torch.tensor(data[name], dtype=torch.float64)
+                value = np.asarray(data[name], dtype=np.float64)
                 if value.shape != getattr(stats, name).shape:
                     raise StatsFormatError(f"{source}: array {name!r} has shape {tuple(value.shape)}")
                 setattr(stats, name, value)

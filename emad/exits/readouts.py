@@ -23,8 +23,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from emad.exits import registries
 from emad.io import atomic_write_bytes
-from emad.registry import Registry
 
 FORMAT = "emad-readouts/1"
 
@@ -108,7 +108,7 @@ class Readout:
         return {"readout": self.name}
 
 
-READOUTS: Registry[Readout] = Registry("readout")
+READOUTS = registries.READOUTS  # declared there, with its names
 
 
 @READOUTS.register("logit")

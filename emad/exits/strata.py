@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch  # imported where a tensor is made: a params check builds strata without torch
 
 # variant name -> (keeps the position axis, keeps the confidence axis)
 VARIANTS = {"none": (False, False), "position": (True, False), "confidence": (False, True), "both": (True, True)}
@@ -20,6 +22,8 @@ VARIANTS = {"none": (False, False), "position": (True, False), "confidence": (Fa
 def _edges(values: tuple[float, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``values`` as a tensor on ``device``, made once: a decode step assigns strata at every probe, and a copy from
     host memory each time would wait for the device's queued work (read-only)."""
+    import torch
+
     with torch.inference_mode(False):
         return torch.tensor(values, dtype=dtype, device=device)
 
@@ -100,6 +104,8 @@ class Strata:
     def edge_tensors(self, device) -> dict[str, torch.Tensor]:
         """The edges as tensors on ``device`` (``position_edges`` long, ``confidence_edges`` float32), for
         :meth:`assign` inside compiled code."""
+        import torch
+
         return {"position_edges": _edges(tuple(self.position_edges), torch.long, torch.device(device)),
                 "confidence_edges": _edges(tuple(self.confidence_edges), torch.float32, torch.device(device))}
 
@@ -115,6 +121,8 @@ class Strata:
         Returns:
             ``[...]`` long stratum indices in ``0..len(self)-1``.
         """
+        import torch
+
         if edges is None:
             edges = {"position_edges": _edges(tuple(self.position_edges), positions.dtype, positions.device)}
             if self.uses_confidence and confidence is not None:

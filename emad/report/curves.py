@@ -185,8 +185,10 @@ def _curve(cid: CurveId, target: float, assessed: Sequence[PointAssessment]) -> 
         if flops is None or used is None:
             continue
         curve.points.append(CurvePoint(p.label, flops, used, gate_state(mine_all)))
-        for metric in sorted({c.metric for c in checks}):
-            mine = [c for c in checks if c.metric == metric]
+        # a metric's curve reads measured changes: a check identical by construction counts without one (its
+        # judged half may hold no units of that metric)
+        for metric in sorted({c.metric for c in checks if c.change is not None}):
+            mine = [c for c in checks if c.metric == metric and c.change is not None]
             curve.metrics.setdefault(metric, []).append(
                 CurvePoint(p.label, flops, max(c.change for c in mine), combined_state(mine)))
     return curve

@@ -166,7 +166,7 @@ def _point_rows(v: ModelVerdict) -> list[list[str]]:
 
 
 def _change_text(c) -> str:
-    if c.value is None:
+    if c.value is None or c.change is None:  # no run value, or no units of it on the judged half
         return "missing"
     return f"{c.change:+.2%}" if c.relative else f"{100 * (c.value - c.full):+.2f} pt"
 

@@ -1,0 +1,12 @@
+"""Registries declared with their names, so that checking a name imports nothing heavy.
+
+A params check (every stage's start) asks whether a readout exists; the classes live in modules that import torch,
+imported only when a stage builds one (:class:`emad.registry.Registry`, declared form).
+"""
+
+from __future__ import annotations
+
+from emad.registry import Registry
+
+READOUTS: Registry = Registry("readout", home="emad.exits.readouts", names=("logit", "tuned"))
+"""How a probe layer's hidden state becomes logits (:mod:`emad.exits.readouts`)."""
