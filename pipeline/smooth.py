@@ -16,6 +16,7 @@ from emad.calibration.profile import smooth, smooth_variants, variant_path
 from emad.calibration.stats import CalibrationStats
 from emad.engine.fingerprint import ModelFingerprint
 from emad.params import load_section
+from emad.report.plots import profile_figure, save_figure  # matplotlib is imported by the first figure
 from emad.stage import READOUT, per_readout, run_stage
 
 
@@ -50,8 +51,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _smooth(cfg: SmoothConfig, stats: CalibrationStats, source: Path, out: Path, plot: Path) -> None:
     """One readout's profile (and its stratification variants), figure and MLflow run."""
-    from emad.report.plots import profile_figure, save_figure  # matplotlib: imported where a figure is drawn
-
     profile = smooth(stats, cfg.statistic, cfg.min_count, cfg.isotonic)
     params = {"smooth": cfg.model_dump(), "stats": str(source)}
     tags = {"model_fingerprint": ModelFingerprint(**profile.model).digest if profile.model else "",

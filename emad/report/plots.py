@@ -1,17 +1,32 @@
-"""Figures written by the stages (matplotlib, Agg backend, PNG)."""
+"""Figures written by the stages (matplotlib, Agg backend, PNG).
+
+matplotlib is imported by the first figure drawn, not with this module: a stage imports these functions at its
+top and pays for matplotlib (about 0.4 s) only when it draws.
+"""
 
 from __future__ import annotations
 
 import io
 from pathlib import Path
 
-import matplotlib
+from emad.io import atomic_write_bytes
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
 
-from emad.io import atomic_write_bytes  # noqa: E402
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend (imported on first use)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def __getattr__(name: str):
+    """``plt`` (``from emad.report.plots import plt``): pyplot, imported on that first use."""
+    if name == "plt":
+        return pyplot()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def save_figure(fig, path: str | Path, tight: bool = True) -> Path:
@@ -19,7 +34,7 @@ def save_figure(fig, path: str | Path, tight: bool = True) -> Path:
     by hand renders faster without)."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight" if tight else None)
-    plt.close(fig)
+    pyplot().close(fig)
     return atomic_write_bytes(path, buf.getvalue())
 
 
@@ -44,7 +59,7 @@ def profile_figure(profile, title: str = ""):
     layers = profile.probe_layers
     names = profile.strata.names()
     counts = getattr(profile, "count", {}) or {}
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), layout="constrained")
+    fig, axes = pyplot().subplots(1, 3, figsize=(15, 4.2), layout="constrained")
     ax = axes[0]
     if len(names) > 1:
         for name in names:
@@ -77,6 +92,8 @@ def profile_figure(profile, title: str = ""):
 
 def depth_histogram_figure(histogram: dict[int, int], n_layers: int, title: str = ""):
     """Tokens per exit depth (1..L), laid out by hand (one per run: save it with ``tight=False``)."""
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(6, 3.2))
     fig.subplots_adjust(left=0.12, right=0.97, bottom=0.15, top=0.9)
     ax = fig.add_subplot()
@@ -91,7 +108,7 @@ def depth_histogram_figure(histogram: dict[int, int], n_layers: int, title: str 
 
 def readouts_figure(held_out: dict[str, dict[int, dict[str, float]]], title: str = ""):
     """Per layer, ``logit`` vs ``tuned``: top-1 agreement with the final layer, KL to it, next-token perplexity."""
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = pyplot().subplots(1, 3, figsize=(15, 4.2))
     for key, ax, label, log in (("agreement", axes[0], "top-1 agreement with layer L", False),
                                 ("kl", axes[1], "KL(final ‖ readout), nats", False),
                                 ("perplexity", axes[2], "next-token perplexity", True)):
