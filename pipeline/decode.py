@@ -28,6 +28,7 @@ depth (``0.7L``) and ``to: auto`` (the profile's largest τ) resolve here, for t
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
 
 from emad import tracking
@@ -36,12 +37,13 @@ from emad.calibration.profile import Profile
 from emad.evaluation import identity
 from emad.evaluation.checks import Thresholds
 from emad.evaluation.config import DecodeConfig
-from emad.evaluation.decoder import Job, Outcome, Plan, Sources
+from emad.evaluation.decoder import REFERENCE, Job, Outcome, Plan, Sources
 from emad.evaluation.executors import EXECUTORS, executor_name
 from emad.evaluation.operating_point import profile_file, readout_path
 from emad.evaluation.provenance import check_mergeable, record_mix
 from emad.evaluation.record import RunRecord
 from emad.evaluation.screen import ROUNDS, costly, keep, refinements, screen_record
+from emad.evaluation.shards import Shard, merge, shards_per_domain
 from emad.evaluation.sweeps import LAYER_FIELDS, SweepPosition, swept_name
 from emad.io import atomic_write_json, atomic_write_text
 from emad.params import load_decode, load_section
@@ -179,31 +181,67 @@ def plan(args: argparse.Namespace) -> Plan:
 
 
 class Phases:
-    """What the decode units do after each phase: screen the refinements a screen asks for
-    (:func:`emad.evaluation.screen.refinements`, at most ``ROUNDS`` rounds), then run the kept values
-    (:func:`emad.evaluation.screen.keep`, over every domain), then stop. ``rows``: every screen row; ``extra``: the
-    refinements' jobs."""
+    """What the decode units do, phase by phase: score each domain's teacher-forced requests in shards (as many per
+    domain as fill the executor's workers, :mod:`emad.evaluation.shards`), screen each domain from its merged
+    scores, score and screen the refinements a screen asks for (:func:`emad.evaluation.screen.refinements`, at
+    most ``ROUNDS`` rounds), then run the kept values (:func:`emad.evaluation.screen.keep`, over every domain) with
+    every score merged so far, then stop. With one shard a domain (no more workers than domains), a domain's
+    screen scores it in one call, and its run reads those scores where the same worker screened it. ``rows``: every
+    screen row; ``extra``: the refinements' jobs; ``split``: how the work was split (each run file's provenance)."""
 
     def __init__(self, call: Plan):
         self.call, self.rows, self.extra, self.rounds, self.ran = call, [], [], 0, False
+        self.shards, self.split = 1, {}
+        self.scores: dict[str, dict] = {d: {} for d in call.domains}  # domain -> job label -> its merged scores
+        self.scoring: tuple[Job, ...] | None = None  # the jobs whose shards are out (() every job); None: screening
+
+    def start(self, width: int) -> list[tuple]:
+        """The first phase's units for an executor running ``width`` workers at once: every domain's shards."""
+        self.shards = shards_per_domain(width, len(self.call.domains))
+        self.split = {"workers": width, "screen_shards_per_domain": self.shards}
+        return self._score(())
+
+    def _score(self, jobs: Sequence[Job]) -> list[tuple]:
+        """The units that score ``jobs`` (() every job) on every domain: its shards, or with one shard a domain,
+        its screen, which scores them itself."""
+        if self.shards == 1:
+            return [("screen", d, tuple(jobs)) for d in self.call.domains]
+        self.scoring = tuple(jobs)
+        return [("score", d, Shard(k, self.shards), self.scoring) for d in self.call.domains
+                for k in range(self.shards)]
+
+    def _reference(self, domain: str) -> dict:
+        """Full depth's scores on ``domain`` (the screen's reference: a full job's, else the one scored beside)."""
+        full = {job.label for job in self.call.jobs if job.point.method == identity.FULL} | {REFERENCE}
+        return {label: rows for label, rows in self.scores[domain].items() if label in full}
 
     def __call__(self, out: list) -> list[tuple] | None:
         call, target = self.call, 1.0 - self.call.thresholds.min_flops_reduction
         if self.ran:
             return None
+        if self.scoring is not None:  # a round's shards, in unit order: merged per domain, then screened
+            jobs, self.scoring, units = self.scoring, None, []
+            for i, d in enumerate(call.domains):
+                parts = out[i * self.shards:(i + 1) * self.shards]  # (worker, its shard's scores) in shard order
+                self.split.setdefault("screen_workers", {}).setdefault(d, []).append([w for w, _ in parts])
+                merged = merge([scores for _, scores in parts])
+                self.scores[d].update(merged)
+                units.append(("screen", d, jobs, {**merged, **self._reference(d)}))
+            return units
         self.rows.extend(row for unit in out for row in unit)
         new = refinements(self.rows, target, LAYER_FIELDS) if self.rounds < ROUNDS else {}
         if new:
             self.rounds += 1
             jobs = [job for curve, values in new.items() for v in values for job in self._at(curve, v)]
             self.extra += jobs
-            return [("screen", d, tuple(jobs)) for d in call.domains]
+            return self._score(jobs)
         kept = frozenset(keep(self.rows, call.screens, target))
         below = call.cfg.speed_flops_below
         spare = frozenset() if below is None else frozenset(
             identity.point_folder(point, cal) for point, cal in costly(self.rows, max(below, target)))
         self.ran = True
-        return [("run", d, kept, tuple(self.extra), spare) for d in call.domains]
+        return [("run", d, kept, tuple(self.extra), spare, self.scores[d] if self.shards > 1 else None, self.split)
+                for d in call.domains]
 
     def _at(self, curve: str, value: float) -> list[Job]:
         """The jobs of sweep ``curve`` at a new ``value``: one per calibration source its jobs run with."""
@@ -221,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     call = plan(args)
     run_units = EXECUTORS.get(executor_name(call.cfg.executor))
     phases = Phases(call)
-    outcomes = run_units(call, [("screen", d) for d in call.domains], call.cfg.workers, then=phases)
+    outcomes = run_units(call, phases.start, call.cfg.workers, then=phases)
     jobs = {job.label: job for job in [*call.jobs, *phases.extra]}
     mix = check_mergeable([(f"{unit[0].domain} on {unit[0].provenance.get('worker') or 'this process'}",
                             unit[0].provenance) for unit in outcomes if unit])

@@ -31,7 +31,7 @@ DECODE = {
     "dtype": "float32",
 }
 TIMED = ("seconds", "per_s", "speed", "load_avg", "mlflow_run_id")  # keys whose values are timings or run ids
-WHERE = ("worker", "ray_node")  # provenance keys that say which process computed a unit
+WHERE = ("worker", "ray_node", "split")  # provenance keys: which process computed a unit, how the work was split
 
 
 @pytest.fixture(scope="module")

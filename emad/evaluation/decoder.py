@@ -23,6 +23,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from emad.decode import Method
 from emad.decode.strategy import Strategy
 from emad.engine.engines import compile_stats, with_engine
 from emad.engine.host_memory import release_free
@@ -32,7 +33,7 @@ from emad.engine.stack import LayerStack
 from emad.evaluation import identity
 from emad.evaluation.checks import Thresholds, checks_against, screen
 from emad.evaluation.config import DecodeConfig
-from emad.evaluation.evaluate import Evaluation, evaluate, heatmap_inputs, prepare, score_all
+from emad.evaluation.evaluate import Evaluation, evaluate, heatmap_inputs, prepare, score_all, score_shard
 from emad.evaluation.identity import FULL
 from emad.evaluation.judge import passes_c2
 from emad.evaluation.operating_point import (
@@ -46,6 +47,7 @@ from emad.evaluation.proof import prove_identical
 from emad.evaluation.provenance import provenance
 from emad.evaluation.record import profile_facts, quality_of
 from emad.evaluation.screen import ScreenRow
+from emad.evaluation.shards import Shard, ShardScores
 from emad.evaluation.speed import (
     measure_speedup,
     point_speedup,
@@ -221,15 +223,33 @@ class Decoder:
             self._build(job)
         self.jobs += new
 
-    def screen(self, domain: str, extra: Sequence[Job] = ()) -> list[ScreenRow]:
-        """The teacher-forced tasks of every job on ``domain`` in one pass (kept for :meth:`run`) — or, given
-        ``extra`` (values a screen refines), of those jobs only; the rows of the screened values it scored, from
-        the scored metrics alone (no greedy generation)."""
+    def score(self, domain: str, shard: Shard, extra: Sequence[Job] = ()) -> ShardScores:
+        """The teacher-forced scores of ``shard``'s requests on ``domain`` (:mod:`emad.evaluation.shards`): of every
+        job and full depth's reference — or, given ``extra`` (values a screen refines), of those jobs only — for
+        :meth:`screen` to read once the shards are merged."""
         start = time.perf_counter()
         self._add(extra)
-        labels = {job.label for job in extra}
-        jobs = [job for job in self.jobs if job.label in labels] if extra else self.jobs
-        self._score(domain, jobs)
+        jobs = self._of(extra)
+        methods = self._methods(jobs, reference=not extra)
+        shared = self._shared.setdefault(domain, Shared())
+        out = score_shard(self.stack, self.loaded.tokenizer, methods, self.prepared[domain], shared,
+                          self.plan.cfg.unserved_tokens, self._kept.setdefault(domain, {}), shard)
+        print(f"decode: {domain}: shard {shard} of the teacher-forced tasks of {len(jobs)} points in "
+              f"{time.perf_counter() - start:.0f} s", file=sys.stderr)
+        return out
+
+    def screen(self, domain: str, extra: Sequence[Job] = (), scores: dict | None = None) -> list[ScreenRow]:
+        """The teacher-forced tasks of every job on ``domain`` in one pass (kept for :meth:`run`) — or, given
+        ``extra`` (values a screen refines), of those jobs only; the rows of the screened values it scored, from
+        the scored metrics alone (no greedy generation). ``scores``: those jobs' scores (and, the first time, full
+        depth's reference), merged from :meth:`score`'s shards: read, not scored again."""
+        start = time.perf_counter()
+        self._add(extra)
+        jobs = self._of(extra)
+        if scores is None:
+            self._score(domain, jobs)
+        else:
+            self._install(domain, scores)
         rows = []
         for job in jobs:
             if job.position is None or not job.position.screened:
@@ -245,15 +265,21 @@ class Decoder:
         return rows
 
     def run(self, domain: str, kept: frozenset[str] | None = None, extra: Sequence[Job] = (),
-            spare: frozenset[str] = frozenset(), host: str = "") -> list[Outcome]:
+            spare: frozenset[str] = frozenset(), scores: dict | None = None, split: dict | None = None,
+            host: str = "") -> list[Outcome]:
         """Every job on ``domain`` (``kept``: only the jobs of those point names, and every job not screened;
         ``extra``: the refinement's jobs, which ``kept`` may name; ``spare``: the labels of screened jobs that can
         decide neither criterion on any domain, :func:`emad.evaluation.screen.costly`): its teacher-forced results
-        (scored by :meth:`screen` when this decoder screened the domain), then its own free-running tasks, timing
-        and heat-map inputs."""
+        (scored by :meth:`screen` when this decoder screened the domain, or given as ``scores``, merged from the
+        shards that scored it), then its own free-running tasks, timing and heat-map inputs. ``split``: how the
+        domain's work was split (recorded in each outcome's provenance)."""
         cfg, stack, tokenizer, prepared = self.plan.cfg, self.stack, self.loaded.tokenizer, self.prepared[domain]
         where, start = provenance(stack.device, stack.dtype, host), time.perf_counter()
+        if split is not None:
+            where["split"] = split
         self._add(extra)
+        if scores is not None:
+            self._install(domain, scores)
         jobs = [job for job in self.jobs if kept is None or job.name in kept or not (
             job.position and job.position.screened)]
         missing = [job for job in jobs if job.label not in self._scores.get(domain, {})]
@@ -377,24 +403,43 @@ class Decoder:
                                 Units(SELECTION, self.plan.cfg.split_seed), identity=proof)
         return passes_c2(checks, speed.get("speed_pairs") or [], floor)
 
+    def _of(self, extra: Sequence[Job]) -> list[Job]:
+        """The jobs of ``extra`` (a refinement), else every job."""
+        labels = {job.label for job in extra}
+        return [job for job in self.jobs if job.label in labels] if extra else self.jobs
+
+    def _methods(self, jobs: list[Job], reference: bool) -> dict[str, Method | Strategy]:
+        """Label → method of ``jobs``, with full depth as :data:`REFERENCE` when ``reference`` is asked for and no
+        job is full depth."""
+        methods = {job.label: job.method for job in jobs}
+        if reference and not any(job.point.method == FULL for job in jobs):
+            methods[REFERENCE] = Full()
+        return methods
+
     def _score(self, domain: str, jobs: list[Job]) -> None:
         """The jobs' teacher-forced scores on ``domain`` in one pass (beside full depth's, the screen's reference,
         the first time); kept for :meth:`_forced`."""
-        stack, tokenizer, prepared = self.stack, self.loaded.tokenizer, self.prepared[domain]
-        full = next((job for job in jobs if job.point.method == FULL), None)
-        reference = full.label if full else REFERENCE  # full depth's teacher-forced results: the screen's reference
-        methods = {job.label: job.method for job in jobs}
-        if domain not in self._reference:
-            methods |= {} if full else {REFERENCE: Full()}
+        methods = self._methods(jobs, reference=domain not in self._reference)
         shared = self._shared.setdefault(domain, Shared())
         print(f"decode: {domain}: teacher-forced tasks of {len(jobs)} points", file=sys.stderr)
-        scores = self._scores.setdefault(domain, {})
-        scores.update(score_all(stack, tokenizer, methods, prepared, shared, self.plan.cfg.unserved_tokens,
-                                self._kept.setdefault(domain, {})))
-        if domain not in self._reference:
-            teacher = [p for p in prepared if p.task.teacher_forced]
-            self._reference[domain] = evaluate(stack, tokenizer, methods[reference], teacher, shared,
-                                               scores[reference], 0).tasks
+        self._install(domain, score_all(self.stack, self.loaded.tokenizer, methods, self.prepared[domain], shared,
+                                        self.plan.cfg.unserved_tokens, self._kept.setdefault(domain, {})))
+
+    def _install(self, domain: str, scores: dict) -> None:
+        """Keep ``scores`` (label → its teacher-forced scores) for :meth:`_forced`; the first time, full depth's
+        teacher-forced results from its scores among them (a full-depth job's, else :data:`REFERENCE`'s): the
+        screen's reference."""
+        self._scores.setdefault(domain, {}).update(scores)
+        shared = self._shared.setdefault(domain, Shared())
+        if domain in self._reference:
+            return
+        full = next((job for job in self.jobs if job.point.method == FULL and job.label in scores), None)
+        label, method = (full.label, full.method) if full else (REFERENCE, Full())
+        if label not in scores:
+            raise ValueError(f"{domain}: the scores given hold no full-depth reference ({REFERENCE} or a full job)")
+        teacher = [p for p in self.prepared[domain] if p.task.teacher_forced]
+        self._reference[domain] = evaluate(self.stack, self.loaded.tokenizer, method, teacher, shared,
+                                           scores[label], 0).tasks
 
     def _forced(self, domain: str, job: Job, limit: int | None) -> Evaluation:
         """``job``'s teacher-forced results on ``domain`` from its scores (``limit`` 0: no greedy generation)."""

@@ -18,6 +18,7 @@ from emad.decode.strategy import Strategy
 from emad.decode.sweep import sweep_refusal
 from emad.engine.host_memory import release_free
 from emad.engine.stack import LayerStack
+from emad.evaluation.shards import WHOLE, Shard, ShardScores, merge
 from emad.tasks.registry import TASKS, Shared
 
 
@@ -166,24 +167,35 @@ def score_all(stack: LayerStack, tokenizer, methods: dict[str, Method | Strategy
     Returns:
         ``{method name: {task: [[Scored per continuation] per request]}}``, each as the method alone would score.
     """
+    return merge([score_shard(stack, tokenizer, methods, prepared, shared, unserved_tokens, kept, WHOLE)])
+
+
+def score_shard(stack: LayerStack, tokenizer, methods: dict[str, Method | Strategy], prepared: list[Prepared],
+                shared: Shared, unserved_tokens: int | None = None, kept: dict | None = None,
+                shard: Shard = WHOLE) -> ShardScores:
+    """:func:`score_all` on the requests of ``shard`` only (:mod:`emad.evaluation.shards`): ``{method: {task:
+    (request count, {request index: [Scored per continuation]})}}``, merged back in order by
+    :func:`~emad.evaluation.shards.merge`."""
     served = [name for name, method in methods.items() if sweep_refusal(method) is None]
     sweep = Sweep(stack, [methods[n] for n in served], served) if served else None
-    out: dict[str, Scores] = {name: {} for name in methods}
+    out: ShardScores = {name: {} for name in methods}
     for p in prepared:
         if not p.task.teacher_forced:
             continue
         requests = p.task.requests(stack, tokenizer, p.data, p.settings, shared)
-        for name in methods:
-            out[name][p.name] = []
-        for prompt, continuations in requests if sweep else []:
-            for name, rows in zip(served, sweep.score(prompt, continuations, kept)):
-                out[name][p.name].append(rows)
+        for name in served:
+            out[name][p.name] = (len(requests), {})
+        for i in shard.indices(len(requests)) if sweep else []:
+            for name, rows in zip(served, sweep.score(*requests[i], kept)):
+                out[name][p.name][1][i] = rows
             if kept is not None:  # the pass's states stay between its freed readouts: give those pages back
                 release_free(min_interval=1.0)
         alone = p.task.fewer(requests, unserved_tokens) if unserved_tokens else requests
+        mine = shard.indices(len(alone))
         for name, method in methods.items():
             if name not in served:
-                out[name][p.name] = score_requests(stack, alone, method)
+                out[name][p.name] = (len(alone), dict(zip(mine, score_requests(stack, [alone[i] for i in mine],
+                                                                               method), strict=True)))
     return out
 
 

@@ -1,7 +1,8 @@
 """Who runs a stage's work units: ``serial`` (the stage's own process, the default) or ``ray``.
 
-A decode unit is one eval domain with every job of the call (the one-pass sweep shares its teacher-forced pass
-across them); a risk unit is one search (:mod:`emad.evaluation.risk_search`), run by the ``actor`` given. An executor takes the checked :class:`~emad.evaluation.decoder.Plan` and the units, and returns each unit's
+A decode stage's units are, per eval domain, shards of its teacher-forced requests scored for every job of the
+call (:mod:`emad.evaluation.shards`; the one-pass sweep shares each request's pass across the jobs), then the
+domain's screen from the merged scores, then its run (free-running tasks and timing); a risk unit is one search (:mod:`emad.evaluation.risk_search`), run by the ``actor`` given. An executor takes the checked :class:`~emad.evaluation.decoder.Plan` and the units, and returns each unit's
 outcomes **in unit order**, whatever order they were submitted or finished in; only the stage's process (the
 driver) writes files and logs to MLflow. With ``ray``, ``ray.init()`` joins the cluster ``RAY_ADDRESS`` names,
 or starts Ray inside the stage when it is unset or ``local`` (not one already running on this host:
@@ -21,6 +22,7 @@ import signal
 import socket
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from emad.engine.host_memory import return_large_frees
 from emad.evaluation.decoder import Decoder, Outcome, Plan
@@ -60,10 +62,13 @@ class _Worker:
         return_large_frees()  # as the stage's own process (emad.stage.run_stage)
         self.decoder = Decoder(plan)
 
-    def run(self, index: int, unit: tuple) -> tuple[int, list]:
-        """``("screen", domain[, extra jobs])``: the domain's screen rows; ``("run", domain[, kept, extra jobs])``:
-        its kept jobs' outcomes (:class:`~emad.evaluation.decoder.Decoder`)."""
+    def run(self, index: int, unit: tuple) -> tuple[int, Any]:
+        """``("score", domain, shard[, extra jobs])``: (this worker, the shard's teacher-forced scores);
+        ``("screen", domain[, extra jobs, scores])``: the domain's screen rows; ``("run", domain[, kept, extra jobs,
+        spare, scores, split])``: its kept jobs' outcomes (:class:`~emad.evaluation.decoder.Decoder`)."""
         phase, domain, *rest = unit
+        if phase == "score":
+            return index, (worker_name(), self.decoder.score(domain, *rest))
         if phase == "screen":
             return index, self.decoder.screen(domain, *rest)
         return index, self.decoder.run(domain, *rest, host=worker_name())
@@ -73,11 +78,16 @@ class _Worker:
 Then = Callable[[list], Sequence | None] | None
 
 
-def serial(plan, units: Sequence, workers: int | None = None, actor: type = _Worker, then: Then = None) -> list:
+# the units, or a function of the executor's width (how many workers it runs at once) giving them
+Units = Sequence | Callable[[int], Sequence]
+
+
+def serial(plan, units: Units, workers: int | None = None, actor: type = _Worker, then: Then = None) -> list:
     """Every unit in this process, in order (one worker: the model loaded once); with ``then``, each next phase's
     units on the same worker (what it kept from earlier phases is reused), until ``then`` gives None."""
     import torch
 
+    units = units(1) if callable(units) else units
     worker = actor(plan, os.getcwd(), torch.get_num_threads())
     out = [worker.run(i, unit)[1] for i, unit in enumerate(units)]
     while then is not None and (units := then(out)) is not None:
@@ -88,7 +98,7 @@ def serial(plan, units: Sequence, workers: int | None = None, actor: type = _Wor
 EXECUTORS.add("serial", serial)
 
 
-def ray_executor(plan: Plan, units: Sequence, workers: int | None = None,
+def ray_executor(plan: Plan, units: Units, workers: int | None = None,
                  order: Callable[[list[int]], list[int]] = lambda ix: ix, actor: type = _Worker, then: Then = None
                  ) -> list[list[Outcome]]:
     """The units on Ray actors (``order`` permutes the submission order: the outcome order never changes).
@@ -100,7 +110,8 @@ def ray_executor(plan: Plan, units: Sequence, workers: int | None = None,
 
     Args:
         plan: the checked plan every actor builds its decoder from.
-        units: the eval domains, one unit each.
+        units: the units (e.g. a decode stage's domains, or shards of them), or a function of the width (the
+            actors it can run at once: ``workers``, else one per GPU of the cluster, else 2) giving them.
         workers: how many actors (default: one per GPU of the cluster, else 2; never more than the units).
         order: permutes the submission order (tests).
         actor: the actor class, built as ``actor(plan, cwd, threads)`` with a method ``run(index, unit)``.
@@ -125,6 +136,7 @@ def ray_executor(plan: Plan, units: Sequence, workers: int | None = None,
             _init_ray(ray)
             _sigterm_as_exit(signals)  # again: ray.init installs a handler of its own
         gpus = int(ray.cluster_resources().get("GPU", 0))
+        units = units(workers or gpus or 2) if callable(units) else units
         n = max(1, min(len(units), workers or gpus or 2))
         threads = torch.get_num_threads()  # each actor computes with the stage's thread count: the same numbers
         cpus = 1 if gpus else threads

@@ -1,0 +1,76 @@
+"""Shards of a domain's teacher-forced requests: the screen's work split so that one domain fills many workers.
+
+A teacher-forced task's requests (perplexity windows, agreement prompts, cloze and choice items) are scored one
+at a time by the sweep (:class:`emad.decode.Sweep`): a request's scores do not depend on the others. A shard takes
+every ``count``-th request of each task, starting at ``index`` (interleaved, so that each shard holds a share of
+every task); :func:`merge` puts the shards' scores back in request order, so the scores — and every number made
+from them — are those of one process scoring every request. A method the sweep does not serve scores its requests
+as one batch (:func:`emad.decode.score_requests`); in a shard its batch holds the shard's requests, equal up to
+the float order of a batched product.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from emad.decode.results import Scored
+
+# method label -> teacher-forced task -> (the task's request count, {request index: its continuations' scores})
+ShardScores = dict[str, dict[str, tuple[int, dict[int, list[Scored]]]]]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Every ``count``-th request of each task, from ``index`` (``Shard(0, 1)``: every request)."""
+
+    index: int = 0
+    count: int = 1
+
+    def __post_init__(self):
+        if self.count < 1 or not 0 <= self.index < self.count:
+            raise ValueError(f"shard {self.index} of {self.count}: need count >= 1 and 0 <= index < count")
+
+    def indices(self, n: int) -> list[int]:
+        """This shard's request indices among ``n``."""
+        return list(range(self.index, n, self.count))
+
+    def __str__(self) -> str:
+        return f"{self.index + 1}/{self.count}"
+
+
+WHOLE = Shard()
+
+
+def shards_per_domain(workers: int, domains: int) -> int:
+    """How many shards each domain's screen is cut into so that ``workers`` all get work: one per worker spread
+    over the domains (at least one; one worker or as many domains as workers: one)."""
+    if workers < 1 or domains < 1:
+        raise ValueError(f"workers {workers} and domains {domains}: need at least one of each")
+    return max(1, math.ceil(workers / domains))
+
+
+def merge(parts: list[ShardScores]) -> dict[str, dict[str, list[list[Scored]]]]:
+    """The shards' scores in request order: ``{method: {task: [[Scored per continuation] per request]}}``, as one
+    process scoring every request gives them. Raises ValueError when a request is missing or scored twice, or
+    the shards disagree on a task's request count."""
+    out: dict[str, dict[str, list[list[Scored]]]] = {}
+    sizes: dict[tuple[str, str], int] = {}
+    found: dict[tuple[str, str], dict[int, list[Scored]]] = {}
+    for part in parts:
+        for name, tasks in part.items():
+            for task, (n, rows) in tasks.items():
+                key = (name, task)
+                if sizes.setdefault(key, n) != n:
+                    raise ValueError(f"{name} on {task}: shards disagree on the request count ({sizes[key]}, {n})")
+                have = found.setdefault(key, {})
+                twice = sorted(set(have) & set(rows))
+                if twice:
+                    raise ValueError(f"{name} on {task}: requests {twice[:5]} scored by two shards")
+                have.update(rows)
+    for (name, task), rows in found.items():
+        missing = sorted(set(range(sizes[name, task])) - set(rows))
+        if missing:
+            raise ValueError(f"{name} on {task}: requests {missing[:5]} scored by no shard")
+        out.setdefault(name, {})[task] = [rows[i] for i in range(sizes[name, task])]
+    return out

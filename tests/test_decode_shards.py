@@ -1,0 +1,134 @@
+"""A domain's screen split in shards of its requests (emad.evaluation.shards): merged in request order, whatever
+order the shards finish in, the decode stage writes what one process scoring every request writes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from emad.decode.results import Scored
+from emad.evaluation.executors import EXECUTORS, _Worker
+from emad.evaluation.shards import WHOLE, Shard, merge, shards_per_domain
+from tests.test_decode_stage import DECODE, TEXT
+from tests.test_executors import _outputs
+from tests.tiny import save_tiny_pretrained, save_tiny_profiles
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory, smollm2):
+    """The decode stage's tiny model, one domain, a profile with a position axis; the stage's plan on it without
+    the confidence-strata ablation."""
+    root = tmp_path_factory.mktemp("shards")
+    save_tiny_pretrained(root / "model", smollm2.tokenizer)
+    corpus = root / "corpora" / "toy"
+    corpus.mkdir(parents=True)
+    docs = [{"id": str(i), "text": TEXT[i * 5:], "n_tokens": 0} for i in range(3)]
+    (corpus / "eval.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (corpus / "manifest.json").write_text(json.dumps({"manifest_sha256": "toy"}))
+    save_tiny_profiles(root / "model", [TEXT] * 2, root / "profile.json", position_edges=[8])
+    ablations = {k: v for k, v in DECODE["ablations"].items() if k != "strata-confidence"}
+    (root / "params.yaml").write_text(yaml.safe_dump({"decode": {**DECODE, "ablations": ablations,
+                                                                 "speed_repeats": 1, "speed_tokens": 2}}))
+    return root
+
+
+def _scored(x: float) -> list[Scored]:
+    return [Scored([x], [1], 1.0, 1.0)]
+
+
+def test_a_shard_takes_every_count_th_request_and_bad_shards_are_named():
+    assert Shard(1, 3).indices(8) == [1, 4, 7] and WHOLE.indices(3) == [0, 1, 2] and str(Shard(1, 3)) == "2/3"
+    assert sorted(i for k in range(3) for i in Shard(k, 3).indices(10)) == list(range(10))
+    for index, count in ((3, 3), (-1, 2), (0, 0)):
+        with pytest.raises(ValueError, match=rf"shard {index} of {count}: need count >= 1 and 0 <= index < count"):
+            Shard(index, count)
+    assert [shards_per_domain(w, 1) for w in (1, 2, 3, 8)] == [1, 2, 3, 8]
+    assert [shards_per_domain(w, 2) for w in (1, 2, 3, 8)] == [1, 1, 2, 4]
+    with pytest.raises(ValueError, match="workers 0 and domains 1"):
+        shards_per_domain(0, 1)
+
+
+def test_merge_puts_shards_back_in_request_order_and_names_a_missing_or_twice_scored_request():
+    parts = [{"m": {"ppl": (5, {i: _scored(i) for i in Shard(k, 2).indices(5)})}} for k in (1, 0)]  # out of order
+    assert [row[0].logprobs for row in merge(parts)["m"]["ppl"]] == [[0], [1], [2], [3], [4]]
+    assert merge([{"m": {"ppl": (0, {})}}]) == {"m": {"ppl": []}}
+    with pytest.raises(ValueError, match=r"m on ppl: requests \[1, 3\] scored by no shard"):
+        merge(parts[1:])
+    with pytest.raises(ValueError, match=r"m on ppl: requests \[0, 2, 4\] scored by two shards"):
+        merge([parts[1], parts[1]])
+    with pytest.raises(ValueError, match=r"m on ppl: shards disagree on the request count \(5, 6\)"):
+        merge([parts[0], {"m": {"ppl": (6, {0: _scored(0)})}}])
+
+
+def _fresh_per_unit(width: int):
+    """An executor for tests: the first phase's units for ``width`` workers, every unit of every phase on a fresh
+    worker (nothing kept between units, as on Ray actors), submitted last first; outcomes in unit order."""
+
+    def run(plan, units, workers=None, actor=_Worker, then=None):
+        import os
+
+        import torch
+
+        units = units(width) if callable(units) else units
+        seen.append(list(units))
+        out = {i: actor(plan, os.getcwd(), torch.get_num_threads()).run(i, u)[1] for i, u in reversed(list(
+            enumerate(units)))}
+        out = [out[i] for i in range(len(units))]
+        while then is not None and (units := then(out)) is not None:
+            seen.append(list(units))
+            done = {i: actor(plan, os.getcwd(), torch.get_num_threads()).run(i, u)[1]
+                    for i, u in reversed(list(enumerate(units)))}
+            out = [done[i] for i in range(len(units))]
+        return out
+
+    seen: list[list[tuple]] = []
+    return run, seen
+
+
+@pytest.mark.parametrize("width", [3])
+def test_the_decode_stage_in_shards_on_fresh_workers_writes_what_one_process_writes(workspace, monkeypatch, width):
+    """Baselines, a point, an ablation scored token by token and related methods on one domain: its screen in
+    ``width`` shards, each unit on a fresh worker, last first — every run file and artifact equals the serial
+    stage's (provenance's process and split aside), and every shard was its own unit."""
+    import pipeline.decode as stage
+
+    root, params = workspace, workspace / "params.yaml"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow-shards.db'}")
+
+    def args(out: str) -> list[str]:
+        return ["--kind", "baseline", "--kind", "point", "--kind", "ablation", "--kind", "related",
+                "--model", "tiny", "--model-dir", str(root / "model"), "--corpora", str(root / "corpora"),
+                "--calibration", "toy", "--profile", str(root / "profile.json"),
+                "--out", str(root / out / "runs"), "--artifacts", str(root / out / "art"), "--params", str(params)]
+
+    monkeypatch.setenv("EMAD_DECODE_EXECUTOR", "serial")
+    assert stage.main(args("serial")) == 0
+    fresh, seen = _fresh_per_unit(width)
+    EXECUTORS.add("fresh-per-unit", fresh)
+    try:
+        monkeypatch.setenv("EMAD_DECODE_EXECUTOR", "fresh-per-unit")
+        assert stage.main(args("sharded")) == 0
+    finally:
+        EXECUTORS.remove("fresh-per-unit")
+    assert [u[:3] for u in seen[0]] == [("score", "toy", Shard(k, width)) for k in range(width)]
+    assert [u[0] for u in seen[1]] == ["screen"] and seen[-1][0][0] == "run"
+    serial, sharded = _outputs(root / "serial"), _outputs(root / "sharded")
+    assert len([k for k in serial if k.endswith(".json")]) >= 7 and sharded.keys() == serial.keys()
+    # a method scored token by token decodes its requests as one batch, in a shard the shard's: floats within
+    # 1e-5 relative (the order of a batched product), everything else equal
+    assert not _differences(serial, sharded, rel=1e-5)
+    exact = [k for k in serial if "backfill" not in k]  # the sweep scores request by request: bit for bit
+    assert {k: sharded[k] for k in exact} == {k: serial[k] for k in exact}
+
+
+def _differences(a, b, rel: float, path: str = "") -> list[str]:
+    """Where ``a`` and ``b`` differ: floats by more than ``rel`` relative, anything else at all."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b)) for d in _differences(a.get(k), b.get(k), rel, f"{path}/{k}")]
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, rel, f"{path}[{i}]")]
+    if isinstance(a, float) and isinstance(b, float):
+        return [] if a == pytest.approx(b, rel=rel) else [f"{path}: {a} vs {b}"]
+    return [] if a == b else [f"{path}: {a!r} vs {b!r}"]
