@@ -133,6 +133,39 @@ def test_ray_writes_what_serial_writes_and_units_come_back_in_unit_order(workspa
     assert _outcomes(reversed_ray) == _outcomes(serial(plan, units))
 
 
+@pytest.mark.heavy  # minutes: one domain decoded serially, on 1 and on 3 Ray workers
+def test_one_domain_fills_every_ray_worker_and_writes_what_serial_writes(workspace, local_ray, monkeypatch):
+    """A one-domain plan on 3 workers: its screen in 3 shards, each scored by its own actor (the third starts when
+    a CPU frees), merged in request order — the run files equal the serial stage's and those of 1 worker."""
+    import torch
+
+    import pipeline.decode as stage
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one CPU per actor; the serial stage computes with the same thread count
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{workspace / 'mlflow-one.db'}")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    try:
+        outs = {}
+        for executor, workers in (("serial", 1), ("ray", 1), ("ray", 3)):
+            params = workspace / f"one-{executor}-{workers}.yaml"
+            params.write_text(yaml.safe_dump({"decode": {**DECODE, "workers": workers}}))
+            name = f"one-{executor}-{workers}"
+            args = _args(workspace, name)
+            monkeypatch.setenv("EMAD_DECODE_EXECUTOR", executor)
+            assert stage.main([*args[:-1], str(params), "--domain", DOMAINS[0]]) == 0
+            outs[name] = _outputs(workspace / name)
+    finally:
+        torch.set_num_threads(threads)
+    assert len([k for k in outs["one-serial-1"] if k.endswith(".json")]) == 5
+    assert outs["one-ray-1"] == outs["one-serial-1"] and outs["one-ray-3"] == outs["one-serial-1"]
+    record = json.loads((workspace / "one-ray-3" / "runs" / f"tiny--full--{DOMAINS[0]}.json").read_text())
+    split = record["provenance"]["split"]
+    assert split["workers"] == 3 and split["screen_shards_per_domain"] == 3
+    (first, *_) = split["screen_workers"][DOMAINS[0]]  # the first round's shards: one actor each
+    assert len(first) == 3 and len(set(first)) == 3 and all(":" in w for w in first)
+
+
 def test_an_unknown_executor_is_named_before_any_work(workspace, monkeypatch):
     import pipeline.decode as stage
 
