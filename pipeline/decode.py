@@ -223,7 +223,8 @@ class Phases:
             jobs, self.scoring, units = self.scoring, None, []
             for i, d in enumerate(call.domains):
                 parts = out[i * self.shards:(i + 1) * self.shards]  # (worker, its shard's scores) in shard order
-                self.split.setdefault("screen_workers", {}).setdefault(d, []).append([w for w, _ in parts])
+                workers = len({w for w, _ in parts})  # distinct workers that scored this round's shards
+                self.split.setdefault("screen_workers", {}).setdefault(d, []).append(workers)
                 merged = merge([scores for _, scores in parts])
                 self.scores[d].update(merged)
                 units.append(("screen", d, jobs, {**merged, **self._reference(d)}))

@@ -162,8 +162,7 @@ def test_one_domain_fills_every_ray_worker_and_writes_what_serial_writes(workspa
     record = json.loads((workspace / "one-ray-3" / "runs" / f"tiny--full--{DOMAINS[0]}.json").read_text())
     split = record["provenance"]["split"]
     assert split["workers"] == 3 and split["screen_shards_per_domain"] == 3
-    (first, *_) = split["screen_workers"][DOMAINS[0]]  # the first round's shards: one actor each
-    assert len(first) == 3 and len(set(first)) == 3 and all(":" in w for w in first)
+    assert split["screen_workers"][DOMAINS[0]][0] == 3  # the first round's 3 shards: 3 distinct actors
 
 
 def test_an_unknown_executor_is_named_before_any_work(workspace, monkeypatch):
