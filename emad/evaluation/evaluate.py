@@ -173,9 +173,9 @@ def score_all(stack: LayerStack, tokenizer, methods: dict[str, Method | Strategy
 def score_shard(stack: LayerStack, tokenizer, methods: dict[str, Method | Strategy], prepared: list[Prepared],
                 shared: Shared, unserved_tokens: int | None = None, kept: dict | None = None,
                 shard: Shard = WHOLE) -> ShardScores:
-    """:func:`score_all` on the requests of ``shard`` only (:mod:`emad.evaluation.shards`): ``{method: {task:
-    (request count, {request index: [Scored per continuation]})}}``, merged back in order by
-    :func:`~emad.evaluation.shards.merge`."""
+    """:func:`score_all` on the requests of ``shard`` only (:mod:`emad.evaluation.shards`; a method the sweep does
+    not serve: all its requests, in the one shard that owns it): ``{method: {task: (request count, {request index:
+    [Scored per continuation]})}}``, merged back in order by :func:`~emad.evaluation.shards.merge`."""
     served = [name for name, method in methods.items() if sweep_refusal(method) is None]
     sweep = Sweep(stack, [methods[n] for n in served], served) if served else None
     out: ShardScores = {name: {} for name in methods}
@@ -191,11 +191,12 @@ def score_shard(stack: LayerStack, tokenizer, methods: dict[str, Method | Strate
             if kept is not None:  # the pass's states stay between its freed readouts: give those pages back
                 release_free(min_interval=1.0)
         alone = p.task.fewer(requests, unserved_tokens) if unserved_tokens else requests
-        mine = shard.indices(len(alone))
-        for name, method in methods.items():
-            if name not in served:
-                out[name][p.name] = (len(alone), dict(zip(mine, score_requests(stack, [alone[i] for i in mine],
-                                                                               method), strict=True)))
+        for j, name in enumerate(name for name in methods if name not in served):
+            # a method scored token by token decodes its requests as one batch: whole, in one shard (the j-th
+            # such method in shard j mod count), so its floats are those of one process scoring every request
+            mine = shard.owns(j)
+            out[name][p.name] = (len(alone), dict(enumerate(score_requests(stack, alone, methods[name])))
+                                 if mine else {})
     return out
 
 

@@ -5,8 +5,8 @@ at a time by the sweep (:class:`emad.decode.Sweep`): a request's scores do not d
 every ``count``-th request of each task, starting at ``index`` (interleaved, so that each shard holds a share of
 every task); :func:`merge` puts the shards' scores back in request order, so the scores — and every number made
 from them — are those of one process scoring every request. A method the sweep does not serve scores its requests
-as one batch (:func:`emad.decode.score_requests`); in a shard its batch holds the shard's requests, equal up to
-the float order of a batched product.
+as one batch (:func:`emad.decode.score_requests`), whose floats depend on the batch: such methods are not split but
+spread, each scored whole by one shard (:meth:`Shard.owns`).
 """
 
 from __future__ import annotations
@@ -34,6 +34,11 @@ class Shard:
     def indices(self, n: int) -> list[int]:
         """This shard's request indices among ``n``."""
         return list(range(self.index, n, self.count))
+
+    def owns(self, j: int) -> bool:
+        """Whether the ``j``-th of the methods a shard cannot split (scored token by token, as one batch) is this
+        shard's to score whole."""
+        return j % self.count == self.index
 
     def __str__(self) -> str:
         return f"{self.index + 1}/{self.count}"
