@@ -2,8 +2,10 @@
 
 A decode stage's units are, per eval domain, shards of its teacher-forced requests scored for every job of the
 call (:mod:`emad.evaluation.shards`; the one-pass sweep shares each request's pass across the jobs), then the
-domain's screen from the merged scores, then its run (free-running tasks and timing); a risk unit is one search (:mod:`emad.evaluation.risk_search`), run by the ``actor`` given. An executor takes the checked :class:`~emad.evaluation.decoder.Plan` and the units, and returns each unit's
-outcomes **in unit order**, whatever order they were submitted or finished in; only the stage's process (the
+domain's screen from the merged scores, then its run (free-running tasks and timing) — with no more workers than
+domains, one screen unit per domain that scores its domain itself; a risk unit is one search
+(:mod:`emad.evaluation.risk_search`), run by the ``actor`` given. An executor takes the checked
+:class:`~emad.evaluation.decoder.Plan` and the units, and returns each unit's outcomes **in unit order**, whatever order they were submitted or finished in; only the stage's process (the
 driver) writes files and logs to MLflow. With ``ray``, ``ray.init()`` joins the cluster ``RAY_ADDRESS`` names,
 or starts Ray inside the stage when it is unset or ``local`` (not one already running on this host:
 ``RAY_ADDRESS=auto`` joins that); one actor per worker (``decode.workers``, default: one per GPU of the cluster,
