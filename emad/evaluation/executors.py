@@ -5,8 +5,9 @@ call (:mod:`emad.evaluation.shards`; the one-pass sweep shares each request's pa
 domain's screen from the merged scores, then its run (free-running tasks and timing) — with no more workers than
 domains, one screen unit per domain that scores its domain itself; a risk unit is one search
 (:mod:`emad.evaluation.risk_search`), run by the ``actor`` given. An executor takes the checked
-:class:`~emad.evaluation.decoder.Plan` and the units, and returns each unit's outcomes **in unit order**, whatever order they were submitted or finished in; only the stage's process (the
-driver) writes files and logs to MLflow. With ``ray``, ``ray.init()`` joins the cluster ``RAY_ADDRESS`` names,
+:class:`~emad.evaluation.decoder.Plan` and the units, and returns each unit's outcomes **in unit order**,
+whatever order they were submitted or finished in; only the stage's process (the driver) writes files and logs to
+MLflow. With ``ray``, ``ray.init()`` joins the cluster ``RAY_ADDRESS`` names,
 or starts Ray inside the stage when it is unset or ``local`` (not one already running on this host:
 ``RAY_ADDRESS=auto`` joins that); one actor per worker (``decode.workers``, default: one per GPU of the cluster,
 else 2) loads the model once and scores the units it is given (``num_gpus=1`` each when the cluster has GPUs; on
