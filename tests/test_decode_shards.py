@@ -55,6 +55,7 @@ def test_merge_puts_shards_back_in_request_order_and_names_a_missing_or_twice_sc
     parts = [{"m": {"ppl": (5, {i: _scored(i) for i in Shard(k, 2).indices(5)})}} for k in (1, 0)]  # out of order
     assert [row[0].logprobs for row in merge(parts)["m"]["ppl"]] == [[0], [1], [2], [3], [4]]
     assert merge([{"m": {"ppl": (0, {})}}]) == {"m": {"ppl": []}}
+    assert merge([{"m": {}, "full": {}}, {"m": {}, "full": {}}]) == {"m": {}, "full": {}}  # no teacher-forced task
     with pytest.raises(ValueError, match=r"m on ppl: requests \[1, 3\] scored by no shard"):
         merge(parts[1:])
     with pytest.raises(ValueError, match=r"m on ppl: requests \[0, 2, 4\] scored by two shards"):

@@ -64,6 +64,7 @@ def merge(parts: list[ShardScores]) -> dict[str, dict[str, list[list[Scored]]]]:
     found: dict[tuple[str, str], dict[int, list[Scored]]] = {}
     for part in parts:
         for name, tasks in part.items():
+            out.setdefault(name, {})  # a method on a domain without teacher-forced tasks: no task, still a method
             for task, (n, rows) in tasks.items():
                 key = (name, task)
                 if sizes.setdefault(key, n) != n:
