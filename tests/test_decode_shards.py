@@ -3,35 +3,22 @@ order the shards finish in, the decode stage writes what one process scoring eve
 
 from __future__ import annotations
 
-import json
-
 import pytest
-import yaml
 
 from emad.decode.results import Scored
 from emad.evaluation.executors import EXECUTORS, _Worker
 from emad.evaluation.shards import WHOLE, Shard, merge, shards_per_domain
-from tests.test_decode_stage import DECODE, TEXT
+from tests.test_decode_stage import DECODE, make_workspace
 from tests.test_executors import _outputs
-from tests.tiny import save_tiny_pretrained, save_tiny_profiles
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory, smollm2):
     """The decode stage's tiny model, one domain, a profile with a position axis; the stage's plan on it without
     the confidence-strata ablation."""
-    root = tmp_path_factory.mktemp("shards")
-    save_tiny_pretrained(root / "model", smollm2.tokenizer)
-    corpus = root / "corpora" / "toy"
-    corpus.mkdir(parents=True)
-    docs = [{"id": str(i), "text": TEXT[i * 5:], "n_tokens": 0} for i in range(3)]
-    (corpus / "eval.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
-    (corpus / "manifest.json").write_text(json.dumps({"manifest_sha256": "toy"}))
-    save_tiny_profiles(root / "model", [TEXT] * 2, root / "profile.json", position_edges=[8])
     ablations = {k: v for k, v in DECODE["ablations"].items() if k != "strata-confidence"}
-    (root / "params.yaml").write_text(yaml.safe_dump({"decode": {**DECODE, "ablations": ablations,
-                                                                 "speed_repeats": 1, "speed_tokens": 2}}))
-    return root
+    return make_workspace(tmp_path_factory.mktemp("shards"), smollm2.tokenizer,
+                          {**DECODE, "ablations": ablations, "speed_repeats": 1, "speed_tokens": 2})
 
 
 def _scored(x: float) -> list[Scored]:

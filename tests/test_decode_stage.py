@@ -37,18 +37,23 @@ DECODE = {
 }
 
 
-@pytest.fixture(scope="module")
-def workspace(tmp_path_factory, smollm2):
-    root = tmp_path_factory.mktemp("decode")
-    save_tiny_pretrained(root / "model", smollm2.tokenizer)
+def make_workspace(root: Path, tokenizer, decode: dict) -> Path:
+    """A tiny model, one domain (``toy``), a profile with a position axis and ``decode`` as params.yaml under
+    ``root``."""
+    save_tiny_pretrained(root / "model", tokenizer)
     corpus = root / "corpora" / "toy"
     corpus.mkdir(parents=True)
     docs = [{"id": str(i), "text": TEXT[i * 5:], "n_tokens": 0} for i in range(3)]
     (corpus / "eval.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
     (corpus / "manifest.json").write_text(json.dumps({"manifest_sha256": "toy"}))
     save_tiny_profiles(root / "model", [TEXT] * 2, root / "profile.json", position_edges=[8])
-    (root / "params.yaml").write_text(yaml.safe_dump({"decode": DECODE}))
+    (root / "params.yaml").write_text(yaml.safe_dump({"decode": decode}))
     return root
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory, smollm2):
+    return make_workspace(tmp_path_factory.mktemp("decode"), smollm2.tokenizer, DECODE)
 
 
 def _decode(root: Path, kind: str, point: str, monkeypatch, **extra) -> int:
