@@ -38,12 +38,12 @@ from emad.evaluation import identity
 from emad.evaluation.checks import Thresholds
 from emad.evaluation.config import DecodeConfig
 from emad.evaluation.decoder import REFERENCE, Job, Outcome, Plan, Sources
-from emad.evaluation.executors import EXECUTORS, executor_name
+from emad.evaluation.executors import EXECUTORS, Unit, executor_name
 from emad.evaluation.operating_point import profile_file, readout_path
 from emad.evaluation.provenance import check_mergeable, record_mix
 from emad.evaluation.record import RunRecord
 from emad.evaluation.screen import ROUNDS, costly, keep, refinements, screen_record
-from emad.evaluation.shards import Shard, merge, shards_per_domain
+from emad.evaluation.shards import Shard, groups, merge, shards_per_domain
 from emad.evaluation.sweeps import LAYER_FIELDS, SweepPosition, swept_name
 from emad.io import atomic_write_json, atomic_write_text
 from emad.params import load_decode, load_section
@@ -195,19 +195,20 @@ class Phases:
         self.scores: dict[str, dict] = {d: {} for d in call.domains}  # domain -> job label -> its merged scores
         self.scoring: tuple[Job, ...] | None = None  # the jobs whose shards are out (() every job); None: screening
 
-    def start(self, width: int) -> list[tuple]:
+    def start(self, width: int) -> list[Unit]:
         """The first phase's units for an executor running ``width`` workers at once: every domain's shards."""
         self.shards = shards_per_domain(width, len(self.call.domains))
         self.split = {"workers": width, "screen_shards_per_domain": self.shards}
         return self._score(())
 
-    def _score(self, jobs: Sequence[Job]) -> list[tuple]:
+    def _score(self, jobs: Sequence[Job]) -> list[Unit]:
         """The units that score ``jobs`` (() every job) on every domain: its shards, or with one shard a domain,
-        its screen, which scores them itself."""
+        its screen, which scores them itself. Shard ``k`` of a domain is at home where shard ``k`` was scored
+        before (its sweep passes are kept there)."""
         if self.shards == 1:
-            return [("screen", d, tuple(jobs)) for d in self.call.domains]
+            return [Unit("screen", d, (tuple(jobs),), home=(d, 0)) for d in self.call.domains]
         self.scoring = tuple(jobs)
-        return [("score", d, Shard(k, self.shards), self.scoring) for d in self.call.domains
+        return [Unit("score", d, (Shard(k, self.shards), self.scoring), home=(d, k)) for d in self.call.domains
                 for k in range(self.shards)]
 
     def _reference(self, domain: str) -> dict:
@@ -215,7 +216,7 @@ class Phases:
         full = {job.label for job in self.call.jobs if job.point.method == identity.FULL} | {REFERENCE}
         return {label: rows for label, rows in self.scores[domain].items() if label in full}
 
-    def __call__(self, out: list) -> list[tuple] | None:
+    def __call__(self, out: list) -> list[Unit] | None:
         call, target = self.call, 1.0 - self.call.thresholds.min_flops_reduction
         if self.ran:
             return None
@@ -227,7 +228,7 @@ class Phases:
                 self.split.setdefault("screen_workers", {}).setdefault(d, []).append(workers)
                 merged = merge([scores for _, scores in parts])
                 self.scores[d].update(merged)
-                units.append(("screen", d, jobs, {**merged, **self._reference(d)}))
+                units.append(Unit("screen", d, (jobs, {**merged, **self._reference(d)}), home=(d, 0)))
             return units
         self.rows.extend(row for unit in out for row in unit)
         new = refinements(self.rows, target, LAYER_FIELDS) if self.rounds < ROUNDS else {}
@@ -241,8 +242,30 @@ class Phases:
         spare = frozenset() if below is None else frozenset(
             identity.point_folder(point, cal) for point, cal in costly(self.rows, max(below, target)))
         self.ran = True
-        return [("run", d, kept, tuple(self.extra), spare, self.scores[d] if self.shards > 1 else None, self.split)
-                for d in call.domains]
+        if self.shards == 1:  # the worker that screened the domain runs it, from the scores it kept
+            return [Unit("run", d, (kept, tuple(self.extra), spare, None, self.split), home=(d, 0))
+                    for d in call.domains]
+        units = []
+        for d in call.domains:
+            parts = groups(self._weights(d, kept), self.shards)
+            self.split.setdefault("run_groups", {})[d] = len(parts)
+            units += [Unit("run", d, (kept, tuple(self.extra), spare, self.scores[d], self.split, group), home=(d, k))
+                      for k, group in enumerate(parts)]
+        return units
+
+    def _weights(self, domain: str, kept: frozenset[str]) -> list[tuple[str, str, float]]:
+        """``(label, family, weight)`` of every job the run phase runs on ``domain`` (kept, or not screened): the
+        work it is expected to take — 1 for a job that decodes every free-running prompt, less for one the
+        screen rules out there (it decodes none)."""
+        out = []
+        for job in [*self.call.jobs, *self.extra]:
+            screened = job.position is not None and job.position.screened
+            if screened and job.name not in kept:
+                continue
+            ruled_out = any(r.point == job.name and r.calibration == job.calibration and r.domain == domain
+                            and r.ruled_out for r in self.rows)
+            out.append((job.label, job.point.family, 0.1 if ruled_out else 1.0))
+        return out
 
     def _at(self, curve: str, value: float) -> list[Job]:
         """The jobs of sweep ``curve`` at a new ``value``: one per calibration source its jobs run with."""
@@ -266,13 +289,25 @@ def main(argv: list[str] | None = None) -> int:
                             unit[0].provenance) for unit in outcomes if unit])
     record_mix([o.provenance for unit in outcomes for o in unit], mix)
     args.artifacts.mkdir(parents=True, exist_ok=True)  # the stage's output, empty where nothing decoded free running
-    for per_domain in outcomes:  # only this process writes and logs, in unit order
-        for outcome in per_domain:
-            _write(args, call.cfg, jobs[outcome.label], outcome)
+    order = {(d, label): i for i, (d, label) in enumerate((d, label) for d in call.domains for label in jobs)}
+    done = sorted((o for unit in outcomes for o in unit), key=lambda o: order[o.domain, o.label])
+    _record_run_workers(done)
+    for outcome in done:  # only this process writes and logs, domain by domain, in job order whatever the split
+        _write(args, call.cfg, jobs[outcome.label], outcome)
     for curve in sorted({r.curve for r in phases.rows}):
         atomic_write_json(args.out / "screens" / f"{curve}.json",
                           screen_record(args.model, curve, [r for r in phases.rows if r.curve == curve]))
     return 0
+
+
+def _record_run_workers(outcomes: list[Outcome]) -> None:
+    """Where the run phase was split in groups (``run_groups`` in the split record), how many distinct workers ran
+    each domain's groups (``run_workers``), in every outcome's provenance."""
+    for d in {o.domain for o in outcomes if "run_groups" in o.provenance.get("split", {})}:
+        mine = [o for o in outcomes if o.domain == d]
+        workers = len({o.host for o in mine})
+        for o in mine:
+            o.provenance["split"] = {**o.provenance["split"], "run_workers": workers}
 
 
 def _write(args, cfg: DecodeConfig, job: Job, out: Outcome) -> None:

@@ -1,4 +1,4 @@
-"""Decode executors (emad.evaluation.executors): serial and Ray (local, 2 CPUs) give the same outputs on a tiny
+"""Decode executors (emad.evaluation.executors): serial and Ray (local, 3 CPUs) give the same outputs on a tiny
 model, whatever order the units are submitted in; bad executor names and unreachable clusters fail first."""
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ def workspace(tmp_path_factory, smollm2):
 
 @pytest.fixture(scope="module")
 def local_ray():
-    """Ray started in this process on 2 CPUs (as the stage starts it when RAY_ADDRESS is unset)."""
+    """Ray started in this process on 3 CPUs (as the stage starts it when RAY_ADDRESS is unset)."""
     ray = pytest.importorskip("ray")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 
@@ -107,7 +107,7 @@ def test_a_ray_address_nothing_answers_is_named_before_any_work(workspace, monke
 @pytest.mark.heavy  # a minute: every unit decoded twice, serially and on Ray
 def test_ray_writes_what_serial_writes_and_units_come_back_in_unit_order(workspace, local_ray, monkeypatch):
     import pipeline.decode as stage
-    from emad.evaluation.executors import ray_executor, serial
+    from emad.evaluation.executors import Unit, ray_executor, serial
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{workspace / 'mlflow.db'}")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
@@ -127,7 +127,7 @@ def test_ray_writes_what_serial_writes_and_units_come_back_in_unit_order(workspa
     assert runs["tags.worker"].str.contains(":").sum() == 5 * len(DOMAINS)  # host:pid of the Ray actor
 
     plan = stage.plan(stage.parse_args(_args(workspace, "unused")))
-    units = [("run", d) for d in plan.domains]  # the second phase alone: each unit scores its domain itself
+    units = [Unit("run", d) for d in plan.domains]  # the second phase alone: each unit scores its domain itself
     reversed_ray = ray_executor(plan, units, 2, order=lambda ix: ix[::-1])
     assert [[o.domain for o in unit] for unit in reversed_ray] == [[d] * 5 for d in plan.domains]
     assert _outcomes(reversed_ray) == _outcomes(serial(plan, units))
@@ -135,8 +135,9 @@ def test_ray_writes_what_serial_writes_and_units_come_back_in_unit_order(workspa
 
 @pytest.mark.heavy  # minutes: one domain decoded serially, on 1 and on 3 Ray workers
 def test_one_domain_fills_every_ray_worker_and_writes_what_serial_writes(workspace, local_ray, monkeypatch):
-    """A one-domain plan on 3 workers: its screen in 3 shards, each scored by its own actor (the third starts when
-    a CPU frees), merged in request order — the run files equal the serial stage's and those of 1 worker."""
+    """A one-domain plan on 3 workers: its screen in 3 shards, each scored by its own actor, merged in request
+    order, and its run phase in groups of families on them — the run files equal the serial stage's and those of
+    1 worker."""
     import torch
 
     import pipeline.decode as stage
@@ -163,6 +164,49 @@ def test_one_domain_fills_every_ray_worker_and_writes_what_serial_writes(workspa
     split = record["provenance"]["split"]
     assert split["workers"] == 3 and split["screen_shards_per_domain"] == 3
     assert split["screen_workers"][DOMAINS[0]][0] == 3  # the first round's 3 shards: 3 distinct actors
+    assert split["run_groups"][DOMAINS[0]] == split["run_workers"] == 3  # the families of 5 jobs in 3 groups
+
+
+HOMED = """
+import os
+import time
+
+
+class Homed:
+    \"\"\"A stand-in for the decode actor: a unit sleeps ``unit.args[0]`` seconds, then gives (its pid, its home).\"\"\"
+
+    def __init__(self, plan, cwd, threads):
+        pass
+
+    def run(self, index, unit):
+        time.sleep(unit.args[0])
+        return index, (os.getpid(), unit.home)
+"""
+
+
+def test_a_unit_runs_where_its_home_ran_before_and_outcomes_come_in_unit_order(local_ray, monkeypatch):
+    """Three homes on three actors, the first unit delayed so that the others finish first; the next phase's
+    units, in the reverse order, each on the actor its home ran on; outcomes in unit order, and the actors are
+    the same from phase to phase."""
+    import torch
+
+    from emad.evaluation.executors import Unit, ray_executor
+
+    namespace = {"__name__": "homed"}
+    exec(HOMED, namespace)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    phases = []
+
+    def then(out):
+        phases.append(out)
+        return [Unit("run", "d", (0.0,), home=h) for h in (2, 1, 0)] if len(phases) == 1 else None
+
+    last = ray_executor(None, [Unit("score", "d", (delay,), home=h) for h, delay in enumerate((1.0, 0.0, 0.0))],
+                        3, actor=namespace["Homed"], then=then)
+    first = phases[0]
+    assert [home for _, home in first] == [0, 1, 2] and [home for _, home in last] == [2, 1, 0]
+    assert len({pid for pid, _ in first}) == 3
+    assert {home: pid for pid, home in first} == {home: pid for pid, home in last}
 
 
 def test_an_unknown_executor_is_named_before_any_work(workspace, monkeypatch):

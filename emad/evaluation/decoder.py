@@ -266,13 +266,16 @@ class Decoder:
 
     def run(self, domain: str, kept: frozenset[str] | None = None, extra: Sequence[Job] = (),
             spare: frozenset[str] = frozenset(), scores: dict | None = None, split: dict | None = None,
-            host: str = "") -> list[Outcome]:
+            labels: frozenset[str] | None = None, host: str = "") -> list[Outcome]:
         """Every job on ``domain`` (``kept``: only the jobs of those point names, and every job not screened;
         ``extra``: the refinement's jobs, which ``kept`` may name; ``spare``: the labels of screened jobs that can
         decide neither criterion on any domain, :func:`emad.evaluation.screen.costly`): its teacher-forced results
         (scored by :meth:`screen` when this decoder screened the domain, or given as ``scores``, merged from the
         shards that scored it), then its own free-running tasks, timing and heat-map inputs. ``split``: how the
-        domain's work was split (recorded in each outcome's provenance)."""
+        domain's work was split (recorded in each outcome's provenance). ``labels``: the jobs this call returns
+        (None: every job; a group of families, :func:`emad.evaluation.shards.groups`) — full depth runs with them
+        all the same, as the reference their C2 timing is decided against, and its outcome is returned only where
+        ``labels`` names it."""
         cfg, stack, tokenizer, prepared = self.plan.cfg, self.stack, self.loaded.tokenizer, self.prepared[domain]
         where, start = provenance(stack.device, stack.dtype, host), time.perf_counter()
         if split is not None:
@@ -282,6 +285,8 @@ class Decoder:
             self._install(domain, scores)
         jobs = [job for job in self.jobs if kept is None or job.name in kept or not (
             job.position and job.position.screened)]
+        if labels is not None:
+            jobs = [job for job in jobs if job.label in labels or job.point.method == FULL]
         missing = [job for job in jobs if job.label not in self._scores.get(domain, {})]
         if missing:  # a decoder that did not screen this domain (another Ray actor did)
             self._score(domain, missing)
@@ -312,6 +317,8 @@ class Decoder:
         timing = time.perf_counter() - timing
         out = []
         for job, why, limit, result in done:
+            if labels is not None and job.label not in labels:
+                continue
             heat = (([], None, None) if limit == 0 else
                     heatmap_inputs(stack, tokenizer, result, prepared, shared, cfg.heatmap_texts, limit))
             settings = {"tasks": {p.name: p.settings.model_dump() for p in prepared}, "free_prompts": limit,

@@ -23,8 +23,10 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from emad.engine.host_memory import return_large_frees
@@ -52,6 +54,19 @@ def worker_name() -> str:
     return socket.gethostname() if node is None else f"{socket.gethostname()}:{os.getpid()} node {node[:12]}"
 
 
+@dataclass(frozen=True)
+class Unit:
+    """A decode work unit: its ``phase`` (``score``, ``screen`` or ``run``) on ``domain``, with ``args`` for the
+    :class:`~emad.evaluation.decoder.Decoder` method of that phase. Units of one ``home`` (a domain and a shard's
+    index) run on the worker that ran that home's last unit while it is alive, so that what it kept is reused: the
+    shard's sweep passes for a refinement, the domain's scores for its run."""
+
+    phase: str
+    domain: str
+    args: tuple = ()
+    home: Hashable = None
+
+
 class _Worker:
     """A decode unit's worker (in the stage's process, or a Ray actor's state): one :class:`Decoder` (the model
     loaded once per worker), built in the driver's working directory (the plan's paths are relative to it; on a
@@ -65,16 +80,14 @@ class _Worker:
         return_large_frees()  # as the stage's own process (emad.stage.run_stage)
         self.decoder = Decoder(plan)
 
-    def run(self, index: int, unit: tuple) -> tuple[int, Any]:
-        """``("score", domain, shard[, extra jobs])``: (this worker, the shard's teacher-forced scores);
-        ``("screen", domain[, extra jobs, scores])``: the domain's screen rows; ``("run", domain[, kept, extra jobs,
-        spare, scores, split])``: its kept jobs' outcomes (:class:`~emad.evaluation.decoder.Decoder`)."""
-        phase, domain, *rest = unit
-        if phase == "score":
-            return index, (worker_name(), self.decoder.score(domain, *rest))
-        if phase == "screen":
-            return index, self.decoder.screen(domain, *rest)
-        return index, self.decoder.run(domain, *rest, host=worker_name())
+    def run(self, index: int, unit: Unit) -> tuple[int, Any]:
+        """Phase ``score``: (this worker, the shard's teacher-forced scores, :meth:`Decoder.score`); ``screen``: the
+        domain's screen rows (:meth:`Decoder.screen`); ``run``: its jobs' outcomes (:meth:`Decoder.run`)."""
+        if unit.phase == "score":
+            return index, (worker_name(), self.decoder.score(unit.domain, *unit.args))
+        if unit.phase == "screen":
+            return index, self.decoder.screen(unit.domain, *unit.args)
+        return index, self.decoder.run(unit.domain, *unit.args, host=worker_name())
 
 
 # a phase's outcomes (in unit order) -> the next phase's units, or None when the last phase has run
@@ -106,8 +119,10 @@ def ray_executor(plan: Plan, units: Units, workers: int | None = None,
                  ) -> list[list[Outcome]]:
     """The units on Ray actors (``order`` permutes the submission order: the outcome order never changes).
 
-    Each actor takes the next unit when it finishes one; an actor with no unit left is ended, so that its CPU or
-    GPU is free for an actor restarted after its node was lost (its unit is retried there). Whatever the outcome
+    Each actor takes the next unit when it finishes one — a unit with a home (:class:`Unit`) the actor that ran
+    its home's last unit, in this phase or an earlier one (:class:`_Pool`). The actors last until the last phase
+    has run; when a node is lost, the idle ones are ended, so that its actor, restarted elsewhere, finds room (its
+    unit is retried there). Whatever the outcome
     (a unit that fails, SIGTERM, Ctrl-C), every actor is ended before this returns or raises, and a Ray this call
     started (or joined) is shut down (or left).
 
@@ -115,11 +130,12 @@ def ray_executor(plan: Plan, units: Units, workers: int | None = None,
         plan: the checked plan every actor builds its decoder from.
         units: the units (e.g. a decode stage's domains, or shards of them), or a function of the width (the
             actors it can run at once: ``workers``, else one per GPU of the cluster, else 2) giving them.
-        workers: how many actors (default: one per GPU of the cluster, else 2; never more than the units).
+        workers: how many actors (default: one per GPU of the cluster, else 2; never more than the first phase's
+            units, nor than the cluster can place at once).
         order: permutes the submission order (tests).
         actor: the actor class, built as ``actor(plan, cwd, threads)`` with a method ``run(index, unit)``.
-        then: a phase's outcomes → the next phase's units, each phase on fresh actors, until it gives None (None:
-            one phase).
+        then: a phase's outcomes → the next phase's units, each phase on the same actors, until it gives None
+            (None: one phase).
 
     Returns:
         Each unit's outcomes, in unit order.
@@ -139,20 +155,22 @@ def ray_executor(plan: Plan, units: Units, workers: int | None = None,
             _init_ray(ray)
             _sigterm_as_exit(signals)  # again: ray.init installs a handler of its own
         gpus = int(ray.cluster_resources().get("GPU", 0))
-        units = units(workers or gpus or 2) if callable(units) else units
-        n = max(1, min(len(units), workers or gpus or 2))
         threads = torch.get_num_threads()  # each actor computes with the stage's thread count: the same numbers
         cpus = 1 if gpus else threads
-        largest = max((node["Resources"].get("CPU", 0) for node in ray.nodes() if node["Alive"]), default=0)
+        nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
+        largest = max((node.get("CPU", 0) for node in nodes), default=0)
         if cpus > largest:
             raise ValueError(f"decode.executor ray: each actor needs {cpus} CPUs (the stage's torch threads), the "
                              f"largest Ray node has {largest:g}; set OMP_NUM_THREADS={int(largest)} for the stage")
+        width = _width(workers or gpus or 2, gpus or sum(int(node.get("CPU", 0) // cpus) for node in nodes))
+        units = units(width) if callable(units) else units
         # a unit whose actor is lost is retried until the actor is back (restarted once) or dead for good: a lost
         # node's actor is "unavailable" until Ray declares the node dead, and a fixed count of retries is spent then
         remote = ray.remote(num_cpus=cpus, num_gpus=1 if gpus else 0, max_restarts=1, max_task_retries=-1)(actor)
-        out = _run_units(ray, remote, actors, plan, units, n, threads, order)
+        pool = _Pool(ray, remote, plan, threads, max(1, min(len(units), width)), actors)
+        out = pool.run(units, order)
         while then is not None and (units := then(out)) is not None:
-            out = _run_units(ray, remote, actors, plan, units, min(n, len(units)), threads, order)
+            out = pool.run(units, order)
         return out
     except SystemExit:
         if signals:  # Ray's wait turns the exception a signal handler raises into SystemExit(1)
@@ -170,34 +188,86 @@ def ray_executor(plan: Plan, units: Units, workers: int | None = None,
             signal.signal(signal.SIGTERM, previous)
 
 
-def _run_units(ray, remote, actors: set, plan: Plan, units: Sequence[str], n: int, threads: int,
-               order: Callable[[list[int]], list[int]]) -> list[list[Outcome]]:
-    """``n`` actors of ``remote`` (each added to ``actors`` while alive) through the units; outcomes in unit order."""
-    queue, running = order(list(range(len(units)))), {}
+def home_of(unit) -> Hashable:
+    """The home of a unit (:attr:`Unit.home`; None for a unit of another shape, e.g. a risk search's name)."""
+    return getattr(unit, "home", None)
 
-    def submit(worker) -> None:
-        i = queue.pop(0)
-        running[worker.run.remote(i, units[i])] = worker
 
-    for _ in range(n):
-        worker = remote.options(scheduling_strategy="SPREAD").remote(plan, os.getcwd(), threads)
-        actors.add(worker)
-        submit(worker)
-    done: dict[int, list[Outcome]] = {}
-    while running:
-        (ready,), _ = ray.wait(list(running), num_returns=1)
-        worker = running.pop(ready)
-        index, outcomes = ray.get(ready)  # a unit that failed after its retry raises here: nothing is written
-        done[index] = outcomes
-        if queue:
-            submit(worker)
-        else:
-            ray.kill(worker)
-            actors.discard(worker)
-    return [done[i] for i in range(len(units))]
+class _Pool:
+    """The stage's actors, kept from one phase to the next so that a unit runs where its home's earlier units ran
+    (what that worker kept — a shard's sweep passes, a domain's scores — is reused). Never more actors than the
+    cluster can place at once (``capacity``), so that every actor started gets to run; while the units of a phase
+    are under way, an actor with nothing left to take waits for the next phase — unless a node is lost: then the
+    idle actors are ended, so that the lost node's actor, restarted elsewhere, finds room (its unit is retried
+    there)."""
+
+    POLL = 1.0  # seconds between checks for a lost node while waiting for a unit
+
+    def __init__(self, ray, remote, plan: Plan, threads: int, width: int, actors: set):
+        self.ray, self.remote, self.plan, self.threads, self.width = ray, remote, plan, threads, width
+        self.actors = actors  # every actor started and not ended (the executor ends them whatever happens)
+        self.homes: dict[Hashable, Any] = {}  # a unit's home -> the actor that ran its last unit
+        self.nodes = self._alive()
+
+    def _alive(self) -> int:
+        return sum(1 for node in self.ray.nodes() if node["Alive"])
+
+    def run(self, units: Sequence, order: Callable[[list[int]], list[int]]) -> list:
+        """Every unit on the pool's actors (started as needed, at most ``width``); outcomes in unit order."""
+        queue, running, done = order(list(range(len(units)))), {}, {}
+        idle = list(self.actors)
+
+        def claim(actor) -> int | None:
+            """The next unit ``actor`` may take: its own home's first, else one whose home has no live actor."""
+            ours = [i for i in queue if self.homes.get(home_of(units[i])) is actor]
+            free = [i for i in queue if self.homes.get(home_of(units[i])) not in self.actors]
+            return (ours or free or [None])[0]
+
+        def dispatch() -> None:
+            while len(self.actors) < min(self.width, len(units)) and len(idle) < len(queue):
+                actor = self.remote.options(scheduling_strategy="SPREAD").remote(self.plan, os.getcwd(),
+                                                                                  self.threads)
+                self.actors.add(actor)
+                idle.append(actor)
+            for actor in list(idle):
+                i = claim(actor)
+                if i is not None:
+                    queue.remove(i)
+                    idle.remove(actor)
+                    if home_of(units[i]) is not None:
+                        self.homes[home_of(units[i])] = actor
+                    running[actor.run.remote(i, units[i])] = actor
+
+        dispatch()
+        while running:
+            ready, _ = self.ray.wait(list(running), num_returns=1, timeout=self.POLL)
+            if not ready:
+                if self._alive() < self.nodes:  # a node lost: room for its actor, restarted elsewhere
+                    self.nodes = self._alive()
+                    for actor in idle:
+                        self.ray.kill(actor)
+                        self.actors.discard(actor)
+                    idle.clear()
+                    dispatch()
+                continue
+            actor = running.pop(ready[0])
+            index, outcomes = self.ray.get(ready[0])  # a unit that failed after its retry raises here
+            done[index] = outcomes
+            idle.append(actor)
+            dispatch()
+        return [done[i] for i in range(len(units))]
 
 
 EXECUTORS.add("ray", ray_executor)
+
+
+def _width(asked: int, capacity: int) -> int:
+    """How many actors run at once: those ``asked`` for, at most as many as the cluster can place (``capacity``:
+    its GPUs, else how many actors its nodes' CPUs hold) — an actor that cannot be placed would hold its units."""
+    if asked > capacity:
+        print(f"decode: {asked} workers asked for; the cluster places {capacity} at once: {capacity} run",
+              file=sys.stderr)
+    return max(1, min(asked, capacity))
 
 
 def _init_ray(ray) -> None:

@@ -80,3 +80,24 @@ def merge(parts: list[ShardScores]) -> dict[str, dict[str, list[list[Scored]]]]:
             raise ValueError(f"{name} on {task}: requests {missing[:5]} scored by no shard")
         out.setdefault(name, {})[task] = [rows[i] for i in range(sizes[name, task])]
     return out
+
+
+def groups(jobs: list[tuple[str, str, float]], count: int) -> list[frozenset[str]]:
+    """A domain's run phase in at most ``count`` groups of job labels, from ``(label, family, weight)`` per job: a
+    family's jobs stay together (its C2 candidates are timed in turn, and a candidate that decides C2 spares the
+    later ones), families placed heaviest first on the lightest group (ties: the first), so that the groups' summed
+    weights — the work they are expected to take — are close. The groups depend on the jobs alone, in a fixed
+    order; empty groups are left out."""
+    if count < 1:
+        raise ValueError(f"run groups: need count >= 1, got {count}")
+    weight: dict[str, float] = {}
+    members: dict[str, list[str]] = {}
+    for label, family, w in jobs:
+        weight[family] = weight.get(family, 0.0) + w
+        members.setdefault(family, []).append(label)
+    loads, out = [0.0] * count, [[] for _ in range(count)]
+    for family in sorted(weight, key=lambda f: (-weight[f], f)):
+        k = loads.index(min(loads))
+        loads[k] += weight[family]
+        out[k] += members[family]
+    return [frozenset(group) for group in out if group]
