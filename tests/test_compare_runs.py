@@ -12,7 +12,8 @@ import compare_runs  # noqa: E402
 
 def _checkout(root: Path, perplexity: float, seconds: float, host: str) -> Path:
     run = {"run_id": "m--p--d", "quality": {"perplexity": perplexity},
-           "cost": {"flops_ratio": 0.8, "speedup": 1.0 + seconds, "seconds": seconds},
+           "cost": {"flops_ratio": 0.8, "speedup": 1.0 + seconds, "seconds": seconds,
+                    "speed_device": f"cpu: {host}"},
            "provenance": {"host": host}, "mlflow_run_id": host}
     (root / "reports" / "runs" / "m--decode").mkdir(parents=True)
     (root / "reports" / "runs" / "m--decode" / "m--p--d.json").write_text(json.dumps(run))

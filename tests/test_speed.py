@@ -149,8 +149,10 @@ def test_on_a_gpu_the_faster_of_our_full_depth_and_hf_static_generate_is_the_ref
         return new_tokens / 0.25  # four times our full depth's speed
 
     monkeypatch.setattr(speed, "hf_static_generate", hf_static)
+    monkeypatch.setattr(speed, "gpu_of", lambda device: "Some GPU, 80 GiB")
     gpu = SimpleNamespace(device=SimpleNamespace(type="cuda"))
     out = speed.time_prompts(gpu, None, [object()], PROMPTS, NEW)[0]
+    assert out["speed_device"] == "cuda: Some GPU, 80 GiB"  # the GPU, not the host's CPU
     assert hf[0] == (PROMPTS.index(max(PROMPTS, key=len)), NEW)  # warmed up on the longest prompt, all tokens
     assert [p for p, _ in hf[1:]] == list(range(8)) and len(calls) == 2 + 16
     assert out["speed_reference"] == speed.HF_STATIC
@@ -173,6 +175,38 @@ def test_hf_static_generate_runs_and_counts_the_tokens_our_full_depth_makes():
     hf = stack.model.generate(__import__("torch").tensor([prompt]), max_new_tokens=6, do_sample=False,
                               cache_implementation="static", pad_token_id=0)
     assert hf[0, len(prompt):].tolist() == ours.token_ids[0]
+
+
+def _host_cpu() -> str:
+    """The host's CPU model as /proc/cpuinfo names it (platform's answer elsewhere)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        import platform
+
+        return platform.processor() or platform.machine()
+
+
+def test_every_speed_record_names_the_device_its_pairs_were_timed_on():
+    """On a tiny model on this host's CPU: C2's timing, the cheap measure and the no-prompt records of both name
+    ``cpu: <this CPU's model>``."""
+    from emad.engine.stack import LayerStack
+    from tests.tiny import TinyTokenizer, tiny_model
+
+    stack, tok = LayerStack(tiny_model("llama")), TinyTokenizer()
+    host = f"cpu: {_host_cpu()}"
+    assert stack.device.type == "cpu" and len(host) > len("cpu: ")
+    timed = speed.time_prompts(stack, tok, [Full()], PROMPTS, 3)
+    assert len(timed[0]["speed_pairs"]) == 8 and timed[0]["speed_device"] == host
+    cheap = speed.measure_speedup(stack, tok, Full(), PROMPTS[:2], 3, 2)
+    assert len(cheap["speed_pairs"]) == 2 and cheap["speed_device"] == host
+    assert speed.time_prompts(stack, tok, [Full()], [], 3)[0]["speed_device"] == host
+    assert speed.measure_speedup(stack, tok, Full(), [], 0, 0)["speed_device"] == host
+    none = SimpleNamespace(speed_prompts=lambda data, settings: None)
+    prepared = [SimpleNamespace(name="fidelity", task=none, data=None, settings=None)]
+    assert speed.point_speedup(stack, tok, Full(), prepared, SimpleNamespace(generated={}), None, 1)[
+        "speed_device"] == host
 
 
 def test_the_verdict_names_the_speed_reference_and_the_speed_up_against_each_decoder_timed():

@@ -10,7 +10,8 @@ report, the decode stage's early stop of C2 and any other reader share one rule.
 - C1 (:func:`decide_c1`): some point with ≥ ``min_flops_reduction`` met, each of the m candidates judged at
   1 − 0.05/m (:func:`family_wise`); "not falsified; untested at this size" where the best a candidate reaches is
   untested; falsified only when every candidate is measured beyond a tolerance.
-- C2 (:func:`decide_c2`): some met point whose interval over prompts lies at or above ``1 + min_speed_gain``
+- C2 (:func:`decide_c2`): some met point whose interval over prompts (its runs' pairs on one device,
+  :mod:`emad.evaluation.speed_devices`) lies at or above ``1 + min_speed_gain``
   (Bonferroni over the timed candidates); untested where that point's accuracy is untested; falsified only when
   every eligible point that saves FLOPs was timed and each interval lies wholly below the gain; otherwise
   unresolved, naming the eligible points not timed.
@@ -39,6 +40,7 @@ from emad.evaluation.checks import (
     combined_state,
 )
 from emad.evaluation.intervals import LEVEL, Interval, floor_state, ratio_interval
+from emad.evaluation.speed_devices import DeviceSplit, split_by_device
 from emad.evaluation.states import UNTESTED
 from emad.evaluation.units import CONFIRMATION, SELECTION, Units
 
@@ -96,6 +98,8 @@ class PointAssessment:
     level: float = LEVEL  # of its intervals (above 95% where one claim rests on several points)
     runs: list[dict] = field(default_factory=list, repr=False)  # its run records (one per domain)
     flops_half: str = "confirmation half"  # the units its FLOPs ratio is read on (those its checks judge)
+    speed_device: str | None = None  # the device ``speed`` is read on, set where its runs were timed on several
+    speed_left_out: list[dict] = field(default_factory=list)  # then the runs left out: domain, run_id, device, pairs
 
     @property
     def reduction(self) -> float:
@@ -177,6 +181,8 @@ class PointAssessment:
                 "speedup": self.speedup,
                 "speed": self.speed.to_dict() if self.speed else None, "load_avg": self.load_avg,
                 "speed_reference": self.speed_reference, "speedup_by_reference": self.speedup_by_reference,
+                **({"speed_device": self.speed_device, "speed_left_out": self.speed_left_out}
+                   if self.speed_device is not None or self.speed_left_out else {}),
                 "flops_by_domain": self.flops_by_domain,
                 "state": str(self.state), "within_tolerance": self.within_tolerance,
                 "worst": worst.describe() if worst else None,
@@ -211,14 +217,16 @@ def _aggregate_speedup(runs: Sequence[dict], bases: Sequence[dict], weights: Seq
     return full_time / time if time > 0 else None
 
 
-def _prompt_speed(runs: Sequence[dict], level: float = LEVEL) -> Interval | None:
+def _prompt_speed(runs: Sequence[dict], level: float = LEVEL) -> tuple[Interval | None, DeviceSplit]:
     """The speed-up's 95% interval over the distinct prompts the runs were timed on (one pair per prompt, all
-    domains together), or None when a run was not timed over prompts or on fewer than
+    domains together) on one device (:func:`~emad.evaluation.speed_devices.split_by_device`: the one with the most
+    pairs), and that split; None, with every run kept, when a run was not timed over prompts or on fewer than
     :data:`~emad.evaluation.checks.MIN_SPEED_PROMPTS`."""
     costs = [r.get("cost", {}) for r in runs]
     if any(c.get("speed_unit") != "prompt" or len(c.get("speed_pairs") or []) < MIN_SPEED_PROMPTS for c in costs):
-        return None
-    return ratio_interval([own / ref for c in costs for own, ref in c["speed_pairs"]], level)
+        return None, DeviceSplit(None, list(runs))
+    split = split_by_device(runs)
+    return ratio_interval([own / ref for r in split.kept for own, ref in r["cost"]["speed_pairs"]], level), split
 
 
 def half_flops(run: dict, units: Units) -> float | None:
@@ -258,17 +266,19 @@ def assess_point(runs: Sequence[dict], base: dict[tuple[str, str], dict], thr: T
               for r, b in zip(runs, bases) for m in sorted(b.get("quality", {}))]
     first = runs[0]
     screened = [c for r, b in zip(runs, bases) if r.get("not_run") for c in screened_checks(r, b, thr)]
+    speed, split = _prompt_speed(runs, level)
     return PointAssessment(identity.point_label(str(first["point"]), first.get("calibration")), first["point"], first.get("calibration"),
                            ", ".join(sorted({r["family"] for r in runs})), [r["domain"] for r in runs],
                            [r["run_id"] for r in runs], [r["mlflow_run_id"] for r in runs if r.get("mlflow_run_id")],
                            flops, _aggregate_speedup(runs, bases, weights), checks,
                            {r["domain"]: f for r, (f, _) in zip(runs, judged)}, first.get("curve"),
-                           first.get("knob"), first.get("value"), _prompt_speed(runs, level),
-                           max((r["cost"]["load_avg"] for r in runs if finite(r.get("cost", {}).get("load_avg"))),
-                               default=None),
+                           first.get("knob"), first.get("value"), speed,
+                           max((r["cost"]["load_avg"] for r in split.kept
+                                if finite(r.get("cost", {}).get("load_avg"))), default=None),
                            {r["domain"]: r.get("depth_histogram") or {} for r in runs},
-                           *_references(runs), screened, level, list(runs),
-                           " and ".join(sorted({half for _, half in judged})))
+                           *_references(split.kept), screened, level, list(runs),
+                           " and ".join(sorted({half for _, half in judged})),
+                           split.judged if split.mixed else None, split.left_out_summary())
 
 
 def screened_checks(run: dict, base: dict, thr: Thresholds) -> list[Check]:

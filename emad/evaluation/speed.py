@@ -15,7 +15,8 @@ Two measures:
 
 Timing each point against a full-depth run made in another process (at another time, under another load) turns a
 busy machine into a fake slow-down; pairing them in time cancels most of it. The load average around the
-measurement is recorded beside it.
+measurement is recorded beside it, and the device it was made on (:func:`speed_device`): the verdict pools pairs of
+one device only (:mod:`emad.evaluation.speed_devices`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,18 @@ from emad.decode import Generation, generate
 from emad.decode.step import elapsed
 from emad.decode.steppers import build
 from emad.engine.engines import compile_stats
+from emad.evaluation.provenance import cpu_model, gpu_of
+from emad.evaluation.speed_devices import device_name
 from emad.exits.criteria import Full
+
+
+def speed_device(stack) -> str:
+    """The device ``stack`` generates on, as a speed record names it (``speed_device``,
+    :func:`~emad.evaluation.speed_devices.device_name`): ``cuda: NVIDIA H200, 139 GiB`` on a GPU, else
+    ``<device type>: <CPU model>``; the host's CPU for a stack without a device."""
+    device = getattr(stack, "device", None)
+    kind = getattr(device, "type", None) or "cpu"
+    return device_name(kind, gpu_of(device) if kind == "cuda" else None, cpu_model())
 
 
 def _tokens_per_s(out: Generation) -> float:
@@ -146,13 +158,15 @@ def time_prompts(stack, tokenizer, methods: Sequence, prompts: Sequence[Sequence
         ``reference_tokens_per_s_by_reference`` (every reference timed), ``decode_speedup`` and
         ``decode_speed_pairs`` (the decode steps alone, against our full depth's; None where not split),
         ``speed_basis``, ``speed_unit`` (``prompt``), ``speed_block`` (the methods timed in the blocks),
-        ``speed_new_tokens`` and ``load_avg`` (1-minute load average, the larger of before and after). Values are
-        None without prompts.
+        ``speed_new_tokens``, ``load_avg`` (1-minute load average, the larger of before and after) and
+        ``speed_device`` (where the pairs were timed, :func:`speed_device`). Values are None without prompts (the
+        device is named even then).
     """
+    device = speed_device(stack)
     if not prompts:
         return [{"speedup": None, "speed_tokens_per_s": None, "reference_tokens_per_s": None, "speed_pairs": [],
                  "speed_reference": None, "speed_unit": "prompt", "speed_block": len(methods),
-                 "speed_new_tokens": None, "load_avg": None} for _ in methods]
+                 "speed_new_tokens": None, "load_avg": None, "speed_device": device} for _ in methods]
     before = os.getloadavg()[0]
     refs = full_depth_references(stack)
     runs = [lambda prompt, new, m=m: _rates(generate(stack, tokenizer, [list(prompt)], m, new)) for m in methods]
@@ -196,7 +210,7 @@ def time_prompts(stack, tokenizer, methods: Sequence, prompts: Sequence[Sequence
                     "decode_speedup": _geometric_mean([a / b for a, b in decode]) if split else None,
                     "decode_speed_pairs": decode if split else [], "speed_basis": SPEED_BASIS,
                     "speed_unit": "prompt", "speed_block": len(methods), "speed_new_tokens": new_tokens,
-                    "load_avg": load})
+                    "load_avg": load, "speed_device": device})
     return out
 
 
@@ -237,7 +251,8 @@ def point_speedup(stack, tokenizer, method, prepared: Sequence, result, limit: i
     depth's tokens/s on them, e.g. a cached :func:`reference_speed`) when given. ``new_tokens``: generate that many
     instead of the task's own count (the generation already made is then not reused). A task generation that
     shared its prompts' pass (:class:`~emad.decode.Prefills`, batches of prompts) is not timed: the first prompt is
-    then generated afresh and set against the reference on it. No prompts: nothing measured."""
+    then generated afresh and set against the reference on it. No prompts: nothing measured. Every result names
+    its ``speed_device``, as :func:`measure_speedup`'s does."""
     found = _speed_prompts(prepared, result)
     if found is None:
         return measure_speedup(stack, tokenizer, method, [], 0, 0)
@@ -263,12 +278,15 @@ def measure_speedup(stack, tokenizer, method, prompts: Sequence[Sequence[int]], 
     Returns:
         ``speedup`` (median of the per-repeat ratios method tokens/s ÷ full-depth tokens/s), the medians
         ``speed_tokens_per_s`` and ``reference_tokens_per_s``, ``speed_repeats``, ``speed_pairs`` (per repeat,
-        ``[method tokens/s, full-depth tokens/s]``), ``speed_unit`` (``repeat``), ``speed_new_tokens``, and ``load_avg`` (1-minute load
-        average, the larger of before and after). Values are None when ``repeats`` is 0.
+        ``[method tokens/s, full-depth tokens/s]``), ``speed_unit`` (``repeat``), ``speed_new_tokens``, ``load_avg``
+        (1-minute load average, the larger of before and after) and ``speed_device`` (:func:`speed_device`).
+        Values are None when ``repeats`` is 0 or there are no prompts (the device is named even then).
     """
+    device = speed_device(stack)
     if repeats == 0 or not prompts:
         return {"speedup": None, "speed_tokens_per_s": None, "reference_tokens_per_s": None, "speed_repeats": 0,
-                "speed_pairs": [], "speed_unit": "repeat", "speed_new_tokens": None, "load_avg": None}
+                "speed_pairs": [], "speed_unit": "repeat", "speed_new_tokens": None, "load_avg": None,
+                "speed_device": device}
     before = os.getloadavg()[0]
     own, ref = [], []
     full = Full()
@@ -283,4 +301,4 @@ def measure_speedup(stack, tokenizer, method, prompts: Sequence[Sequence[int]], 
     return {"speedup": statistics.median(a / b for a, b in zip(own, ref)),
             "speed_tokens_per_s": statistics.median(own), "reference_tokens_per_s": statistics.median(ref),
             "speed_repeats": repeats, "speed_pairs": [[a, b] for a, b in zip(own, ref)], "speed_unit": "repeat",
-            "speed_new_tokens": new_tokens, "load_avg": max(before, os.getloadavg()[0])}
+            "speed_new_tokens": new_tokens, "load_avg": max(before, os.getloadavg()[0]), "speed_device": device}

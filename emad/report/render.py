@@ -442,7 +442,8 @@ def _headline(curve: Curve, v: ModelVerdict) -> dict[str, Any]:
                    "c2_point": timed.label if timed else None, "speedup": speed.value if speed else None,
                    "speedup_lo": speed.lo if speed else None, "speedup_hi": speed.hi if speed else None,
                    "speedup_prompts": speed.n if speed else None,
-                   "speedup_level": timed.level if timed and speed.defined else None})
+                   "speedup_level": timed.level if timed and speed.defined else None,
+                   "speedup_device": timed.speed_device if timed else None})
 
 
 def metrics_summary(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, ModelVerdict],
@@ -460,7 +461,8 @@ def metrics_summary(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, Model
     unresolved, when that point is unresolved / untested; ``c2_point``,
     ``speedup`` (``_lo``, ``_hi``, ``_prompts``, ``_level``): the point C2 names when it was timed over prompts
     with every counted check met, its tokens/s over full depth's with the interval over prompts at the level C2
-    judged it (family-wise). Families are those of ``family_verdicts`` (judged alone; computed from ``runs`` with
+    judged it (family-wise); ``speedup_device``: the device whose pairs it reads, only where the point's runs were
+    timed on several. Families are those of ``family_verdicts`` (judged alone; computed from ``runs`` with
     the thresholds of ``verdicts`` when None) plus the judged method of ``verdicts`` under its joined name
     (``emad (all)``, or ``emad, confidence``) when it spans several. The per-run detail is :func:`run_details`.
     """

@@ -39,8 +39,11 @@
   ``cost.speed_pairs``; the reference is the faster of our full depth and, on CUDA, HF's static-cache
   ``generate``, ``cost.speed_reference``); the per-prompt ratios of all its domains give an interval over prompts
   (Student t on the log ratios, :func:`emad.evaluation.intervals.ratio_interval`; Bonferroni over the timed
-  candidates). Its speed state is met when the interval lies at or above ``1 + min_speed_gain``, violated when
-  wholly below, unresolved otherwise (also where the side it rests on does not cover at its number of prompts).
+  candidates) — on one device: where a point's runs were timed on several (``cost.speed_device``), the pairs of
+  the device with the most are read, and the text names it and the pairs left out
+  (:mod:`emad.evaluation.speed_devices`). Its speed state is met when the interval lies at or above
+  ``1 + min_speed_gain``, violated when wholly below, unresolved otherwise (also where the side it rests on does
+  not cover at its number of prompts).
   C2 passes when a met point has a met speed state (a decode stage that runs one domain times a family's
   candidates cheapest first and stops once one passes there: the family has decided C2, its dearer points get the
   cheap measure); it is "not falsified; untested at this size" when the point that reaches the gain is untested;
@@ -80,7 +83,8 @@ PASS, FAIL, UNRESOLVED, UNTESTED = Outcome.PASS, Outcome.FAIL, Outcome.UNRESOLVE
 
 
 def speed_text(p: PointAssessment) -> str:
-    """``1.62× (95% CI 1.55 to 1.70, 16 prompts, load 1.9)``, or the cheap measure when not timed over prompts."""
+    """``1.62× (95% CI 1.55 to 1.70, 16 prompts, load 1.9)``, or the cheap measure when not timed over prompts;
+    where the point's runs were timed on several devices, the one read and the pairs left out."""
     if p.speed is None:
         return "n/a" if p.speedup is None else f"{p.speedup:.2f}× (one pair, not timed for C2)"
     level = f"{100 * p.level:.4g}% CI"
@@ -90,7 +94,17 @@ def speed_text(p: PointAssessment) -> str:
     versus = f" vs {p.speed_reference}" if p.speed_reference else ""
     others = "".join(f"; vs {name} {value:.2f}×" for name, value in p.speedup_by_reference.items()
                      if name != p.speed_reference)
-    return f"{p.speed.value:.2f}×{versus} ({ci}, {p.speed.n} prompts{load}{others})"
+    return f"{p.speed.value:.2f}×{versus} ({ci}, {p.speed.n} prompts{load}{others}{_device_text(p)})"
+
+
+def _device_text(p: PointAssessment) -> str:
+    """``; pairs timed on <device> only (left out: <domain>'s 8 pairs on <device>)`` where the point's runs were timed on
+    several devices (C2 reads the pairs of one: :mod:`emad.evaluation.speed_devices`); empty otherwise."""
+    if not p.speed_left_out:
+        return ""
+    left = ", ".join(f"{r['domain']}'s {r['pairs']} pairs on {r['device'] or 'an unnamed device'}"
+                     for r in p.speed_left_out)
+    return f"; pairs timed on {p.speed_device or 'an unnamed device'} only (left out: {left})"
 
 
 @dataclass
