@@ -1,12 +1,14 @@
 """Heavy: a Ray cluster of two nodes simulated on this machine — a head and a second node, each started with
 `ray start` on ports of its own, one CPU each, token authentication with a token the hosts share. `RAY_ADDRESS=…
 dvc repro` of the tiny-model graph runs the decode units on both nodes with the outputs of the serial executor and
-leaves `dvc status` clean; losing the second node while it runs a unit leaves the stage's outputs complete and equal
-to the serial ones (the unit retried on the head node), and no MLflow run RUNNING."""
+leaves `dvc status` clean; a decode of one domain runs its shards and run groups on both nodes with the serial
+outputs; losing the second node while it runs a shard leaves the stage's outputs complete and equal to the serial
+ones (the shard retried on the head node), and no MLflow run RUNNING."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import secrets
@@ -120,9 +122,9 @@ def test_dvc_repro_on_the_cluster_runs_units_on_both_nodes_with_the_serial_outpu
     assert {name: _outputs(graph / "reports" / name) for name in ("runs", "artifacts")} == ray_outputs
 
 
-def _decode(root: Path, out: str, environ: dict, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "pipeline/decode.py", *_args(root, out)], cwd=ROOT, env=environ,
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, text=True)
+def _decode(root: Path, out: str, environ: dict, log: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "pipeline/decode.py", *_args(root, out), *extra], cwd=ROOT,
+                            env=environ, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True)
 
 
 def _stage_env(root: Path, **extra: str) -> dict:
@@ -144,16 +146,50 @@ def _wait_for_a_unit_on(node: subprocess.Popen, stage: subprocess.Popen, timeout
     raise AssertionError(f"no unit started on the second node within {timeout:.0f} s (stage: {stage.poll()})")
 
 
-def test_losing_a_node_while_it_runs_a_unit_leaves_the_serial_outputs(workspace, cluster, tmp_path):  # noqa: F811
-    """Last in this module: the second node does not come back. Its unit is retried on the head node."""
-    serial = _decode(workspace, "c-serial", _stage_env(workspace, EMAD_DECODE_EXECUTOR="serial"),
-                     tmp_path / "serial.log")
-    assert serial.wait(timeout=600) == 0, (tmp_path / "serial.log").read_text()
+ONE_DOMAIN = ("--domain", "toy-a")  # a decode of one domain: its shards fill both nodes
+
+
+@pytest.fixture(scope="module")
+def one_domain_serial(workspace, tmp_path_factory):  # noqa: F811
+    """The serial stage's outputs for one domain (the reference of the cluster's runs)."""
+    log = tmp_path_factory.mktemp("serial") / "serial.log"
+    serial = _decode(workspace, "c-serial", _stage_env(workspace, EMAD_DECODE_EXECUTOR="serial"), log, *ONE_DOMAIN)
+    assert serial.wait(timeout=600) == 0, log.read_text()
+    return _outputs(workspace / "c-serial")
+
+
+def _stage_runs(store: str, before: int):
+    runs = mlflow_runs(store)
+    return runs.iloc[: len(runs) - before]  # newest first: this stage's runs
+
+
+def test_one_domain_runs_on_both_nodes_with_the_serial_outputs(workspace, cluster, one_domain_serial,  # noqa: F811
+                                                               tmp_path):
+    """A decode of one domain on two nodes: its screen's shards, then its run phase's groups of families, on both
+    nodes — the run files equal the serial stage's."""
+    store = f"sqlite:///{workspace / 'cluster.db'}"
+    before = len(mlflow_runs(store))
+    log = tmp_path / "both.log"
+    proc = _decode(workspace, "c-both", _stage_env(workspace, EMAD_DECODE_EXECUTOR="ray",
+                                                   RAY_ADDRESS=cluster.address, **cluster.auth), log, *ONE_DOMAIN)
+    assert proc.wait(timeout=600) == 0, log.read_text()
+    assert _outputs(workspace / "c-both") == one_domain_serial, log.read_text()
+    runs = _stage_runs(store, before)
+    assert len(runs) == 5 and set(runs["status"]) == {"FINISHED"}
+    assert len({worker.split(" node ")[1] for worker in runs["tags.worker"]}) == 2  # run groups on both nodes
+    split = json.loads(next((workspace / "c-both" / "runs").glob("*.json")).read_text())["provenance"]["split"]
+    assert split["workers"] == 2 and split["screen_shards_per_domain"] == 2 and split["screen_workers"]["toy-a"][0] == 2
+
+
+def test_losing_a_node_while_it_runs_a_unit_leaves_the_serial_outputs(workspace, cluster, one_domain_serial,  # noqa: F811
+                                                                      tmp_path):
+    """Last in this module: the second node does not come back. Its unit (a shard of the one domain's screen) is
+    retried on the head node; the actor idle there is ended to make room for it."""
     store = f"sqlite:///{workspace / 'cluster.db'}"
     before = len(mlflow_runs(store))
     log = tmp_path / "lost.log"
     proc = _decode(workspace, "c-lost", _stage_env(workspace, EMAD_DECODE_EXECUTOR="ray",
-                                                   RAY_ADDRESS=cluster.address, **cluster.auth), log)
+                                                   RAY_ADDRESS=cluster.address, **cluster.auth), log, *ONE_DOMAIN)
     second = _wait_for_a_unit_on(cluster.second, proc)
     os.killpg(cluster.second.pid, signal.SIGKILL)  # the second host's raylet and workers, at once
     for process in second:  # and any of them that left its process group
@@ -161,9 +197,8 @@ def test_losing_a_node_while_it_runs_a_unit_leaves_the_serial_outputs(workspace,
             process.kill()
     code = proc.wait(timeout=600)
     assert code == 0, log.read_text()
-    assert _outputs(workspace / "c-lost") == _outputs(workspace / "c-serial"), log.read_text()
-    runs = mlflow_runs(store)
-    runs = runs.iloc[: len(runs) - before]  # newest first: this stage's runs
-    assert len(runs) == 5 * 2 and set(runs["status"]) == {"FINISHED"}
+    assert _outputs(workspace / "c-lost") == one_domain_serial, log.read_text()
+    runs = _stage_runs(store, before)
+    assert len(runs) == 5 and set(runs["status"]) == {"FINISHED"}
     nodes = {worker.split(" node ")[1] for worker in runs["tags.worker"]}
-    assert len(nodes) == 1, nodes  # both units ended on the head node: the lost one was retried there
+    assert len(nodes) == 1, nodes  # every unit after the loss ran on the head node

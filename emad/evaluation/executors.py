@@ -25,6 +25,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -115,8 +116,8 @@ EXECUTORS.add("serial", serial)
 
 
 def ray_executor(plan: Plan, units: Units, workers: int | None = None,
-                 order: Callable[[list[int]], list[int]] = lambda ix: ix, actor: type = _Worker, then: Then = None
-                 ) -> list[list[Outcome]]:
+                 order: Callable[[list[int]], list[int]] = lambda ix: ix, actor: type = _Worker, then: Then = None,
+                 trace: list | None = None) -> list[list[Outcome]]:
     """The units on Ray actors (``order`` permutes the submission order: the outcome order never changes).
 
     Each actor takes the next unit when it finishes one — a unit with a home (:class:`Unit`) the actor that ran
@@ -136,6 +137,9 @@ def ray_executor(plan: Plan, units: Units, workers: int | None = None,
         actor: the actor class, built as ``actor(plan, cwd, threads)`` with a method ``run(index, unit)``.
         then: a phase's outcomes → the next phase's units, each phase on the same actors, until it gives None
             (None: one phase).
+        trace: a list to append one record per unit to, when it finishes (benchmarks): its ``phase`` (0, 1, ...),
+            ``unit`` index, ``kind`` and ``domain``, the ``actor`` that ran it (in start order), and the seconds
+            from the executor's start when it was ``submitted`` and ``done``.
 
     Returns:
         Each unit's outcomes, in unit order.
@@ -167,7 +171,7 @@ def ray_executor(plan: Plan, units: Units, workers: int | None = None,
         # a unit whose actor is lost is retried until the actor is back (restarted once) or dead for good: a lost
         # node's actor is "unavailable" until Ray declares the node dead, and a fixed count of retries is spent then
         remote = ray.remote(num_cpus=cpus, num_gpus=1 if gpus else 0, max_restarts=1, max_task_retries=-1)(actor)
-        pool = _Pool(ray, remote, plan, threads, max(1, min(len(units), width)), actors)
+        pool = _Pool(ray, remote, plan, threads, max(1, min(len(units), width)), actors, trace)
         out = pool.run(units, order)
         while then is not None and (units := then(out)) is not None:
             out = pool.run(units, order)
@@ -203,11 +207,13 @@ class _Pool:
 
     POLL = 1.0  # seconds between checks for a lost node while waiting for a unit
 
-    def __init__(self, ray, remote, plan: Plan, threads: int, width: int, actors: set):
+    def __init__(self, ray, remote, plan: Plan, threads: int, width: int, actors: set, trace: list | None = None):
         self.ray, self.remote, self.plan, self.threads, self.width = ray, remote, plan, threads, width
         self.actors = actors  # every actor started and not ended (the executor ends them whatever happens)
         self.homes: dict[Hashable, Any] = {}  # a unit's home -> the actor that ran its last unit
         self.nodes = self._alive()
+        self.trace, self.started, self.number = trace, time.perf_counter(), {}  # number: actor -> its start order
+        self.phase = -1  # the phase under way (0, 1, ...)
 
     def _alive(self) -> int:
         return sum(1 for node in self.ray.nodes() if node["Alive"])
@@ -216,6 +222,8 @@ class _Pool:
         """Every unit on the pool's actors (started as needed, at most ``width``); outcomes in unit order."""
         queue, running, done = order(list(range(len(units)))), {}, {}
         idle = list(self.actors)
+        submitted: dict[int, float] = {}  # unit index -> when it was submitted
+        self.phase += 1
 
         def claim(actor) -> int | None:
             """The next unit ``actor`` may take: its own home's first, else one whose home has no live actor."""
@@ -228,6 +236,7 @@ class _Pool:
                 actor = self.remote.options(scheduling_strategy="SPREAD").remote(self.plan, os.getcwd(),
                                                                                   self.threads)
                 self.actors.add(actor)
+                self.number[actor] = len(self.number)
                 idle.append(actor)
             for actor in list(idle):
                 i = claim(actor)
@@ -237,6 +246,7 @@ class _Pool:
                     if home_of(units[i]) is not None:
                         self.homes[home_of(units[i])] = actor
                     running[actor.run.remote(i, units[i])] = actor
+                    submitted[i] = time.perf_counter()
 
         dispatch()
         while running:
@@ -253,6 +263,11 @@ class _Pool:
             actor = running.pop(ready[0])
             index, outcomes = self.ray.get(ready[0])  # a unit that failed after its retry raises here
             done[index] = outcomes
+            if self.trace is not None:
+                self.trace.append({"phase": self.phase, "unit": index, "kind": getattr(units[index], "phase", None),
+                                   "domain": getattr(units[index], "domain", None), "actor": self.number[actor],
+                                   "submitted": submitted[index] - self.started,
+                                   "done": time.perf_counter() - self.started})
             idle.append(actor)
             dispatch()
         return [done[i] for i in range(len(units))]

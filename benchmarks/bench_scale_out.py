@@ -1,0 +1,198 @@
+"""Scale-out of a decode stage: the stage ``decode@<model>`` of a checkout that ran ``make repro``, on 1, 2 and 4
+local Ray workers, one torch thread each — a check of correctness and balance, and the measured inputs of the
+scaling model in docs/scaling.md.
+
+Each width runs the stage in this process as dvc.yaml runs it (``pipeline/decode.py``, the checkout's params with
+``decode.workers`` set), on the Ray executor with its trace on (:func:`emad.evaluation.executors.ray_executor`:
+per unit its phase, actor and when it was submitted and done), writing into a folder of its own. Per width:
+
+- ``equal``: the run files (and screens) equal those of the first width, timings and provenance aside
+  (``tools/compare_runs.py``): the split does not change a number;
+- ``phases``: per phase its units, span (first submitted to last done), the units' summed seconds and the largest;
+- ``actors``: per actor its units, busy seconds and idle seconds (span of the stage's phases minus busy);
+- ``serial_s``: the stage's wall time outside its phases (Ray's start, the plan, merging, choosing the screen's
+  values, writing the run files and MLflow runs) — the share no worker takes.
+
+Then ``model``: the wall time predicted at 8, 64 and 512 workers from these costs, and the width from which adding
+workers stops helping (docs/scaling.md says how). ``--load`` times one worker's start in this process (the model
+loaded, every method built, the tasks prepared: a Decoder). Writes reports/bench/scale_out.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(ROOT))
+from common import write  # noqa: E402
+
+PREDICT = (8, 64, 512)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--root", type=Path, default=ROOT, help="a checkout that ran `make repro` (its data/)")
+    parser.add_argument("--model", help="a model of its params (default: the first)")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--point", action="append", help="only these points (default: every one of the stage)")
+    parser.add_argument("--out", default="scale_out")
+    args = parser.parse_args(argv)
+    if any(w < 1 for w in args.workers):
+        parser.error(f"--workers: each must be >= 1, got {args.workers}")
+    if not (args.root / "data" / "models").is_dir():
+        parser.error(f"--root {args.root}: no data/models there; run `make repro` in it first")
+    return args
+
+
+def stage_argv(root: Path, model: str) -> list[str]:
+    """``decode@<model>``'s arguments as dvc.yaml gives them (its first command line)."""
+    from dvc.repo import Repo
+
+    with Repo(str(root)) as repo:
+        stage = next(s for s in repo.index.stages if getattr(s, "name", "") == f"decode@{model}")
+        return shlex.split(stage.cmd)[2:]
+
+
+def _retarget(argv: list[str], folder: Path, params: Path) -> list[str]:
+    """``argv`` with its outputs under ``folder`` (as in a checkout: reports/...) and ``params``."""
+    out = []
+    for flag, value in zip(argv[::2], argv[1::2]):
+        if flag in ("--out", "--artifacts"):
+            value = str(folder / value)
+        out += [flag, value]
+    return [*out, "--params", str(params)]
+
+
+def run_width(args, argv: list[str], width: int, folder: Path) -> dict:
+    """The stage on ``width`` Ray workers (one thread each) into ``folder``: its wall time and trace."""
+    import pipeline.decode as stage
+    from emad.evaluation import executors
+
+    params = yaml.safe_load((args.root / "params.yaml").read_text())
+    params["decode"]["workers"] = width
+    path = folder / "params.yaml"
+    folder.mkdir(parents=True)
+    path.write_text(yaml.safe_dump(params))
+    trace: list[dict] = []
+
+    def traced(plan, units, workers=None, actor=executors._Worker, then=None):
+        return executors.ray_executor(plan, units, workers, actor=actor, then=then, trace=trace)
+
+    executors.EXECUTORS.add("ray-traced", traced)
+    os.environ.update(EMAD_DECODE_EXECUTOR="ray-traced", MLFLOW_TRACKING_URI=f"sqlite:///{folder / 'mlflow.db'}")
+    points = [x for p in args.point or [] for x in ("--point", p)]
+    try:
+        began = time.perf_counter()
+        stage.main([*_retarget(argv, folder, path), *points])
+        wall = time.perf_counter() - began
+    finally:
+        executors.EXECUTORS.remove("ray-traced")
+    return {"wall_s": wall, "trace": trace}
+
+
+def summary(width: int, wall: float, trace: list[dict]) -> dict:
+    """Per phase and per actor, from the trace; the serial share."""
+    phases = {}
+    for k in sorted({r["phase"] for r in trace}):
+        units = [r for r in trace if r["phase"] == k]
+        span = max(r["done"] for r in units) - min(r["submitted"] for r in units)
+        phases[k] = {"kind": units[0]["kind"], "units": len(units), "span_s": span,
+                     "unit_s_sum": sum(r["done"] - r["submitted"] for r in units),
+                     "unit_s_max": max(r["done"] - r["submitted"] for r in units)}
+    spans = sum(p["span_s"] for p in phases.values())
+    actors = {}
+    for a in sorted({r["actor"] for r in trace}):
+        mine = [r for r in trace if r["actor"] == a]
+        busy = sum(r["done"] - r["submitted"] for r in mine)
+        actors[a] = {"units": len(mine), "busy_s": busy, "idle_s": spans - busy}
+    return {"workers": width, "wall_s": wall, "serial_s": wall - spans, "phases": list(phases.values()),
+            "actors": list(actors.values())}
+
+
+def model(widths: list[dict], load_s: float, useful: dict[str, int]) -> dict:
+    """The wall time at :data:`PREDICT` workers from the widest measured run's costs: T(w) = serial + load +
+    Σ_phase max(work / min(w, useful), largest indivisible piece), where a screen phase's work divides over at
+    most as many shards as its domain's largest task has requests (``useful['score']``), and the run phase over
+    at most its families (``useful['run']``: a family's candidates stay together) — below that, by the largest
+    group measured. Also the width from which one more worker gains less than 1%."""
+    wide = max(widths, key=lambda m: m["workers"])
+    serial = min(m["serial_s"] for m in widths)
+
+    def phase_time(p: dict, w: int) -> float:
+        cap = useful["run"] if p["kind"] == "run" else useful["score"]
+        floor = p["unit_s_max"] if p["kind"] == "run" and wide["workers"] >= cap else 0.0
+        return max(p["unit_s_sum"] / max(1, min(w, cap)), floor)
+
+    def predict(w: int) -> float:
+        return serial + load_s + sum(phase_time(p, w) for p in wide["phases"])
+
+    stops = next((w for w in range(1, 4096) if predict(w) - predict(w + 1) < 0.01 * predict(w)), None)
+    return {"from_workers": wide["workers"], "serial_s": serial, "load_s": load_s, "useful": useful,
+            "predicted_wall_s": {str(w): predict(w) for w in (*(m["workers"] for m in widths), *PREDICT)},
+            "measured_wall_s": {str(m["workers"]): m["wall_s"] for m in widths},
+            "gain_below_1pct_from": stops}
+
+
+def worker_start(root: Path, argv: list[str], points: list[str]) -> tuple[float, dict[str, int]]:
+    """One worker's start, timed in this process (a :class:`~emad.evaluation.decoder.Decoder` built from the plan:
+    the model loaded, every method built, the tasks prepared); and how far each phase can split: the most requests
+    any teacher-forced task of a domain has (a screen's shards beyond that are empty), and the families the run
+    phase runs (its groups)."""
+    import pipeline.decode as stage
+    from emad.evaluation.decoder import Decoder
+    from emad.tasks.registry import Shared
+
+    call = stage.plan(stage.parse_args([*_retarget(argv, Path(tempfile.mkdtemp()), root / "params.yaml"),
+                                        *points]))
+    began = time.perf_counter()
+    decoder = Decoder(call)
+    load = time.perf_counter() - began
+    stack, tokenizer = decoder.stack, decoder.loaded.tokenizer
+    requests = max((len(p.task.requests(stack, tokenizer, p.data, p.settings, Shared()))
+                    for d in call.domains for p in decoder.prepared[d] if p.task.teacher_forced), default=1)
+    return load, {"score": requests, "run": len({job.point.family for job in call.jobs})}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    args = parse_args(argv)
+    torch.set_num_threads(1)  # one CPU per actor; the stage computes with this thread count
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ.pop("RAY_ADDRESS", None)
+    os.chdir(args.root)
+    params = yaml.safe_load((args.root / "params.yaml").read_text())
+    model_name = args.model or next(iter(params["models"]))
+    argv_stage = stage_argv(args.root, model_name)
+    points = [x for p in args.point or [] for x in ("--point", p)]
+    from tools.compare_runs import compare
+
+    widths, folders = [], {}
+    with tempfile.TemporaryDirectory(prefix="scale-out-") as tmp:
+        for w in args.workers:
+            folders[w] = Path(tmp) / f"w{w}"
+            done = run_width(args, argv_stage, w, folders[w])
+            widths.append(summary(w, done["wall_s"], done["trace"]))
+            first = folders[args.workers[0]]
+            widths[-1]["equal_to_workers"] = args.workers[0]
+            widths[-1]["differences"] = compare(first, folders[w]) if w != args.workers[0] else []
+            print(f"scale-out: {w} workers: {done['wall_s']:.0f} s, serial {widths[-1]['serial_s']:.0f} s, "
+                  f"{len(widths[-1]['differences'])} differences", file=sys.stderr)
+    load_s, useful = worker_start(args.root, argv_stage, points)
+    result = {"model": model_name, "points": args.point or "every point of the stage", "threads_per_worker": 1,
+              "host_cpus": os.cpu_count(), "widths": widths, "scaling": model(widths, load_s, useful)}
+    print(write(args.out, result))
+    return 0 if all(not m["differences"] for m in widths) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
