@@ -118,28 +118,48 @@ def summary(width: int, wall: float, trace: list[dict]) -> dict:
             "actors": list(actors.values())}
 
 
-def model(widths: list[dict], load_s: float, useful: dict[str, int]) -> dict:
-    """The wall time at :data:`PREDICT` workers from the widest measured run's costs: T(w) = serial + load +
-    Σ_phase max(work / min(w, useful), largest indivisible piece), where a screen phase's work divides over at
-    most as many shards as its domain's largest task has requests (``useful['score']``), and the run phase over
-    at most its families (``useful['run']``: a family's candidates stay together) — below that, by the largest
-    group measured. Also the width from which one more worker gains less than 1%."""
-    wide = max(widths, key=lambda m: m["workers"])
-    serial = min(m["serial_s"] for m in widths)
+def rounds(width: dict) -> list[tuple[str, float]]:
+    """A width's phases as the work they do: each screen round (its shards' phase and the screen that reads them,
+    or one screen unit that scores its domain itself) and the run phase, with its span in seconds."""
+    out: list[tuple[str, float]] = []
+    for p in width["phases"]:
+        if p["kind"] == "screen" and out and out[-1][0] == "score":
+            out[-1] = ("screen round", out[-1][1] + p["span_s"])
+        else:
+            out.append(("screen round" if p["kind"] == "screen" else p["kind"], p["span_s"]))
+    return out
 
-    def phase_time(p: dict, w: int) -> float:
-        cap = useful["run"] if p["kind"] == "run" else useful["score"]
-        floor = p["unit_s_max"] if p["kind"] == "run" and wide["workers"] >= cap else 0.0
-        return max(p["unit_s_sum"] / max(1, min(w, cap)), floor)
+
+def model(widths: list[dict], load_s: float, useful: dict[str, int]) -> dict:
+    """The wall time at :data:`PREDICT` workers: T(w) = serial + Σ_round (fixed + work / min(w, cap)).
+
+    Each round (a screen round, the run phase) is fitted from the two narrowest widths measured, ``a`` < ``b``:
+    work = (t_a − t_b) / (1/a − 1/b) is what divides over the workers, fixed = t_a − work / a what each worker
+    pays whatever the split (its start and model load in the first round, a task's requests made on each worker,
+    the largest indivisible piece). A screen round divides over at most as many shards as a task has requests
+    (``useful['score']``: more shards are empty), the run phase over at most its families (``useful['run']``).
+    ``serial`` is the smallest measured wall time outside the phases (Ray's start, the plan, merging and writing:
+    the driver's share). Also the width from which one more worker gains less than 1%, and the width beyond which
+    nothing divides further."""
+    a, b = sorted(widths, key=lambda m: m["workers"])[:2]
+    wa, wb = a["workers"], b["workers"]
+    serial = min(m["serial_s"] for m in widths)
+    fitted = []
+    for (kind, ta), (_, tb) in zip(rounds(a), rounds(b)):
+        work = max(0.0, (ta - tb) / (1 / wa - 1 / wb))
+        fitted.append({"round": kind, "work_s": work, "fixed_s": max(0.0, ta - work / wa),
+                       "cap": useful["run"] if kind == "run" else useful["score"]})
 
     def predict(w: int) -> float:
-        return serial + load_s + sum(phase_time(p, w) for p in wide["phases"])
+        return serial + sum(r["fixed_s"] + r["work_s"] / min(w, r["cap"]) for r in fitted)
 
-    stops = next((w for w in range(1, 4096) if predict(w) - predict(w + 1) < 0.01 * predict(w)), None)
-    return {"from_workers": wide["workers"], "serial_s": serial, "load_s": load_s, "useful": useful,
-            "predicted_wall_s": {str(w): predict(w) for w in (*(m["workers"] for m in widths), *PREDICT)},
+    stops = next(w for w in range(1, 1 << 16) if predict(w) - predict(w + 1) < 0.01 * predict(w))
+    return {"fitted_from_workers": [wa, wb], "serial_s": serial, "worker_start_s": load_s, "useful": useful,
+            "rounds": fitted, "predicted_wall_s": {str(w): predict(w) for w in
+                                                   (*(m["workers"] for m in widths), *PREDICT)},
             "measured_wall_s": {str(m["workers"]): m["wall_s"] for m in widths},
-            "gain_below_1pct_from": stops}
+            "serial_share_at": {str(w): serial / predict(w) for w in PREDICT},
+            "gain_below_1pct_from": stops, "saturates_at": max(r["cap"] for r in fitted)}
 
 
 def worker_start(root: Path, argv: list[str], points: list[str]) -> tuple[float, dict[str, int]]:
