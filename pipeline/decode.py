@@ -1,8 +1,10 @@
 """Stages ``decode``, ``decode_ablation`` and ``decode_related``: every operating point of the kinds given (or the
-``--point`` given) on each of their eval domains. Each domain is one work unit, run by the executor
-``decode.executor`` names (:mod:`emad.evaluation.executors`: ``serial`` in this process, the model loaded once; or
-``ray``, one actor per worker); this process alone writes every output and logs to MLflow, in unit order, after
-every unit has finished — outputs are the same whichever executor ran them (timings aside).
+``--point`` given) on each of their eval domains. The work is in units — each domain, or with more workers than
+domains shards of it (:class:`Phases`) — run by the executor ``decode.executor`` names
+(:mod:`emad.evaluation.executors`: ``serial`` in this process, the model loaded once; or ``ray``, one actor per
+worker); this process alone writes every output and logs to MLflow, domain by domain in job order, after every
+unit has finished — outputs are the same whichever executor ran them and however the work was split (timings
+aside).
 
 ``decode`` runs the baselines and the points together, each point once per calibration source (``--calibration``,
 default ``calibrate.sources``: the domain-shift matrix), so that one sweep pass per domain scores the teacher-forced
@@ -185,9 +187,11 @@ class Phases:
     domain as fill the executor's workers, :mod:`emad.evaluation.shards`), screen each domain from its merged
     scores, score and screen the refinements a screen asks for (:func:`emad.evaluation.screen.refinements`, at
     most ``ROUNDS`` rounds), then run the kept values (:func:`emad.evaluation.screen.keep`, over every domain) with
-    every score merged so far, then stop. With one shard a domain (no more workers than domains), a domain's
-    screen scores it in one call, and its run reads those scores where the same worker screened it. ``rows``: every
-    screen row; ``extra``: the refinements' jobs; ``split``: how the work was split (each run file's provenance)."""
+    every score merged so far — each domain's kept jobs in as many groups of families as it has shards
+    (:func:`emad.evaluation.shards.groups`) — then stop. With one shard a domain (no more workers than domains), a
+    domain's screen scores it in one call, and its run reads those scores on the same worker (the unit's home).
+    ``rows``: every screen row; ``extra``: the refinements' jobs; ``split``: how the work was split (each run
+    file's provenance)."""
 
     def __init__(self, call: Plan):
         self.call, self.rows, self.extra, self.rounds, self.ran = call, [], [], 0, False

@@ -7,7 +7,7 @@ import pytest
 
 from emad.decode.results import Scored
 from emad.evaluation.executors import EXECUTORS, _Worker
-from emad.evaluation.shards import WHOLE, Shard, merge, shards_per_domain
+from emad.evaluation.shards import WHOLE, Shard, groups, merge, shards_per_domain
 from tests.test_decode_stage import DECODE, make_workspace
 from tests.test_executors import _outputs
 
@@ -49,6 +49,17 @@ def test_merge_puts_shards_back_in_request_order_and_names_a_missing_or_twice_sc
         merge([parts[1], parts[1]])
     with pytest.raises(ValueError, match=r"m on ppl: shards disagree on the request count \(5, 6\)"):
         merge([parts[0], {"m": {"ppl": (6, {0: _scored(0)})}}])
+
+
+def test_run_groups_keep_a_family_together_and_balance_the_expected_work():
+    jobs = [("full", "full", 1.0), ("fixed_2", "fixed", 1.0), ("fixed_3", "fixed", 1.0), ("fixed_4", "fixed", 0.1),
+            ("emad_0", "emad", 1.0), ("emad_1", "emad", 1.0), ("conf", "confidence", 1.0)]
+    two = groups(jobs, 2)
+    assert two == [frozenset({"fixed_2", "fixed_3", "fixed_4", "full"}), frozenset({"emad_0", "emad_1", "conf"})]
+    assert groups(list(reversed(jobs)), 2) == [frozenset(g) for g in two]  # the same groups whatever the order
+    assert len(groups(jobs, 8)) == 4 and groups(jobs, 1) == [frozenset(j for j, _, _ in jobs)]  # 4 families
+    with pytest.raises(ValueError, match="run groups: need count >= 1, got 0"):
+        groups(jobs, 0)
 
 
 def _fresh_per_unit(width: int):

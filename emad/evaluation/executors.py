@@ -1,9 +1,10 @@
 """Who runs a stage's work units: ``serial`` (the stage's own process, the default) or ``ray``.
 
-A decode stage's units are, per eval domain, shards of its teacher-forced requests scored for every job of the
-call (:mod:`emad.evaluation.shards`; the one-pass sweep shares each request's pass across the jobs), then the
-domain's screen from the merged scores, then its run (free-running tasks and timing) — with no more workers than
-domains, one screen unit per domain that scores its domain itself; a risk unit is one search
+A decode stage's units (:class:`Unit`) are, per eval domain, shards of its teacher-forced requests scored for
+every job of the call (:mod:`emad.evaluation.shards`; the one-pass sweep shares each request's pass across the
+jobs), then the domain's screen from the merged scores, then its run (free-running tasks and timing) in groups of
+method families — with no more workers than domains, one screen unit per domain that scores its domain itself,
+and one run unit per domain on the same worker; a risk unit is one search
 (:mod:`emad.evaluation.risk_search`), run by the ``actor`` given. An executor takes the checked
 :class:`~emad.evaluation.decoder.Plan` and the units, and returns each unit's outcomes **in unit order**,
 whatever order they were submitted or finished in; only the stage's process (the driver) writes files and logs to
@@ -166,12 +167,18 @@ def ray_executor(plan: Plan, units: Units, workers: int | None = None,
         if cpus > largest:
             raise ValueError(f"decode.executor ray: each actor needs {cpus} CPUs (the stage's torch threads), the "
                              f"largest Ray node has {largest:g}; set OMP_NUM_THREADS={int(largest)} for the stage")
-        width = _width(workers or gpus or 2, gpus or sum(int(node.get("CPU", 0) // cpus) for node in nodes))
+
+        def capacity() -> int:  # how many actors the live nodes place at once
+            live = [node["Resources"] for node in ray.nodes() if node["Alive"]]
+            return int(sum(node.get("GPU", 0) for node in live)) if gpus else sum(
+                int(node.get("CPU", 0) // cpus) for node in live)
+
+        width = _width(workers or gpus or 2, capacity())
         units = units(width) if callable(units) else units
         # a unit whose actor is lost is retried until the actor is back (restarted once) or dead for good: a lost
         # node's actor is "unavailable" until Ray declares the node dead, and a fixed count of retries is spent then
         remote = ray.remote(num_cpus=cpus, num_gpus=1 if gpus else 0, max_restarts=1, max_task_retries=-1)(actor)
-        pool = _Pool(ray, remote, plan, threads, max(1, min(len(units), width)), actors, trace)
+        pool = _Pool(ray, remote, plan, threads, max(1, min(len(units), width)), capacity, actors, trace)
         out = pool.run(units, order)
         while then is not None and (units := then(out)) is not None:
             out = pool.run(units, order)
@@ -199,24 +206,30 @@ def home_of(unit) -> Hashable:
 
 class _Pool:
     """The stage's actors, kept from one phase to the next so that a unit runs where its home's earlier units ran
-    (what that worker kept — a shard's sweep passes, a domain's scores — is reused). Never more actors than the
-    cluster can place at once (``capacity``), so that every actor started gets to run; while the units of a phase
-    are under way, an actor with nothing left to take waits for the next phase — unless a node is lost: then the
-    idle actors are ended, so that the lost node's actor, restarted elsewhere, finds room (its unit is retried
-    there)."""
+    (what that worker kept — a shard's sweep passes, a domain's scores — is reused). At most ``width`` actors, no
+    more than the cluster places at once, so that every actor started gets to run; an actor with nothing to take
+    waits for the next phase. Once a node is lost, the pool shrinks to what the cluster still places, and an actor
+    with nothing to take is ended at once (as is every idle one then), so that the lost node's actor, restarted
+    elsewhere, finds room (its unit is retried there)."""
 
     POLL = 1.0  # seconds between checks for a lost node while waiting for a unit
 
-    def __init__(self, ray, remote, plan: Plan, threads: int, width: int, actors: set, trace: list | None = None):
+    def __init__(self, ray, remote, plan: Plan, threads: int, width: int, capacity: Callable[[], int], actors: set,
+                 trace: list | None = None):
         self.ray, self.remote, self.plan, self.threads, self.width = ray, remote, plan, threads, width
+        self.capacity = capacity  # how many actors the cluster's live nodes place at once
         self.actors = actors  # every actor started and not ended (the executor ends them whatever happens)
         self.homes: dict[Hashable, Any] = {}  # a unit's home -> the actor that ran its last unit
-        self.nodes = self._alive()
+        self.nodes, self.lost = self._alive(), False
         self.trace, self.started, self.number = trace, time.perf_counter(), {}  # number: actor -> its start order
         self.phase = -1  # the phase under way (0, 1, ...)
 
     def _alive(self) -> int:
         return sum(1 for node in self.ray.nodes() if node["Alive"])
+
+    def _end(self, actor) -> None:
+        self.ray.kill(actor)
+        self.actors.discard(actor)
 
     def run(self, units: Sequence, order: Callable[[list[int]], list[int]]) -> list:
         """Every unit on the pool's actors (started as needed, at most ``width``); outcomes in unit order."""
@@ -240,24 +253,24 @@ class _Pool:
                 idle.append(actor)
             for actor in list(idle):
                 i = claim(actor)
-                if i is not None:
-                    queue.remove(i)
-                    idle.remove(actor)
-                    if home_of(units[i]) is not None:
-                        self.homes[home_of(units[i])] = actor
-                    running[actor.run.remote(i, units[i])] = actor
-                    submitted[i] = time.perf_counter()
+                if i is None:
+                    if self.lost:  # room for an actor restarted after its node was lost
+                        idle.remove(actor)
+                        self._end(actor)
+                    continue
+                queue.remove(i)
+                idle.remove(actor)
+                if home_of(units[i]) is not None:
+                    self.homes[home_of(units[i])] = actor
+                running[actor.run.remote(i, units[i])] = actor
+                submitted[i] = time.perf_counter()
 
         dispatch()
         while running:
             ready, _ = self.ray.wait(list(running), num_returns=1, timeout=self.POLL)
             if not ready:
-                if self._alive() < self.nodes:  # a node lost: room for its actor, restarted elsewhere
-                    self.nodes = self._alive()
-                    for actor in idle:
-                        self.ray.kill(actor)
-                        self.actors.discard(actor)
-                    idle.clear()
+                if not self.lost and self._alive() < self.nodes:
+                    self.lost, self.width = True, max(1, min(self.width, self.capacity()))
                     dispatch()
                 continue
             actor = running.pop(ready[0])
