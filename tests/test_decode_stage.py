@@ -404,9 +404,10 @@ def test_bad_risk_params_name_the_culprit(change, culprit):
 @pytest.mark.parametrize("domains", [["toy"], ["toy", "other"]])
 def test_c2_candidates_share_blocks_and_a_family_that_passed_on_the_only_domain_stops(
         domains, monkeypatch):
-    """On the only domain each round times the next candidate of every family (rising FLOPs) together, and a
-    family whose timed point passes C2 has decided it: its dearer candidates get the cheap measure. With several
-    domains nothing is decided on one: every candidate is timed in one block."""
+    """On the only domain each round times the next candidate of every family left (rising FLOPs) together, and a
+    family whose timed point passes C2 has decided it: its dearer candidates get the cheap measure — a family alone
+    the same as beside others, so that its timed candidates do not depend on the families it runs with. With
+    several domains nothing is decided on one: every candidate is timed in one block."""
     from types import SimpleNamespace
 
     from emad.evaluation.checks import Thresholds
@@ -442,10 +443,10 @@ def test_c2_candidates_share_blocks_and_a_family_that_passed_on_the_only_domain_
         blocks.clear()
         decoder._speeds("toy", [], [full, done("f_a", "f", 0.9), done("f_c", "f", 0.85), done("f_d", "f", 0.95),
                                     done("g_a", "g", 0.7)])
-        assert blocks == [["f_c", "g_a"], ["f_a", "f_d"]]  # one family left: its candidates share a block
+        assert blocks == [["f_c", "g_a"], ["f_a"], ["f_d"]]  # one family left: still one candidate a round
         blocks.clear()
-        shared = decoder._speeds("toy", [], [full, done("f_a", "f", 0.75), done("f_d", "f", 0.7)])
-        assert blocks == [["f_d", "f_a"]] and shared["f_a"] == shared["f_d"] == {"speed_timing": "pairs"}
+        alone = decoder._speeds("toy", [], [full, done("f_a", "f", 0.75), done("f_d", "f", 0.7)])
+        assert blocks == [["f_d"]] and alone["f_a"] == {"speed_timing": "cheap: C2 decided for f by f_d"}
         expected |= {"f_c": f"cheap: {stopped}", "f_a": f"cheap: {stopped}"}
     else:  # a point's C2 interval pools every domain's prompts: nothing is decided on one of them
         assert blocks == [["f_b", "f_c", "f_a", "g_a"]]  # every candidate in one block

@@ -353,9 +353,11 @@ class Decoder:
         this domain's prompts alone), a family whose timed point passes C2 here (every check met against full depth,
         the interval over prompts at or above ``1 + min_speed_gain``) has decided C2: its later candidates get the
         cheap measure and say so — so there the candidates are timed in rounds, each the next candidate of every
-        family in rising FLOPs order, until one family is left (its candidates then share a block: one full-depth
-        generation per prompt for all of them, against two per prompt for each candidate timed alone). A family times
-        at most ``decode.speed_candidates`` candidates on a domain, its cheapest; the others get the cheap measure."""
+        family left in rising FLOPs order, until every family has passed or run out of candidates. Which of a
+        family's candidates are timed therefore never depends on the other families of the call, nor on how a
+        decode stage's run phase was split into groups of families (:func:`emad.evaluation.shards.groups`). A
+        family times at most ``decode.speed_candidates`` candidates on a domain, its cheapest; the others get the
+        cheap measure."""
         full = next((result for job, _, _, result in done if job.point.method == FULL), None)
         decides = len(self.plan.domains) == 1 and full is not None
         floor = 1.0 + self.plan.thresholds.min_speed_gain
@@ -374,15 +376,15 @@ class Decoder:
             del queue[len(queue) if cap is None else cap:]
         while any(queues.values()):
             left = [queue for queue in queues.values() if queue]
-            if decides and len(left) > 1:
+            if decides:
                 block = [queue.pop(0) for queue in left]
-            else:  # nothing is decided on one of several domains, or one family is left: its candidates together
+            else:  # nothing is decided on one of several domains: every candidate together
                 block, queues = [c for queue in left for c in queue], {}
             for (job, result, _), speed in zip(block, self._time_block(prepared, block)):
                 speeds[job.label] = speed
                 if decides and self._passes_c2(domain, job, result, full, speed, floor):
                     why = NotTimed(Untimed.DECIDED, f"C2 decided for {job.point.family} by {job.label}")
-                    for later, res, limit in queues.pop(job.point.family, []):  # none left: timed together
+                    for later, res, limit in queues.pop(job.point.family, []):
                         speeds[later.label] = self._speed(later, prepared, res, limit, why)
         return speeds
 
