@@ -10,8 +10,9 @@ per unit its phase, actor and when it was submitted and done), writing into a fo
   (``tools/compare_runs.py``): the split does not change a number;
 - ``phases``: per phase its units, span (first submitted to last done), the units' summed seconds and the largest;
 - ``actors``: per actor its units, busy seconds and idle seconds (span of the stage's phases minus busy);
-- ``serial_s``: the stage's wall time outside its phases (Ray's start, the plan, merging, choosing the screen's
-  values, writing the run files and MLflow runs) — the share no worker takes.
+- ``serial_s``: the stage's wall time outside its phases (the plan, merging, choosing the screen's values, writing
+  the run files and MLflow runs) — the share no worker takes; Ray's start (``ray_start_s``) is timed once, since
+  one Ray (a CPU a worker, whatever the host's cores) serves every width.
 
 Then ``model``: the wall time predicted at 8, 64 and 512 workers from these costs, and the width from which adding
 workers stops helping (docs/scaling.md says how). ``--load`` times one worker's start in this process (the model
@@ -45,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--point", action="append", help="only these points (default: every one of the stage)")
     parser.add_argument("--out", default="scale_out")
+    parser.add_argument("--keep", type=Path, help="keep each width's outputs in this folder (default: deleted)")
     args = parser.parse_args(argv)
     if any(w < 1 for w in args.workers):
         parser.error(f"--workers: each must be >= 1, got {args.workers}")
@@ -130,7 +132,7 @@ def rounds(width: dict) -> list[tuple[str, float]]:
     return out
 
 
-def model(widths: list[dict], load_s: float, useful: dict[str, int]) -> dict:
+def model(widths: list[dict], load_s: float, ray_start: float, useful: dict[str, int]) -> dict:
     """The wall time at :data:`PREDICT` workers: T(w) = serial + Σ_round (fixed + work / min(w, cap)).
 
     Each round (a screen round, the run phase) is fitted from the two narrowest widths measured, ``a`` < ``b``:
@@ -138,12 +140,12 @@ def model(widths: list[dict], load_s: float, useful: dict[str, int]) -> dict:
     pays whatever the split (its start and model load in the first round, a task's requests made on each worker,
     the largest indivisible piece). A screen round divides over at most as many shards as a task has requests
     (``useful['score']``: more shards are empty), the run phase over at most its families (``useful['run']``).
-    ``serial`` is the smallest measured wall time outside the phases (Ray's start, the plan, merging and writing:
-    the driver's share). Also the width from which one more worker gains less than 1%, and the width beyond which
+    ``serial`` is the smallest measured wall time outside the phases (the plan, merging and writing: the driver's
+    share) and Ray's start (``ray_start``: one Ray serves every width here, as a cluster serves every stage). Also the width from which one more worker gains less than 1%, and the width beyond which
     nothing divides further."""
     a, b = sorted(widths, key=lambda m: m["workers"])[:2]
     wa, wb = a["workers"], b["workers"]
-    serial = min(m["serial_s"] for m in widths)
+    serial = min(m["serial_s"] for m in widths) + ray_start
     fitted = []
     for (kind, ta), (_, tb) in zip(rounds(a), rounds(b)):
         work = max(0.0, (ta - tb) / (1 / wa - 1 / wb))
@@ -154,7 +156,8 @@ def model(widths: list[dict], load_s: float, useful: dict[str, int]) -> dict:
         return serial + sum(r["fixed_s"] + r["work_s"] / min(w, r["cap"]) for r in fitted)
 
     stops = next(w for w in range(1, 1 << 16) if predict(w) - predict(w + 1) < 0.01 * predict(w))
-    return {"fitted_from_workers": [wa, wb], "serial_s": serial, "worker_start_s": load_s, "useful": useful,
+    return {"fitted_from_workers": [wa, wb], "serial_s": serial, "ray_start_s": ray_start,
+            "worker_start_s": load_s, "useful": useful,
             "rounds": fitted, "predicted_wall_s": {str(w): predict(w) for w in
                                                    (*(m["workers"] for m in widths), *PREDICT)},
             "measured_wall_s": {str(m["workers"]): m["wall_s"] for m in widths},
@@ -182,6 +185,32 @@ def worker_start(root: Path, argv: list[str], points: list[str]) -> tuple[float,
     return load, {"score": requests, "run": len({job.point.family for job in call.jobs})}
 
 
+def difference(a: Path, b: Path, line: str) -> str:
+    """``line`` of ``tools/compare_runs.py`` (``differs: <file>``) with the first key path where the two files
+    differ and both values."""
+    import json
+
+    from tools.compare_runs import _clean
+
+    name = line.removeprefix("differs: ")
+    if name == line:
+        return line
+
+    def first(x, y, path: str) -> str | None:
+        if isinstance(x, dict) and isinstance(y, dict):
+            for k in sorted(x.keys() | y.keys()):
+                found = first(x.get(k), y.get(k), f"{path}.{k}")
+                if found:
+                    return found
+            return None
+        if isinstance(x, list) and isinstance(y, list) and len(x) == len(y):
+            return next((f for i, (u, v) in enumerate(zip(x, y)) if (f := first(u, v, f"{path}[{i}]"))), None)
+        return None if x == y else f"{path}: {str(x)[:200]} != {str(y)[:200]}"
+
+    found = first(_clean(json.loads((a / name).read_text())), _clean(json.loads((b / name).read_text())), "")
+    return f"{line} ({found})"
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
 
@@ -196,20 +225,28 @@ def main(argv: list[str] | None = None) -> int:
     points = [x for p in args.point or [] for x in ("--point", p)]
     from tools.compare_runs import compare
 
+    import ray
+
+    began = time.perf_counter()  # one Ray for every width, with a CPU a worker (the host's cores may be fewer)
+    ray.init(address="local", num_cpus=max(args.workers), include_dashboard=False, log_to_driver=False)
+    ray_start = time.perf_counter() - began
     widths, folders = [], {}
     with tempfile.TemporaryDirectory(prefix="scale-out-") as tmp:
         for w in args.workers:
-            folders[w] = Path(tmp) / f"w{w}"
+            folders[w] = (args.keep or Path(tmp)) / f"w{w}"
             done = run_width(args, argv_stage, w, folders[w])
             widths.append(summary(w, done["wall_s"], done["trace"]))
             first = folders[args.workers[0]]
             widths[-1]["equal_to_workers"] = args.workers[0]
-            widths[-1]["differences"] = compare(first, folders[w]) if w != args.workers[0] else []
+            widths[-1]["differences"] = [difference(first, folders[w], line) for line in compare(first, folders[w])
+                                         ] if w != args.workers[0] else []
             print(f"scale-out: {w} workers: {done['wall_s']:.0f} s, serial {widths[-1]['serial_s']:.0f} s, "
                   f"{len(widths[-1]['differences'])} differences", file=sys.stderr)
+    ray.shutdown()
     load_s, useful = worker_start(args.root, argv_stage, points)
     result = {"model": model_name, "points": args.point or "every point of the stage", "threads_per_worker": 1,
-              "host_cpus": os.cpu_count(), "widths": widths, "scaling": model(widths, load_s, useful)}
+              "host_cpus": os.cpu_count(), "ray_start_s": ray_start, "widths": widths,
+              "scaling": model(widths, load_s, ray_start, useful)}
     print(write(args.out, result))
     return 0 if all(not m["differences"] for m in widths) else 1
 
