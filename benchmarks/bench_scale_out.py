@@ -223,9 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     model_name = args.model or next(iter(params["models"]))
     argv_stage = stage_argv(args.root, model_name)
     points = [x for p in args.point or [] for x in ("--point", p)]
-    from tools.compare_runs import compare
-
     import ray
+
+    from tools.compare_runs import compare
 
     began = time.perf_counter()  # one Ray for every width, with a CPU a worker (the host's cores may be fewer)
     ray.init(address="local", num_cpus=max(args.workers), include_dashboard=False, log_to_driver=False)

@@ -1,5 +1,6 @@
 """Compare the outputs of two checkouts that ran the pipeline (e.g. serial and Ray): every run file, screen and
-risk result with its timings (and the device they were timed on), ``provenance`` and ``mlflow_run_id`` left out,
+risk result with its timings (the device they were timed on, and how many points shared a timed block: a decode
+split over workers times each group's candidates apart), ``provenance`` and ``mlflow_run_id`` left out,
 and the corpora, profiles and readouts byte for byte (PNG figures aside). Exit 1 when anything differs. With
 ``--common``, a key that only one side's record has is left out too (the outputs of two versions of the code, one
 of which records more).
@@ -16,7 +17,7 @@ from pathlib import Path
 TIMING = {"speedup", "speed_tokens_per_s", "reference_tokens_per_s", "speed_pairs", "load_avg", "seconds",
           "tokens_per_s", "scoring_seconds", "speed_repeats", "speed_new_tokens", "speed_unit",
           "speedup_by_reference", "reference_tokens_per_s_by_reference", "speed_reference", "decode_speedup",
-          "decode_speed_pairs", "speed_device"}
+          "decode_speed_pairs", "speed_device", "speed_block"}  # speed_block: how many points shared a timed block
 LEFT_OUT = TIMING | {"provenance", "mlflow_run_id"}
 RECORDS = ("reports/runs/**/*.json", "reports/risk/**/*.json")
 BYTES = ("data/corpus/**/*", "data/profiles/**/*", "data/readouts/**/*")
