@@ -14,9 +14,9 @@ per unit its phase, actor and when it was submitted and done), writing into a fo
   the run files and MLflow runs) — the share no worker takes; Ray's start (``ray_start_s``) is timed once, since
   one Ray (a CPU a worker, whatever the host's cores) serves every width.
 
-Then ``model``: the wall time predicted at 8, 64 and 512 workers from these costs, and the width from which adding
-workers stops helping (docs/scaling.md says how). ``--load`` times one worker's start in this process (the model
-loaded, every method built, the tasks prepared: a Decoder). Writes reports/bench/scale_out.json.
+Then ``worker_start``: one worker's start as a Ray actor, and the requests every worker makes again; and
+``scaling``: the wall time predicted at 8, 64 and 512 workers from these costs, and the width from which adding
+workers stops helping (docs/scaling.md says how). Writes reports/bench/scale_out.json.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def rounds(width: dict) -> list[tuple[str, float]]:
     return out
 
 
-def model(widths: list[dict], load_s: float, ray_start: float, useful: dict[str, int]) -> dict:
+def model(widths: list[dict], ray_start: float, useful: dict[str, int]) -> dict:
     """The wall time at :data:`PREDICT` workers: T(w) = serial + Σ_round (fixed + work / min(w, cap)).
 
     Each round (a screen round, the run phase) is fitted from the two narrowest widths measured, ``a`` < ``b``:
@@ -156,8 +156,7 @@ def model(widths: list[dict], load_s: float, ray_start: float, useful: dict[str,
         return serial + sum(r["fixed_s"] + r["work_s"] / min(w, r["cap"]) for r in fitted)
 
     stops = next(w for w in range(1, 1 << 16) if predict(w) - predict(w + 1) < 0.01 * predict(w))
-    return {"fitted_from_workers": [wa, wb], "serial_s": serial, "ray_start_s": ray_start,
-            "worker_start_s": load_s, "useful": useful,
+    return {"fitted_from_workers": [wa, wb], "serial_s": serial, "ray_start_s": ray_start, "useful": useful,
             "rounds": fitted, "predicted_wall_s": {str(w): predict(w) for w in
                                                    (*(m["workers"] for m in widths), *PREDICT)},
             "measured_wall_s": {str(m["workers"]): m["wall_s"] for m in widths},
@@ -165,24 +164,37 @@ def model(widths: list[dict], load_s: float, ray_start: float, useful: dict[str,
             "gain_below_1pct_from": stops, "saturates_at": max(r["cap"] for r in fitted)}
 
 
-def worker_start(root: Path, argv: list[str], points: list[str]) -> tuple[float, dict[str, int]]:
-    """One worker's start, timed in this process (a :class:`~emad.evaluation.decoder.Decoder` built from the plan:
-    the model loaded, every method built, the tasks prepared); and how far each phase can split: the most requests
-    any teacher-forced task of a domain has (a screen's shards beyond that are empty), and the families the run
-    phase runs (its groups)."""
+def worker_start(root: Path, argv: list[str], points: list[str]) -> dict:
+    """What a worker pays whatever its share: its start as a Ray actor (``actor_start_s``: the process, its
+    imports, the model loaded, every method built, the tasks prepared — until Ray reports it ready) and, in this
+    process, the Decoder alone (``decoder_s``) and each teacher-forced task's requests (``requests_s``: what every
+    worker makes again); and how far each phase can split (``useful``): the most requests any teacher-forced task
+    of a domain has (a screen's shards beyond that are empty), and the families the run phase runs (its groups)."""
+    import ray
+
     import pipeline.decode as stage
     from emad.evaluation.decoder import Decoder
+    from emad.evaluation.executors import _Worker
     from emad.tasks.registry import Shared
 
     call = stage.plan(stage.parse_args([*_retarget(argv, Path(tempfile.mkdtemp()), root / "params.yaml"),
                                         *points]))
     began = time.perf_counter()
+    actor = ray.remote(num_cpus=1)(_Worker).remote(call, os.getcwd(), 1)
+    ray.get(actor.__ray_ready__.remote())
+    actor_start = time.perf_counter() - began
+    ray.kill(actor)
+    began = time.perf_counter()
     decoder = Decoder(call)
-    load = time.perf_counter() - began
-    stack, tokenizer = decoder.stack, decoder.loaded.tokenizer
-    requests = max((len(p.task.requests(stack, tokenizer, p.data, p.settings, Shared()))
-                    for d in call.domains for p in decoder.prepared[d] if p.task.teacher_forced), default=1)
-    return load, {"score": requests, "run": len({job.point.family for job in call.jobs})}
+    out = {"actor_start_s": actor_start, "decoder_s": time.perf_counter() - began, "requests_s": {}}
+    stack, tokenizer, most = decoder.stack, decoder.loaded.tokenizer, 1
+    for d in call.domains:
+        for p in decoder.prepared[d]:
+            if p.task.teacher_forced:
+                began = time.perf_counter()
+                most = max(most, len(p.task.requests(stack, tokenizer, p.data, p.settings, Shared())))
+                out["requests_s"][f"{d}/{p.name}"] = time.perf_counter() - began
+    return {**out, "useful": {"score": most, "run": len({job.point.family for job in call.jobs})}}
 
 
 def difference(a: Path, b: Path, line: str) -> str:
@@ -242,11 +254,11 @@ def main(argv: list[str] | None = None) -> int:
                                          ] if w != args.workers[0] else []
             print(f"scale-out: {w} workers: {done['wall_s']:.0f} s, serial {widths[-1]['serial_s']:.0f} s, "
                   f"{len(widths[-1]['differences'])} differences", file=sys.stderr)
+    start = worker_start(args.root, argv_stage, points)
     ray.shutdown()
-    load_s, useful = worker_start(args.root, argv_stage, points)
     result = {"model": model_name, "points": args.point or "every point of the stage", "threads_per_worker": 1,
               "host_cpus": os.cpu_count(), "ray_start_s": ray_start, "widths": widths,
-              "scaling": model(widths, load_s, ray_start, useful)}
+              "worker_start": start, "scaling": model(widths, ray_start, start["useful"])}
     print(write(args.out, result))
     return 0 if all(not m["differences"] for m in widths) else 1
 
