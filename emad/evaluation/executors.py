@@ -293,7 +293,7 @@ def _width(asked: int, capacity: int) -> int:
     """How many actors run at once: those ``asked`` for, at most as many as the cluster can place (``capacity``:
     its GPUs, else how many actors its nodes' CPUs hold) — an actor that cannot be placed would hold its units."""
     if asked > capacity:
-        print(f"decode: {asked} workers asked for; the cluster places {capacity} at once: {capacity} run",
+        print(f"ray executor: {asked} workers asked for, the cluster places {capacity} at once: {capacity} run",
               file=sys.stderr)
     return max(1, min(asked, capacity))
 
