@@ -48,8 +48,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default="scale_out")
     parser.add_argument("--keep", type=Path, help="keep each width's outputs in this folder (default: deleted)")
     args = parser.parse_args(argv)
-    if any(w < 1 for w in args.workers):
-        parser.error(f"--workers: each must be >= 1, got {args.workers}")
+    if any(w < 1 for w in args.workers) or len(set(args.workers)) < 2:
+        parser.error(f"--workers: at least two different widths, each >= 1 (the model is fitted from the two "
+                     f"narrowest), got {args.workers}")
+    args.workers = sorted(set(args.workers))
     if not (args.root / "data" / "models").is_dir():
         parser.error(f"--root {args.root}: no data/models there; run `make repro` in it first")
     return args
