@@ -215,3 +215,24 @@ def test_speed_interval_covers_a_known_ratio_and_floor_states_follow_it():
     assert floor_state(ratio_interval([1.3]), 1.1) == "unresolved"  # one pair: no interval
     assert ratio_interval([1.2, 1.2]).lo == pytest.approx(1.2)  # equal timings: zero width
     assert not ratio_interval([1.2, -1.0]).defined
+
+
+def test_blocks_of_perfectly_correlated_units_give_the_interval_over_block_means():
+    rng = np.random.default_rng(7)
+    means = rng.normal(0.5, 0.1, 24)  # one value per block
+    point_means = means - rng.exponential(0.02, 24)
+    units, point_units = np.repeat(means, 4), np.repeat(point_means, 4)  # 4 equal units a block
+    blocks = [i // 4 for i in range(96)]
+    by_unit = change_interval("rouge_l", list(point_units), list(units), relative=False, blocks=blocks)
+    by_mean = change_interval("rouge_l", list(point_means), list(means), relative=False)
+    assert by_unit.blocks == by_mean.blocks == 24 and by_unit.n == 96 and by_mean.n == 24
+    assert by_unit.lo == pytest.approx(by_mean.lo, abs=1e-12) and by_unit.hi == pytest.approx(by_mean.hi, abs=1e-12)
+    single = change_interval("rouge_l", list(point_units), list(units), relative=False)  # units drawn alone
+    assert single.hi - single.lo < by_unit.hi - by_unit.lo  # too narrow: 4 copies of each block pass for 4 draws
+    whole = metric_interval("rouge_l", list(units), blocks=blocks)
+    assert whole.lo == pytest.approx(metric_interval("rouge_l", list(means)).lo, abs=1e-12)
+
+
+def test_block_ids_must_match_the_paired_units():
+    with pytest.raises(ValueError, match="3 block ids for 8 paired units"):
+        change_interval("rouge_l", [0.1] * 7 + [0.2], [0.2] * 8, relative=False, blocks=[0, 0, 1])

@@ -183,11 +183,11 @@ def test_metrics_json_holds_few_headline_keys_for_eight_families_of_eight_points
     verdicts = verdict(runs)
     metrics = metrics_summary(runs, verdicts)
     assert sorted(metrics["m"]) == sorted(FAMILIES)
-    assert _leaves(metrics) <= 60
+    assert _leaves(metrics) <= 76  # ≤ 9.5 a family, of which c1, c1_reason, c2, c2_reason
     emad = metrics["m"]["emad"]
-    assert set(emad) <= {"c1", "c2", "tolerance_multiple_at_target", "perplexity_change_at_target",
+    assert set(emad) <= {"c1", "c1_reason", "c2", "c2_reason", "tolerance_multiple_at_target", "perplexity_change_at_target",
                          "max_reduction_within_tolerance", "max_reduction_unresolved", "max_reduction_untested"}
-    assert {"c1", "c2", "tolerance_multiple_at_target"} <= set(emad)
+    assert {"c1", "c1_reason", "c2", "c2_reason", "tolerance_multiple_at_target"} <= set(emad)
     assert emad["c1"] == "pass" and emad["perplexity_change_at_target"] == pytest.approx(0.005, abs=1e-6)
     # 0.2% per 6% of FLOPs: 0.8% at 24% is the last shown within; 1% at 30% straddles the tolerance (unresolved)
     assert emad["max_reduction_within_tolerance"] == pytest.approx(0.24)

@@ -198,15 +198,18 @@ class Check:
         return {**out, "ok": self.ok, "counted": self.counted, "underpowered": self.underpowered}
 
 
-def paired_units(metric: str, point_run: dict, full_run: dict, units: Units) -> tuple[str, list, list] | None:
-    """``(key, point samples, full depth's samples)`` on the same units of ``units``' split; None when a run kept
-    none. A point with fewer units scored full depth's leading ones (:meth:`emad.tasks.registry.Task.fewer`)."""
+def paired_units(metric: str, point_run: dict, full_run: dict, units: Units
+                 ) -> tuple[str, list, list, list[int]] | None:
+    """``(key, point samples, full depth's samples, block of each unit)`` on the same units of ``units``' split;
+    None when a run kept none. A point with fewer units scored full depth's leading ones
+    (:meth:`emad.tasks.registry.Task.fewer`). The blocks are the split's (:data:`emad.evaluation.units.BLOCK`
+    consecutive units), which a bootstrap resamples whole."""
     point, full = samples_of(point_run.get("tasks", {}), metric), samples_of(full_run.get("tasks", {}), metric)
     if point is None or full is None:
         return None
     task = METRICS.get(metric).task
     leading = full[1][:len(point[1])]
-    return point[0], units.take(task, point[1]), units.take(task, leading)
+    return point[0], units.take(task, point[1]), units.take(task, leading), units.blocks(task, len(point[1]))
 
 
 def full_on_units(metric: str, point_run: dict, full_run: dict, units: Units = Units(ALL)) -> float | None:
@@ -232,10 +235,11 @@ def _interval(metric: str, point_run: dict, full_run: dict, units: Units, level:
     same = paired_units(metric, point_run, full_run, units)
     if same is None:
         return None
-    key, point, full = same
+    key, point, full, blocks = same
     m = METRICS.get(metric)
     try:
-        return change_interval(key, point, full, m.tolerance == "relative", m.bound_units(point), level, m.noise)
+        return change_interval(key, point, full, m.tolerance == "relative", m.bound_units(point), level, m.noise,
+                               blocks)
     except ValueError as err:
         raise ValueError(f"{point_run['run_id']} vs {full_run['run_id']}: {err}") from None
 
@@ -270,7 +274,7 @@ def build_check(domain: str, metric: str, point_run: dict, full_run: dict, toler
         check = Check(domain, metric, full, value, change, tolerance, relative,
                       method=f"undefined: no per-unit samples in {', '.join(missing)}", state=UNRESOLVED, **base)
     else:
-        key, point, reference = same
+        key, point, reference, _ = same
         iv = _interval(metric, point_run, full_run, units, level)
         full, value = metric_value(key, reference), metric_value(key, point)
         check = Check(domain, metric, full, value, iv.value, tolerance, relative, iv.lo, iv.hi, iv.n, iv.method,

@@ -40,16 +40,22 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
 import numpy as np
 
+from emad.evaluation.bootstrap import (
+    RESAMPLES,
+    SEED,
+    block_sums,
+    bootstrap_bounds,
+    paired_change_statistic,
+    statistic_of_sums,
+)
 from emad.evaluation.states import MET, UNRESOLVED, VIOLATED, State
 
 LEVEL = 0.95
-RESAMPLES = 4999
-SEED = 0
 EPS = 1e-9
 EXP_KEYS = frozenset({"perplexity"})  # pair samples whose metric is exp(Σnumerator / Σdenominator)
 EQUAL_UNBOUNDED = "every paired unit equal, and a share of differing units bounds no relative change"
@@ -66,6 +72,9 @@ class Interval:
         method: how the bounds were computed (``clopper-pearson``, ``bootstrap-bca`` ...), or
             ``undefined: <why>``.
         all_equal: every paired unit was equal: the bounds are the exact bound on the share of units that differ.
+        blocks: the blocks a bootstrap resampled (None: not a bootstrap).
+        changed: paired units that differ beyond the float noise (None: not a paired change).
+        level: the two-sided level of the bounds.
     """
 
     value: float | None
@@ -74,6 +83,9 @@ class Interval:
     n: int
     method: str
     all_equal: bool = False
+    blocks: int | None = None
+    changed: int | None = None
+    level: float = 0.95
 
     @property
     def defined(self) -> bool:
@@ -182,12 +194,13 @@ def metric_value(key: str, samples: Sequence) -> float | None:
     return _value(STATISTICS[statistic_name(key, x.shape[0])], x)
 
 
-def metric_interval(key: str, samples: Sequence) -> Interval:
+def metric_interval(key: str, samples: Sequence, blocks: Sequence[int] | None = None) -> Interval:
     """The metric's value and 95% interval from its per-unit samples (see the module docstring).
 
     Args:
         key: the metric's key in its task's result (``perplexity``, ``acc`` ...), which picks the statistic.
         samples: one value or ``[numerator, denominator]`` pair per unit.
+        blocks: one block id per unit: a bootstrap resamples whole blocks (None: every unit its own block).
     """
     x = unit_columns(samples, key)  # [k, n]
     n, stat = x.shape[1], STATISTICS[statistic_name(key, x.shape[0])]
@@ -199,7 +212,27 @@ def metric_interval(key: str, samples: Sequence) -> Interval:
     if _binary(x):
         lo, hi = _clopper_pearson(int(x.sum()), n, LEVEL)
         return Interval(value, lo, hi, n, "clopper-pearson")
-    return _bootstrap(lambda i: stat(x[:, i]), [n], value, n, "")
+    sums = block_sums(x, blocks)  # [2, m]
+    if sums.shape[1] < 2:
+        return _undefined(value, n, "fewer than 2 blocks")
+    exponential = statistic_name(key, x.shape[0]) == "exp_ratio"
+    return _block_bootstrap((sums[0], sums[1]), statistic_of_sums(exponential), value, n, "", LEVEL)
+
+
+def _block_bootstrap(columns: tuple[np.ndarray, ...], statistic, value: float | None, n: int, label: str,
+                     level: float, changed: int | None = None) -> Interval:
+    """The BCa interval (percentile where BCa is undefined) of ``statistic`` over resampled blocks (``columns``,
+    each ``[m]``: block sums), or undefined when the resamples do not vary or are not finite."""
+    bounds, dist = bootstrap_bounds(columns, statistic, [level])
+    m = len(columns[0])
+    if not np.isfinite(dist).all():
+        return _undefined(value, n, "non-finite values in the resamples")
+    if np.ptp(dist) == 0:
+        return _undefined(value, n, "no variation between blocks" if m < n else "no variation between units")
+    lo, hi, bca = (float(np.asarray(v).reshape(-1)[0]) for v in bounds[level])
+    kind = "bca" if bca else "percentile"
+    over = f" over {m} blocks" if m < n else ""
+    return Interval(value, lo, hi, n, f"bootstrap-{kind}{label}{over}", blocks=m, changed=changed, level=level)
 
 
 def _change(relative: bool) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
@@ -249,7 +282,8 @@ def changed_units(xp: np.ndarray, xf: np.ndarray, noise: float = 0.0) -> int | N
 
 
 def change_interval(key: str, point: Sequence, full: Sequence, relative: bool,
-                    bound_units: int | None = None, level: float = LEVEL, noise: float = 0.0) -> Interval:
+                    bound_units: int | None = None, level: float = LEVEL, noise: float = 0.0,
+                    blocks: Sequence[int] | None = None) -> Interval:
     """The change of a point against full depth, with its 95% interval over the shared units.
 
     Args:
@@ -261,35 +295,46 @@ def change_interval(key: str, point: Sequence, full: Sequence, relative: bool,
             interval is undefined); see the module docstring.
         noise: a paired unit whose value moved by at most this much is equal (the float noise of two runs that
             compute the same thing; :attr:`emad.evaluation.metrics.QualityMetric.noise`).
+        blocks: one block id per paired unit: a paired bootstrap resamples whole blocks (None: every unit its own
+            block); the exact methods count units.
     """
     # the report asks for the same change several times (verdicts per family, domain-shift table): computed once
-    return _change_interval(key, _frozen(point, key), _frozen(full, key), relative, bound_units, level, noise)
+    ids = None if blocks is None else tuple(int(b) for b in blocks)
+    return _change_interval(key, _frozen(point, key), _frozen(full, key), relative, bound_units, level, noise, ids)
 
 
 @lru_cache(maxsize=4096)
 def _change_interval(key: str, point: tuple, full: tuple, relative: bool, bound_units: int | None,
-                     level: float, noise: float) -> Interval:
+                     level: float, noise: float, blocks: tuple | None = None) -> Interval:
     xp, xf = unit_columns(point, key), unit_columns(full, key)  # [k, n_p], [k, n_f]
     if xp.shape[0] != xf.shape[0]:
         raise ValueError(f"samples of {key!r} differ in kind between the point and full depth (numbers vs pairs)")
     stat, change = STATISTICS[statistic_name(key, xp.shape[0])], _change(relative)
     np_, nf = xp.shape[1], xf.shape[1]
     value = float(change(stat(xp), stat(xf))) if np_ and nf else None
-    if np_ and changed_units(xp, xf, noise) == 0:  # every paired unit equal: only a share of them is ruled out
+    changed = changed_units(xp, xf, noise)
+    if np_ and changed == 0:  # every paired unit equal: only a share of them is ruled out
         within = f" (within float noise {noise:g})" if noise and not np.array_equal(xp, xf) else ""
         if bound_units is None:
             return _undefined(value, np_, EQUAL_UNBOUNDED + within)
         bound = share_bound(bound_units, level)
         return Interval(value, -bound, bound, np_, f"exact: 0 of {bound_units} differ{within} ({level:.1%} bound on "
-                        f"the share that differ {bound:.2%})", all_equal=True)
+                        f"the share that differ {bound:.2%})", all_equal=True, changed=0, level=level)
     if min(np_, nf) < 2:
         return _undefined(value, min(np_, nf), "fewer than 2 units")
     if not (np.isfinite(xp).all() and np.isfinite(xf).all()):
         return _undefined(value, min(np_, nf), "non-finite unit values")
     if _binary(xp, xf) and not relative:
-        return _exact_drop(xp, xf, value, level)
+        return replace(_exact_drop(xp, xf, value, level), changed=changed, level=level)
     if np_ == nf:
-        return _bootstrap(lambda i: change(stat(xp[:, i]), stat(xf[:, i])), [np_], value, np_, ", paired", level)
+        if blocks is not None and len(blocks) != np_:
+            raise ValueError(f"samples of {key!r}: {len(blocks)} block ids for {np_} paired units")
+        ps, fs = block_sums(xp, blocks), block_sums(xf, blocks)  # [2, m] each
+        if ps.shape[1] < 2:
+            return _undefined(value, np_, "fewer than 2 blocks")
+        exponential = statistic_name(key, xp.shape[0]) == "exp_ratio"
+        return _block_bootstrap((ps[0], ps[1], fs[0], fs[1]), paired_change_statistic(exponential, relative),
+                                value, np_, ", paired", level, changed)
     return _bootstrap(lambda i, j: change(stat(xp[:, i]), stat(xf[:, j])), [np_, nf], value, min(np_, nf),
                       f", unpaired (n {np_} vs {nf})", level)
 

@@ -1,28 +1,24 @@
-"""The verdict's decisions as states (DESIGN.md §4): one operating point aggregated over its domains and judged,
-C1 and C2 decided over a family's points. No prose here — :mod:`emad.report.verdict` words the decisions — so the
-report, the decode stage's early stop of C2 and any other reader share one rule.
+"""A point judged over its domains (DESIGN.md §4): its runs aggregated, its checks taken, its state. No prose here —
+:mod:`emad.report.verdict` words the decisions — and C1 and C2 are decided from named reasons in
+:mod:`emad.evaluation.decisions`, so the report, the decode stage's early stop of C2 and any other reader share one
+rule.
 
-- A point (:class:`PointAssessment`, :func:`assess_point`): its runs on every domain, token-weighted FLOPs, its
-  checks on the confirmation split (:mod:`emad.evaluation.checks`), its C2 interval over prompts; its state by
-  :func:`gate_state`: *met* only when every check the criteria name (perplexity and every accuracy-like task the
-  run has) counts and is met, or the point is identical by construction; *untested at this size* when every check
-  that counts is met but a named one cannot count (underpowered, fewer than 8 units, no samples).
-- C1 (:func:`decide_c1`): some point with ≥ ``min_flops_reduction`` met, each of the m candidates judged at
-  1 − 0.05/m (:func:`family_wise`); "not falsified; untested at this size" where the best a candidate reaches is
-  untested; falsified only when every candidate is measured beyond a tolerance.
-- C2 (:func:`decide_c2`): some met point whose interval over prompts (its runs' pairs on one device,
-  :mod:`emad.evaluation.speed_devices`) lies at or above ``1 + min_speed_gain``
-  (Bonferroni over the timed candidates); untested where that point's accuracy is untested; falsified only when
-  every eligible point that saves FLOPs was timed and each interval lies wholly below the gain; otherwise
-  unresolved, naming the eligible points not timed.
+- A point (:class:`PointAssessment`, :func:`assess_point`): its runs on every domain, token-weighted FLOPs on the
+  judged half, its checks on the confirmation split (:mod:`emad.evaluation.checks`), its C2 interval over prompts;
+  its state by :func:`gate_state`: *met* only when every check the criteria name (perplexity and every
+  accuracy-like task the run has) counts and is met, or the point is identical by construction; *untested at this
+  size* when every check that counts is met but a named one cannot count (underpowered, fewer than 8 units, no
+  samples). A task the screen did not run rules the point out only where the teacher-forced violation the screen
+  measured stands under the rules in force (:func:`screened_checks`, the coverage table included); else that task
+  is unresolved.
+- C2 on one domain, as the decode stage's early stop reads it: :func:`passes_c2`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from enum import StrEnum
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from emad.evaluation import coverage, identity
@@ -39,10 +35,12 @@ from emad.evaluation.checks import (
     build_check,
     combined_state,
 )
+from emad.evaluation.identity import split_family
 from emad.evaluation.intervals import LEVEL, Interval, floor_state, ratio_interval
 from emad.evaluation.speed_devices import DeviceSplit, split_by_device
 from emad.evaluation.states import UNTESTED
 from emad.evaluation.units import CONFIRMATION, SELECTION, Units
+from emad.exits.registries import STRATEGIES
 
 EPS = 1e-9
 
@@ -100,6 +98,7 @@ class PointAssessment:
     flops_half: str = "confirmation half"  # the units its FLOPs ratio is read on (those its checks judge)
     speed_device: str | None = None  # the device ``speed`` is read on, set where its runs were timed on several
     speed_left_out: list[dict] = field(default_factory=list)  # then the runs left out: domain, run_id, device, pairs
+    strategy: bool = False  # a strategy (EAD, speculative decoding): saves sequential passes, not FLOPs
 
     @property
     def reduction(self) -> float:
@@ -256,29 +255,46 @@ def _judged_flops(run: dict) -> tuple[float, str]:
 def assess_point(runs: Sequence[dict], base: dict[tuple[str, str], dict], thr: Thresholds,
                  level: float = LEVEL) -> PointAssessment:
     """Aggregate one operating point's runs (one per domain) and check every tolerance on the confirmation split,
-    intervals at ``level``; its FLOPs ratio read on the same half (:func:`half_flops`)."""
+    intervals at ``level``; its FLOPs ratio read on the same half (:func:`half_flops`). A run the screen stopped
+    keeps its tasks ruled out only where the violation the screen measured stands (:func:`screened_checks`)."""
     runs = sorted(runs, key=lambda r: r["domain"])
     bases = [base[(r["model"], r["domain"])] for r in runs]
     weights = _token_weights(runs)
     judged = [_judged_flops(r) for r in runs]
-    flops = sum(w * f for w, (f, _) in zip(weights, judged)) / sum(weights)
-    checks = [build_check(r["domain"], m, r, b, thr.tolerance(m), level=level)
-              for r, b in zip(runs, bases) for m in sorted(b.get("quality", {}))]
+    checks, screened = [], []
+    for r, b in zip(runs, bases):
+        mine = [build_check(r["domain"], m, r, b, thr.tolerance(m), level=level) for m in sorted(b.get("quality", {}))]
+        stands = screened_checks(r, b, thr) if r.get("not_run") else []
+        checks += mine if stands or not r.get("not_run") else [_unruled(c) for c in mine]
+        screened += stands
     first = runs[0]
-    screened = [c for r, b in zip(runs, bases) if r.get("not_run") for c in screened_checks(r, b, thr)]
     speed, split = _prompt_speed(runs, level)
-    return PointAssessment(identity.point_label(str(first["point"]), first.get("calibration")), first["point"], first.get("calibration"),
-                           ", ".join(sorted({r["family"] for r in runs})), [r["domain"] for r in runs],
-                           [r["run_id"] for r in runs], [r["mlflow_run_id"] for r in runs if r.get("mlflow_run_id")],
-                           flops, _aggregate_speedup(runs, bases, weights), checks,
-                           {r["domain"]: f for r, (f, _) in zip(runs, judged)}, first.get("curve"),
-                           first.get("knob"), first.get("value"), speed,
-                           max((r["cost"]["load_avg"] for r in split.kept
-                                if finite(r.get("cost", {}).get("load_avg"))), default=None),
-                           {r["domain"]: r.get("depth_histogram") or {} for r in runs},
-                           *_references(split.kept), screened, level, list(runs),
-                           " and ".join(sorted({half for _, half in judged})),
-                           split.judged if split.mixed else None, split.left_out_summary())
+    reference, by_reference = _references(split.kept)
+    return PointAssessment(
+        label=identity.point_label(str(first["point"]), first.get("calibration")), point=first["point"],
+        calibration=first.get("calibration"), family=", ".join(sorted({r["family"] for r in runs})),
+        domains=[r["domain"] for r in runs], run_ids=[r["run_id"] for r in runs],
+        mlflow_run_ids=[r["mlflow_run_id"] for r in runs if r.get("mlflow_run_id")],
+        flops_ratio=sum(w * f for w, (f, _) in zip(weights, judged)) / sum(weights),
+        speedup=_aggregate_speedup(runs, bases, weights), checks=checks,
+        flops_by_domain={r["domain"]: f for r, (f, _) in zip(runs, judged)}, curve=first.get("curve"),
+        knob=first.get("knob"), value=first.get("value"), speed=speed,
+        load_avg=max((r["cost"]["load_avg"] for r in split.kept if finite(r.get("cost", {}).get("load_avg"))),
+                     default=None),
+        depths={r["domain"]: r.get("depth_histogram") or {} for r in runs}, speed_reference=reference,
+        speedup_by_reference=by_reference, screened=screened, level=level, runs=list(runs),
+        flops_half=" and ".join(sorted({half for _, half in judged})),
+        speed_device=split.judged if split.mixed else None, speed_left_out=split.left_out_summary(),
+        strategy=any(split_family(r["family"])[0] in STRATEGIES for r in runs))
+
+
+def _unruled(check: Check) -> Check:
+    """A check ruled out by a screen whose violation does not stand under the rules in force: unresolved (its task
+    was not run, and nothing measured rules it out)."""
+    if check.state != RULED_OUT:
+        return check
+    return replace(check, state=UNRESOLVED, method=f"{check.method} — but that violation does not stand under the "
+                   "verdict's rules (its interval's side does not cover at its size)")
 
 
 def screened_checks(run: dict, base: dict, thr: Thresholds) -> list[Check]:
@@ -301,145 +317,6 @@ def _references(runs: Sequence[dict]) -> tuple[str | None, dict[str, float]]:
         for name, value in (c.get("speedup_by_reference") or {}).items():
             by_ref.setdefault(name, []).append(value)
     return reference, {n: math.exp(sum(map(math.log, v)) / len(v)) for n, v in by_ref.items() if len(v) == len(runs)}
-
-
-def _by_reduction(points: list[PointAssessment]) -> list[PointAssessment]:
-    return sorted(points, key=lambda p: (-p.reduction, p.label))
-
-
-Reassess = Callable[[list[PointAssessment], float], list[PointAssessment]]
-
-
-def family_wise(points: list[PointAssessment], reassess: Reassess | None) -> tuple[list[PointAssessment], float]:
-    """``points`` judged so that one claim over all of them holds at 95% (Bonferroni: each at 1 − 0.05/m, the
-    first step of Holm's procedure, which decides an existence claim), and that level."""
-    if len(points) <= 1 or reassess is None:
-        return points, LEVEL
-    level = 1.0 - (1.0 - LEVEL) / len(points)
-    return reassess(points, level), level
-
-
-class Outcome(StrEnum):
-    """A criterion's outcome."""
-
-    PASS = "pass"
-    FAIL = "fail"  # falsified
-    UNTESTED = "untested"  # not falsified; untested at this size (a named check cannot count)
-    UNRESOLVED = "unresolved"
-
-
-class C1Reason(StrEnum):
-    """Why C1 came out as it did."""
-
-    MET = "a candidate is met"
-    UNTESTED = "a candidate is met where it counts, a named check cannot count"
-    OPEN = "a candidate is unresolved"
-    BEYOND = "every candidate is measured beyond a tolerance"
-    UNMEASURED = "no candidate has a measured check"
-    SHORT = "no point reaches the reduction"
-    NO_POINTS = "no point evaluated on every domain"
-
-
-class C2Reason(StrEnum):
-    """Why C2 came out as it did."""
-
-    FAST = "a met point reaches the gain"
-    UNTESTED = "a point untested at this size reaches the gain"
-    OPEN = "a timed point is not shown below the gain"
-    NONE_ELIGIBLE = "no point within the tolerances"
-    NOT_TIMED = "no eligible point timed"
-    NO_SAVING = "every eligible point spends at least full depth's FLOPs"
-    SLOW = "every timed point is below the gain"
-
-
-@dataclass(frozen=True)
-class C1Decision:
-    """C1: ``outcome``, ``reason``, the ``deciding`` point (judged at ``level``), the ``literal`` points (with the
-    reduction, measured beyond a tolerance), the ``unresolved`` candidates and how many were judged (``candidates``)."""
-
-    outcome: Outcome
-    reason: C1Reason
-    deciding: PointAssessment | None
-    literal: list[str] = field(default_factory=list)
-    unresolved: list[str] = field(default_factory=list)
-    candidates: int = 0
-    level: float = LEVEL
-
-
-@dataclass(frozen=True)
-class C2Decision:
-    """C2: ``outcome``, ``reason``, the ``deciding`` point, the ``matched`` (met) and ``unresolved`` (unresolved or
-    untested) points, how many timed candidates were judged (``timed``) and at which ``level``, and the eligible
-    points that save FLOPs but were not timed over prompts (``untimed``: C2 cannot be falsified while there are)."""
-
-    outcome: Outcome
-    reason: C2Reason
-    deciding: PointAssessment | None
-    matched: list[str] = field(default_factory=list)
-    unresolved: list[str] = field(default_factory=list)
-    timed: int = 0
-    level: float = LEVEL
-    untimed: list[str] = field(default_factory=list)
-
-
-def decide_c1(points: list[PointAssessment], thr: Thresholds, reassess: Reassess | None = None) -> C1Decision:
-    """C1 over ``points`` (see the module docstring); ``reassess`` judges candidates at a stricter level."""
-    need = thr.min_flops_reduction
-    big = [p for p in points if p.reduction >= need - EPS]
-    judged, level = family_wise([p for p in big if p.state != RULED_OUT], reassess)
-    met = _by_reduction([p for p in judged if p.state == MET])
-    untested_ = _by_reduction([p for p in judged if p.state == UNTESTED])
-    unresolved = _by_reduction([p for p in judged if p.state == UNRESOLVED])
-    literal = sorted(p.label for p in big if p.state in (VIOLATED, RULED_OUT))
-    open_labels = sorted(p.label for p in untested_ + unresolved)
-    m = len(judged)
-    if met:
-        return C1Decision(Outcome.PASS, C1Reason.MET, met[0], literal, open_labels, m, level)
-    if untested_:
-        return C1Decision(Outcome.UNTESTED, C1Reason.UNTESTED, untested_[0], literal, open_labels, m, level)
-    if unresolved:
-        return C1Decision(Outcome.UNRESOLVED, C1Reason.OPEN, unresolved[0], literal, open_labels, m, level)
-    measured = [p for p in big if p.worst is not None and p.worst.severity is not None]
-    if measured:
-        p = min(measured, key=lambda p: (p.worst.severity, -p.reduction, p.label))
-        return C1Decision(Outcome.FAIL, C1Reason.BEYOND, p, literal, [], m, level)
-    if big:
-        return C1Decision(Outcome.UNRESOLVED, C1Reason.UNMEASURED, None, literal, [], m, level)
-    if points:
-        return C1Decision(Outcome.FAIL, C1Reason.SHORT, _by_reduction(points)[0])
-    return C1Decision(Outcome.FAIL, C1Reason.NO_POINTS, None)
-
-
-def decide_c2(points: list[PointAssessment], thr: Thresholds, reassess: Reassess | None = None) -> C2Decision:
-    """C2 over ``points`` (see the module docstring); ``reassess`` judges the timed candidates at a stricter
-    level."""
-    need = 1.0 + thr.min_speed_gain
-    eligible = [p for p in points if p.state in (MET, UNTESTED, UNRESOLVED)]
-    labels = sorted(p.label for p in eligible if p.state == MET)
-    open_labels = sorted(p.label for p in eligible if p.state in (UNTESTED, UNRESOLVED))
-    timed, level = family_wise([p for p in eligible if p.speed is not None and p.speed.value is not None], reassess)
-    timed = sorted(timed, key=lambda p: (-(p.speed.lo if p.speed.defined else 0.0), -p.speed.value, p.label))
-    untimed = sorted(p.label for p in eligible if p.reduction > EPS and p.label not in {t.label for t in timed})
-    m = len(timed)
-    passing = [p for p in timed if p.state == MET and p.speed_state(need) == MET]
-    if passing:
-        return C2Decision(Outcome.PASS, C2Reason.FAST, passing[0], labels, open_labels, m, level, untimed)
-    fast_untested = [p for p in timed if p.state == UNTESTED and p.speed_state(need) == MET]
-    if fast_untested:
-        return C2Decision(Outcome.UNTESTED, C2Reason.UNTESTED, fast_untested[0], labels, open_labels, m, level,
-                          untimed)
-    open_ = [p for p in timed if p.speed_state(need) != VIOLATED]
-    if open_:
-        p = max(open_, key=lambda p: (p.speed.value, p.label))
-        return C2Decision(Outcome.UNRESOLVED, C2Reason.OPEN, p, labels, open_labels, m, level, untimed)
-    if not eligible:
-        return C2Decision(Outcome.FAIL, C2Reason.NONE_ELIGIBLE, None)
-    if not timed or untimed:  # an eligible point never timed can never be shown slow: not falsified
-        reason = C2Reason.NO_SAVING if all(p.reduction <= EPS for p in eligible) else C2Reason.NOT_TIMED
-        best = max(timed, key=lambda p: (p.speed.value, p.label)) if timed else None
-        return C2Decision(Outcome.UNRESOLVED, reason, best, labels, open_labels, m, level, untimed)
-    p = max(timed, key=lambda p: (p.speed.value, p.label))
-    return C2Decision(Outcome.FAIL, C2Reason.SLOW, p, labels, open_labels, m, level)
 
 
 def passes_c2(checks: Sequence[Check], pairs: Sequence[Sequence[float]], floor: float) -> bool:

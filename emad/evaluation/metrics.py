@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from emad.evaluation.intervals import LEVEL, metric_interval
+from emad.evaluation.units import BLOCK
 from emad.registry import Registry
 
 
@@ -137,7 +138,7 @@ def intervals_of(tasks: dict[str, dict]) -> dict[str, dict[str, Any]]:
         if found is None:
             out[name] = {"lo": None, "hi": None, "n": None, "method": "undefined: no per-unit samples"}
         else:
-            iv = metric_interval(*found).to_dict()
+            iv = metric_interval(*found, blocks=[i // BLOCK for i in range(len(found[1]))]).to_dict()
             out[name] = {k: iv[k] for k in ("lo", "hi", "n", "method")}
     return out
 

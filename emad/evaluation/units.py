@@ -51,6 +51,11 @@ class Units:
         """The samples of ``task``'s units in this split."""
         return [samples[i] for i in indices(len(samples), self.which, self.seed, task)]
 
+    def blocks(self, task: str, n: int) -> list[int]:
+        """The split block of each of ``task``'s units in this split (of ``n``), in :meth:`take`'s order: the block
+        a bootstrap resamples whole (:data:`BLOCK` consecutive units)."""
+        return [i // BLOCK for i in indices(n, self.which, self.seed, task)]
+
     def describe(self) -> str:
         return "every unit" if self.which == ALL else f"the {self.which} split (seed {self.seed})"
 

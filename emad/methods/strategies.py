@@ -14,6 +14,7 @@ from emad.decode.score import score_adaptive
 from emad.decode.step import elapsed
 from emad.decode.strategy import Strategy
 from emad.engine.cost import CostModel
+from emad.exits import registries
 from emad.exits.criteria import Full
 from emad.methods.common import RowRecord, full_cost, to_generation
 from emad.methods.drafting import DRAFT_POLICIES, Drafter, DraftPolicy, ModelDrafter, SelfDrafter
@@ -21,7 +22,7 @@ from emad.methods.ead import EAD
 from emad.methods.speculative import SpeculativeResult, speculative_generate
 from emad.registry import Registry
 
-STRATEGIES: Registry[Strategy] = Registry("decoding strategy")
+STRATEGIES: Registry[Strategy] = registries.STRATEGIES  # declared there, with its names
 STRATEGIES.register("ead")(EAD)
 
 

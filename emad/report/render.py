@@ -435,7 +435,8 @@ def _headline(curve: Curve, v: ModelVerdict) -> dict[str, Any]:
     timed = v.c2.deciding  # quoted only at matched accuracy: timed over prompts, every counted check met
     timed = timed if timed is not None and timed.speed is not None and timed.state == MET else None
     speed = timed.speed if timed else None
-    return _clean({"c1": v.c1.outcome, "c2": v.c2.outcome, "tolerance_multiple_at_target": curve.at_target.value,
+    return _clean({"c1": v.c1.outcome, "c1_reason": v.c1.reason, "c2": v.c2.outcome, "c2_reason": v.c2.reason,
+                   "tolerance_multiple_at_target": curve.at_target.value,
                    "perplexity_change_at_target": ppl, "max_reduction_within_tolerance": met.reduction if met else None,
                    "max_reduction_unresolved": ok.reduction if ok and ok.state == UNRESOLVED else None,
                    "max_reduction_untested": ok.reduction if ok and ok.state == UNTESTED else None,

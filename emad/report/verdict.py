@@ -23,32 +23,23 @@
   :attr:`PointAssessment.screened`); else violated when a counted check is, met when every named check counts and
   is met, untested at this size when every check that counts is met but a named one cannot count, unresolved
   otherwise.
-- C1 (the seed's: within 1% perplexity *and* 1 point accuracy): passes when some point reducing FLOPs by ≥
-  ``min_flops_reduction`` is met — with m such candidates (not ruled out), each judged at 1 − 0.05/m (Bonferroni,
-  the first step of Holm's procedure: the existence claim holds at 95% family-wise). Where the best candidates are
-  untested at this size, C1 reads "not falsified; untested at this size", naming the checks and what each would
-  need. It is falsified only when every such point is measured beyond a tolerance (violated, or ruled out by a
-  measured violation) or none reaches the reduction; otherwise it is unresolved at this sample size.
-  "Closest" and every headline number are read from measured checks only.
-- C2: each point that can decide it (not ruled out; it exits and spends fewer FLOPs than full depth,
-  ``decode.speed_flops_below`` — or it is a strategy, which trades FLOPs for fewer sequential passes) was timed on
-  ≥ :data:`~emad.evaluation.checks.MIN_SPEED_PROMPTS` distinct prompts per domain, one pair per prompt (point and the
-  full-depth reference back to back in the decode process, in blocks whose order turns from prompt to prompt and
-  is reversed on every other prompt, so that each point runs before each reference on ⌊n/2⌋ or ⌈n/2⌉ of its n
-  prompts;
-  ``cost.speed_pairs``; the reference is the faster of our full depth and, on CUDA, HF's static-cache
-  ``generate``, ``cost.speed_reference``); the per-prompt ratios of all its domains give an interval over prompts
-  (Student t on the log ratios, :func:`emad.evaluation.intervals.ratio_interval`; Bonferroni over the timed
-  candidates) — on one device: where a point's runs were timed on several (``cost.speed_device``), the pairs of
-  the device with the most are read, and the text names it and the pairs left out
-  (:mod:`emad.evaluation.speed_devices`). Its speed state is met when the interval lies at or above
-  ``1 + min_speed_gain``, violated when wholly below, unresolved otherwise (also where the side it rests on does
-  not cover at its number of prompts).
-  C2 passes when a met point has a met speed state (a decode stage that runs one domain times a family's
-  candidates cheapest first and stops once one passes there: the family has decided C2, its dearer points get the
-  cheap measure); it is "not falsified; untested at this size" when the point that reaches the gain is untested;
-  it is falsified only when every met, untested or unresolved point that saves FLOPs was timed over prompts and
-  each interval lies wholly below the gain; it is unresolved otherwise, naming the eligible points not timed.
+- C1 (the seed's: within 1% perplexity *and* 1 point accuracy) and C2 (the tokens/s gain at matched accuracy):
+  decided from named reasons, one table each (:mod:`emad.evaluation.decisions`: :data:`C1_TABLE`,
+  :data:`C2_TABLE`, the first matching row wins), applied alike to every family. C1's candidates (≥
+  ``min_flops_reduction`` on the judged half) are each judged at 1 − 0.05/m (Bonferroni, the first step of Holm's
+  procedure: the existence claim holds at 95% family-wise); a family with no point at the reduction is *untested*.
+  C2's candidates are the points within (or possibly within) the tolerances that do less work than full depth (fewer
+  FLOPs on the judged half, or a strategy); each was timed on ≥ :data:`~emad.evaluation.checks.MIN_SPEED_PROMPTS`
+  distinct prompts of the confirmation half per domain, one pair per prompt (point and the full-depth reference back
+  to back in the decode process, in blocks whose order turns from prompt to prompt and is reversed on every other
+  prompt, so that each point runs before each reference on ⌊n/2⌋ or ⌈n/2⌉ of its n prompts; ``cost.speed_pairs``;
+  the reference is the faster of our full depth and, on CUDA, HF's static-cache ``generate``,
+  ``cost.speed_reference``); the per-prompt ratios of all its domains give an interval over prompts (Student t on
+  the log ratios, :func:`emad.evaluation.intervals.ratio_interval`; Bonferroni over the timed candidates; widened
+  to the level where the coverage simulation says its side covers) — on one device: where a point's runs were
+  timed on several (``cost.speed_device``), the pairs of the device with the most are read, and the text names it
+  and the pairs left out (:mod:`emad.evaluation.speed_devices`). With no candidate, C2 is falsified for that reason
+  alone, timed or not (timed figures are shown as information).
 - Literal reading: "some operating point with ≥ 15% reduction degrades more than the tolerance" — true when some
   such point is violated or ruled out by a measured violation, with those points (it can be true while C1
   passes); unresolved ones are named apart.
@@ -63,19 +54,17 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from emad.evaluation.checks import MIN_SPEED_PROMPTS, Thresholds
-from emad.evaluation.identity import split_family
-from emad.evaluation.judge import (  # noqa: F401  (the verdict's decisions, re-exported for its readers)
+from emad.evaluation.decisions import (  # noqa: F401  (the verdict's decisions, re-exported for its readers)
     C1Decision,
     C1Reason,
     C2Decision,
     C2Reason,
     Outcome,
-    PointAssessment,
-    _references,
-    assess_point,
     decide_c1,
     decide_c2,
 )
+from emad.evaluation.identity import split_family
+from emad.evaluation.judge import PointAssessment, _references, assess_point  # noqa: F401
 from emad.evaluation.states import MIN_UNITS, NOT_COUNTED, State
 from emad.report.frontier import FULL, baselines, point_label
 
@@ -127,7 +116,8 @@ class CriterionResult:
         return self.text
 
     def _head(self) -> dict[str, Any]:
-        return {"outcome": str(self.outcome), "passed": self.passed, "falsified": self.falsified,
+        return {"outcome": str(self.outcome), "reason": getattr(self, "reason", ""), "passed": self.passed,
+                "falsified": self.falsified,
                 "deciding": self.deciding.label if self.deciding else None}
 
 
@@ -145,6 +135,7 @@ class C1Result(CriterionResult):
     literal_points: list[str]
     text: str
     unresolved_points: list[str] = field(default_factory=list)
+    reason: str = ""  # the reason's name in emad.evaluation.decisions.C1_TABLE
 
     def literal_sentence(self, min_reduction: float) -> str:
         head = (f"Literal reading: some operating point with ≥ {min_reduction:.0%} reduction degrades more "
@@ -169,6 +160,7 @@ class C2Result(CriterionResult):
     text: str
     unresolved: list[str] = field(default_factory=list)
     untimed: list[str] = field(default_factory=list)
+    reason: str = ""  # the reason's name in emad.evaluation.decisions.C2_TABLE
 
     def to_dict(self) -> dict[str, Any]:
         speed = self.deciding.speed if self.deciding else None
@@ -276,12 +268,12 @@ def c1_result(d: C1Decision, thr: Thresholds, methods: str, domains: list[str]) 
     elif d.reason == C1Reason.UNMEASURED:
         text = f"C1 unresolved: the operating points with ≥ {need:.0%} FLOP reduction have no measured check."
     elif d.reason == C1Reason.SHORT:
-        text = (f"C1 fails (falsified): no operating point reaches a {need:.0%} FLOP reduction; the largest is "
-                f"{p.named} with {p.reduction:.1%}.")
+        text = (f"C1 untested (not falsified): no point reaches {need:.0%} fewer FLOPs; best {p.reduction:.1%} "
+                f"({p.named}), so nothing of this family tested C1.")
     else:
-        text = (f"C1 fails (falsified): no operating point of family {methods} was evaluated on every domain "
+        text = (f"C1 untested (not falsified): no operating point of family {methods} was evaluated on every domain "
                 f"({', '.join(domains)}).")
-    return C1Result(d.outcome, p, bool(d.literal), list(d.literal), text, list(d.unresolved))
+    return C1Result(d.outcome, p, bool(d.literal), list(d.literal), text, list(d.unresolved), str(d.reason))
 
 
 NAMED = 8  # points a sentence names before "… and N more"
@@ -292,6 +284,14 @@ def _some(names: list[str]) -> str:
     if len(names) <= NAMED:
         return ", ".join(names)
     return f"{len(names)} points: {', '.join(names[:NAMED])} … and {len(names) - NAMED} more"
+
+
+def _information(d: C2Decision) -> str:
+    """``; timed all the same, for information: …`` for the timed points that do no less work (not C2's reason)."""
+    if not d.information:
+        return ""
+    return "; timed all the same, for information only: " + "; ".join(
+        f"{p.named} {speed_text(p)}" for p in d.information[:NAMED])
 
 
 def c2_result(d: C2Decision, thr: Thresholds) -> C2Result:
@@ -321,25 +321,28 @@ def c2_result(d: C2Decision, thr: Thresholds) -> C2Result:
         text = ("C2 fails (falsified): no operating point stays within the quality tolerances (every one violates "
                 "a tolerance or was ruled out by the screen).")
     elif d.reason == C2Reason.NO_SAVING:
-        text = (f"C2 unresolved: not timed — every point within (or possibly within) the tolerances "
-                f"({_some(d.matched + d.unresolved)}) spends at least full depth's FLOPs (it never exits early, or its "
-                "probes cost more than the layers it skips), so none was timed: at matched accuracy no point saves "
-                "compute to be timed.")
+        text = (f"C2 fails (falsified): at matched accuracy no point does less work than full depth — every point "
+                f"within (or possibly within) the tolerances ({_some(d.matched + d.unresolved)}) spends at least "
+                f"full depth's FLOPs on the judged half (it never exits early, or its probes cost more than the "
+                f"layers it skips), and none is a strategy{_information(d)}.")
+    elif d.reason == C2Reason.NO_POINTS:
+        text = "C2 untested (not falsified): no operating point was evaluated on every domain."
     elif d.reason == C2Reason.NOT_TIMED and p is not None:
-        text = (f"C2 unresolved: every timed point within (or possibly within) the tolerances is slower than the "
+        text = (f"C2 unresolved: every timed candidate within (or possibly within) the tolerances is slower than the "
                 f"gain of {gain} requires{family} (the best, {p.named}, runs {speed_text(p)} the full-depth "
-                f"tokens/s), but {len(d.untimed)} eligible point(s) that save FLOPs were not timed over prompts "
-                f"({_some(d.untimed)}): C2 is falsified only when every one of them is.")
+                f"tokens/s), but {len(d.untimed)} candidate(s) that do less work than full depth were not timed over "
+                f"prompts ({_some(d.untimed)}): C2 is falsified only when every one of them is.")
     elif d.reason == C2Reason.NOT_TIMED:
-        text = ("C2 unresolved: not timed — no point within (or possibly within) the tolerances "
-                f"({_some(d.matched + d.unresolved)}) was timed on {MIN_SPEED_PROMPTS} distinct prompts per "
-                "domain (the decode stage times the points that exit early and spend fewer FLOPs than full depth, "
-                "decode.speed_flops_below, and every strategy; a domain needs a task with speed prompts).")
+        text = ("C2 unresolved: not timed — no candidate (a point within, or possibly within, the tolerances that "
+                f"does less work than full depth: {_some(d.untimed)}) was timed on {MIN_SPEED_PROMPTS} distinct "
+                "prompts per domain (the decode stage times the points that exit early and spend fewer FLOPs than "
+                "full depth, decode.speed_flops_below, and every strategy; a domain needs a task with speed "
+                "prompts).")
     else:
-        text = (f"C2 fails (falsified): every point within (or possibly within) the tolerances that saves FLOPs was "
-                f"timed over prompts and is slower than the gain of {gain} requires{family}; the best, {p.named} "
-                f"({p.state}), runs {speed_text(p)} the full-depth tokens/s.")
-    return C2Result(d.outcome, p, list(d.matched), text, list(d.unresolved), list(d.untimed))
+        text = (f"C2 fails (falsified): every point within (or possibly within) the tolerances that does less work "
+                f"than full depth was timed over prompts and is slower than the gain of {gain} requires{family}; the "
+                f"best, {p.named} ({p.state}), runs {speed_text(p)} the full-depth tokens/s{_information(d)}.")
+    return C2Result(d.outcome, p, list(d.matched), text, list(d.unresolved), list(d.untimed), str(d.reason))
 
 
 def _model_domains(runs: Sequence[dict], base: dict, model: str) -> list[str]:
