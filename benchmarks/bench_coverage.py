@@ -1,32 +1,33 @@
-"""How often each side of the verdict's intervals covers the true change, by metric and number of units: the table
-the verdict reads before it gives a label (:mod:`emad.evaluation.coverage`). Writes reports/bench/coverage.json.
+"""How often each side of the verdict's intervals covers the true change where labels flip, by metric, size, changed
+units and level: the table the verdict reads before it gives a label (:mod:`emad.evaluation.coverage`). Reads the
+committed samples (reports/bench/coverage_samples.json, written by the aggregate stage from a run) and writes
+reports/bench/coverage.json with that file's sha256, so a clone rebuilds the same table.
 
-A check is met when its interval's upper bound lies within the tolerance and violated when its lower bound lies
-beyond it; a two-sided 95% interval promises each side 97.5%. This simulation measures what each side delivers on
-paired differences shaped like those of the run files (``--runs``, the decode stages' output of a ``make repro``):
+For each metric a bootstrap judges, each share q of changed units (:data:`QS`) and each multiple of the tolerance
+(:data:`MULTIPLES`: the true change at the tolerance, where a met / violated label flips, and at half and twice
+it), a population of :data:`POPULATION_BLOCKS` blocks of 4 units is drawn once: each block is one of full depth's
+(consecutive units of one run, as the split keeps them), and, with the probability that changes a share q of the
+units, it takes a measured block of a point's per-unit changes (so changes keep their clustering within blocks; when
+q is above the share the measured blocks change, every unit changes alone with probability q). The changes are
+scaled, keeping their shape, so that the population's change is the multiple of the tolerance (a bounded score kept
+in its range; a population that cannot reach it is left out, "infeasible"). The population's statistic is the truth.
 
-- ``rare-q`` shapes, q = 0.05, 0.1, 0.25, 0.5: a unit is full depth's own (a window, a prompt drawn from the
-  full-depth runs) and, with probability q, changed by a change drawn from every change the run files measured
-  between a point and full depth on one unit (heavy-tailed: most small, some hundreds of nats); else unchanged;
-- ``every``: every unit changed so (q = 1).
+Then ``--replicates`` samples of n units (n/4 whole blocks, for n in :data:`SIZES`) get the interval the verdict
+computes (:func:`emad.evaluation.bootstrap.bootstrap_bounds`: the paired BCa bootstrap over blocks, the percentile
+interval where BCa is undefined, ``--resamples`` resamples; the verdict uses 4,999 — coverage does not move with
+more) at every level of :data:`emad.evaluation.coverage.LEVELS` from the same resamples. A sample whose units are all
+unchanged is left out (the verdict gives it no bootstrap), as is one whose resamples do not vary. Each replicate is
+counted in the bin of its changed units (:data:`emad.evaluation.coverage.CHANGED_BINS`). C2's speed-up (Student t on
+the log ratios of its per-prompt pairs) is simulated on the timed points' per-prompt log ratios about their own mean.
 
-The changes are scaled, keeping their shape, so that the population's change is :data:`TARGET` (five times the
-tolerance: a change the verdict must not call met), and a changed score stays in its range.
+The table keeps, per metric, method, n, changed bin, level and side, the worst shape by the Monte Carlo lower bound
+of its coverage, among the shapes with at least :data:`MIN_BIN_REPLICATES` replicates in that bin. Every cell is
+seeded by its own key, so any subset of cells (``--metrics``, ``--q``, ``--multiples``, ``--sizes``) rebuilds
+exactly the cells of the whole run.
 
-For each shape a population of :data:`POPULATION` units is drawn once (its statistic is the true change), then
-``--replicates`` samples of n units (a coverage of 97.5% then has a standard error of 0.35 point), for n in
-``--sizes`` (the default and powered plans' judged sizes among them).
-Each sample gets the interval the verdict would compute: a paired BCa bootstrap (the percentile interval where BCa
-is undefined), ``--resamples`` resamples (the verdict uses 4,999; coverage does not move with more), at 95%.
-Samples whose units are all unchanged are left out (the verdict gives them no bootstrap: the share bound, or
-nothing for a relative metric); each cell records how many counted. C2's speed-up (Student t on the log ratios of
-its per-prompt pairs) is simulated on the timed points' per-prompt log ratios about their own mean, shifted.
-
-The table keeps, per metric, method, n and side, the smallest coverage over the shapes; the verdict gives a label
-only where it is at least 96% (:data:`emad.evaluation.coverage.THRESHOLD`).
-
-Usage: python benchmarks/bench_coverage.py [--runs reports/runs] [--replicates 2000] [--speed-replicates 20000]
-       [--resamples 999] [--sizes 8,12,16,...] [--out coverage]
+Usage: python benchmarks/bench_coverage.py [--samples reports/bench/coverage_samples.json] [--replicates 2000]
+       [--speed-replicates 20000] [--resamples 999] [--sizes 8,12,...] [--q 0.005,...] [--multiples 0.5,1,2]
+       [--metrics ...] [--workers 2] [--seed 0] [--out coverage]
 """
 
 from __future__ import annotations
@@ -36,270 +37,324 @@ import json
 import math
 import sys
 import time
-import warnings
-from collections.abc import Callable
+import zlib
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-from emad.evaluation.coverage import SPEED, THRESHOLD  # noqa: E402
-from emad.evaluation.intervals import LEVEL  # noqa: E402
+from emad.evaluation.bootstrap import bootstrap_bounds, paired_change_statistic  # noqa: E402
+from emad.evaluation.checks import Thresholds  # noqa: E402
+from emad.evaluation.coverage import (  # noqa: E402
+    ALL_BINS,
+    CHANGED_BINS,
+    LEVELS,
+    MC_CONFIDENCE,
+    SLACK,
+    SPEED,
+    Cell,
+    Coverage,
+    bin_label,
+    changed_bin,
+    target,
+)
+from emad.evaluation.coverage_samples import FORMAT, sha256_of  # noqa: E402
 from emad.evaluation.metrics import METRICS  # noqa: E402
 
+SAMPLES = ROOT / "reports" / "bench" / "coverage_samples.json"
 SIZES = (8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 368)
-SHAPES = {"rare-0.05": 0.05, "rare-0.1": 0.1, "rare-0.25": 0.25, "rare-0.5": 0.5, "every": 1.0}
-POPULATION = 20_000
-CHUNK = 4_000_000  # elements of one resampled array at a time (replicates × resamples × n)
+QS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
+MULTIPLES = (0.5, 1.0, 2.0)
+POPULATION_BLOCKS = 5000
+BLOCK = 4
+MIN_BIN_REPLICATES = 200  # a shape speaks for a changed bin only with this many replicates there
+CHUNK = 6_000_000  # elements of one resampled array at a time (replicates × resamples × blocks)
+COLUMNS = ("metric", "method", "n", "changed", "level", "side", "covered", "replicates", "coverage", "lower", "shape")
+SPEED_TRUTH = 0.1  # a true log speed-up (the t interval is location-invariant: any value serves)
 
 
-# ------------------------------------------------------------------------------------------------- the statistics
-# Each takes the paired columns of a sample, [..., n] each, and returns the change over the last axis: what
-# emad.evaluation.intervals.change_interval computes for the metric (relative rise of perplexity, absolute drops).
+# ---------------------------------------------------------------------------------------------- the populations
 
-def _perplexity_change(point, full, tokens, axis=-1):
-    return np.exp((point.sum(axis) - full.sum(axis)) / tokens.sum(axis)) - 1.0
-
-
-def _ratio_drop(point, full, compared, axis=-1):
-    return (full.sum(axis) - point.sum(axis)) / compared.sum(axis)
+def _seeded(*key) -> np.random.Generator:
+    """A generator seeded by a cell's key, so any subset of cells reproduces the whole run's."""
+    return np.random.default_rng(zlib.crc32("/".join(map(str, key)).encode()))
 
 
-def _mean_drop(point, full, axis=-1):
-    return full.mean(axis) - point.mean(axis)
-
-
-# metric -> (the statistic, its columns are pairs)
-STATISTICS: dict[str, tuple[Callable, bool]] = {
-    "perplexity": (_perplexity_change, True),
-    "agreement.token_agreement": (_ratio_drop, True),
-    "fidelity.token_agreement": (_ratio_drop, True),
-    "fidelity.rouge_l": (_mean_drop, False),
-}
-TARGET = {"perplexity": 0.05, "agreement.token_agreement": 0.05, "fidelity.token_agreement": 0.05,
-          "fidelity.rouge_l": 0.05}  # the populations' true change: five times each tolerance
-
-
-# ----------------------------------------------------------------------------------------------- the run files
-
-def _runs(folder: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(folder.rglob("*.json")) if p.parent.name != "screens"]
-
-
-def _samples(run: dict, metric: str) -> list | None:
+def _statistic(metric: str, pairs: bool):
+    """The change the verdict computes for ``metric`` from block sums (point num, den, full num, den)."""
     m = METRICS.get(metric)
-    return run.get("tasks", {}).get(m.task, {}).get("samples", {}).get(m.key)
+    return paired_change_statistic(metric == "perplexity" and pairs, m.tolerance == "relative")
 
 
-def pools(runs: list[dict]) -> dict[str, dict]:
-    """Per metric: full depth's units (``base``: columns ``[n, k]``) and every per-unit change a point measured
-    (``changes``: of the numerator, beyond the metric's float noise)."""
-    full = {(r["model"], r["domain"]): r for r in runs if r.get("family") == "full"}
-    out = {}
-    for metric in STATISTICS:
-        noise = METRICS.get(metric).noise
-        base, changes = [], []
-        for (model, domain), ref in full.items():
-            reference = _samples(ref, metric)
-            if not reference:
-                continue
-            base += [list(u) if isinstance(u, list) else [u] for u in reference]
-            for run in runs:
-                if (run["model"], run["domain"]) != (model, domain) or run is ref:
-                    continue
-                ours = _samples(run, metric)
-                if not ours or len(ours) > len(reference):
-                    continue
-                for a, b in zip(ours, reference):
-                    a0, b0 = (a[0], b[0]) if isinstance(a, list) else (a, b)
-                    if math.isfinite(a0 - b0) and abs(a0 - b0) > noise and (not isinstance(a, list) or a[1] == b[1]):
-                        changes.append(a0 - b0)
-        if base and changes:
-            out[metric] = {"base": np.asarray(base, dtype=np.float64), "changes": np.asarray(changes)}
-    return out
+def _change(pool: dict, metric: str, point: np.ndarray, full: np.ndarray) -> float:
+    """The population's change: the statistic on every unit (``[N, 4, k]`` each)."""
+    sums = _block_sums(point, full, pool["pairs"])
+    return float(_statistic(metric, pool["pairs"])(*(s.reshape(-1) for s in sums)))
 
 
-def speed_deviations(runs: list[dict]) -> np.ndarray:
-    """Every timed point's per-prompt log speed ratios about that point's own mean (C2's pairs)."""
-    out = []
-    for r in runs:
-        pairs = r.get("cost", {}).get("speed_pairs") or []
-        if r.get("cost", {}).get("speed_unit") == "prompt" and len(pairs) >= 2:
-            logs = np.log([a / b for a, b in pairs])
-            out += list(logs - logs.mean())
-    return np.asarray(out)
+def _block_sums(point: np.ndarray, full: np.ndarray, pairs: bool) -> tuple[np.ndarray, ...]:
+    """Units ``[..., 4, k]`` → block sums (point num, point den, full num, full den), each ``[...]``."""
+    if pairs:
+        return point[..., 0].sum(-1), point[..., 1].sum(-1), full[..., 0].sum(-1), full[..., 1].sum(-1)
+    ones = np.full(point.shape[:-2], float(point.shape[-2]))
+    return point[..., 0].sum(-1), ones, full[..., 0].sum(-1), ones
 
 
-# ---------------------------------------------------------------------------------------------- the simulation
-
-def population(pool: dict, metric: str, q: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """``POPULATION`` paired units of one shape: full depth's columns ``[N, k]`` and the point's (its numerator
-    changed with probability ``q`` by a measured change, scaled so that the population's change is the metric's
-    :data:`TARGET`; a score kept in its range)."""
-    base = pool["base"][rng.integers(0, len(pool["base"]), POPULATION)]
-    moved = rng.random(POPULATION) < q
-    delta = np.zeros(POPULATION)
-    delta[moved] = pool["changes"][rng.integers(0, len(pool["changes"]), int(moved.sum()))]
-    target, total = TARGET[metric], delta.sum()
-    if metric == "perplexity":  # exp(s Σδ / Σt) − 1 = target
-        scale = math.log1p(target) * base[:, 1].sum() / total
-    elif base.shape[1] == 2:  # a drop of Σ(agreeing) / Σ(compared)
-        scale = -target * base[:, 1].sum() / total
-    else:  # a drop of the mean
-        scale = -target * POPULATION / total
-    point = base.copy()
-    point[:, 0] += scale * delta
-    if metric != "perplexity":  # agreeing tokens in [0, compared], a score in [0, 1]
-        point[:, 0] = np.clip(point[:, 0], 0.0, base[:, 1] if base.shape[1] == 2 else 1.0)
-    return point, base
+def _clip(metric: str, pool: dict, values: np.ndarray, full: np.ndarray) -> np.ndarray:
+    """A bounded score kept in its range: agreeing tokens in [0, compared], a score in [0, 1]."""
+    if metric == "perplexity":
+        return values
+    return np.clip(values, 0.0, full[..., 1] if pool["pairs"] else 1.0)
 
 
-def _columns(point: np.ndarray, full: np.ndarray, pairs: bool) -> tuple[np.ndarray, ...]:
-    """The statistic's arguments from paired units ``[..., n, k]``."""
-    return (point[..., 0], full[..., 0], full[..., 1]) if pairs else (point[..., 0], full[..., 0])
+def population(pool: dict, metric: str, q: float, multiple: float, rng: np.random.Generator
+               ) -> tuple[np.ndarray, np.ndarray, float] | None:
+    """:data:`POPULATION_BLOCKS` blocks of paired units ``[N, 4, k]`` (point, full) whose change is ``multiple``
+    × the tolerance with a share ``q`` of changed units, and that share as drawn; None when a bounded score cannot
+    reach the change with so few units changed."""
+    base = np.asarray([b for b in pool["base"] if len(b) == BLOCK], dtype=np.float64)  # [B, 4, k]
+    changes = np.asarray([b + [0.0] * (BLOCK - len(b)) for b in pool["changes"]], dtype=np.float64)  # [C, 4]
+    full = base[rng.integers(0, len(base), POPULATION_BLOCKS)]  # [N, 4, k]
+    share = float((changes != 0).mean())  # of a measured change block's units
+    if q <= share:  # whole measured change blocks: their clustering kept
+        hit = rng.random(POPULATION_BLOCKS) < q / share
+        delta = np.zeros((POPULATION_BLOCKS, BLOCK))
+        delta[hit] = changes[rng.integers(0, len(changes), int(hit.sum()))]
+    else:  # more units change than the measured blocks change: each unit alone
+        moved = changes[changes != 0]
+        delta = np.where(rng.random((POPULATION_BLOCKS, BLOCK)) < q,
+                         moved[rng.integers(0, len(moved), (POPULATION_BLOCKS, BLOCK))], 0.0)
+    if not delta.any():
+        return None
+    want = multiple * Thresholds().tolerance(metric)
+
+    def shifted(scale: float) -> np.ndarray:
+        point = full.copy()
+        point[..., 0] = _clip(metric, pool, full[..., 0] + scale * delta, full)
+        return point
+
+    if metric == "perplexity":  # exp(s Σδ / Σt) − 1 = want, exactly
+        scale = math.log1p(want) * full[..., 1].sum() / delta.sum()
+    else:  # a drop Σ(full − point) / Σ den = want, before clipping; then bisect what clipping took away
+        den = full[..., 1].sum() if pool["pairs"] else float(full[..., 0].size)
+        scale = -want * den / delta.sum()
+        if _change(pool, metric, shifted(scale * 1e6), full) < want:
+            return None
+        lo, hi = 0.0, 1.0
+        while _change(pool, metric, shifted(scale * hi), full) < want:
+            hi *= 2.0
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if _change(pool, metric, shifted(scale * mid), full) < want else (lo, mid)
+        scale *= hi
+    point = shifted(scale)
+    moved = np.abs(point[..., 0] - full[..., 0]) > pool["noise"]
+    return point, full, float(moved.mean())
 
 
-def bootstrap_bounds(columns: tuple[np.ndarray, ...], statistic, resamples: int,
-                     rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """The verdict's paired BCa interval (percentile where BCa is undefined) of every replicate ``[R, n]`` at 95%."""
-    from scipy import stats
+# ----------------------------------------------------------------------------------------------- the simulation
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        res = stats.bootstrap(columns, statistic, n_resamples=resamples, vectorized=True, paired=True, axis=-1,
-                              confidence_level=LEVEL, method="BCa", rng=rng)
-    lo, hi = np.asarray(res.confidence_interval.low), np.asarray(res.confidence_interval.high)
-    bad = ~(np.isfinite(lo) & np.isfinite(hi))
-    if bad.any():
-        dist = np.asarray(res.bootstrap_distribution)[bad]
-        tail = (1 - LEVEL) / 2
-        lo[bad], hi[bad] = np.quantile(dist, tail, axis=-1), np.quantile(dist, 1 - tail, axis=-1)
-    return lo, hi
-
-
-def cover_cell(point: np.ndarray, full: np.ndarray, metric: str, n: int, replicates: int, resamples: int,
-               rng: np.random.Generator) -> dict:
-    """Coverage of each side over ``replicates`` samples of ``n`` units of one population."""
-    statistic, pairs = STATISTICS[metric]
-    truth = float(statistic(*_columns(point, full, pairs)))
-    noise = METRICS.get(metric).noise
-    lows, highs, kept = [], [], 0
-    chunk = max(1, CHUNK // (resamples * n))
-    for start in range(0, replicates, chunk):
-        idx = rng.integers(0, len(point), (min(chunk, replicates - start), n))
-        p, f = point[idx], full[idx]  # [r, n, k]
-        changed = (np.abs(p[..., 0] - f[..., 0]) > noise).any(axis=-1)
-        if not changed.any():
-            continue
-        lo, hi = bootstrap_bounds(_columns(p[changed], f[changed], pairs), statistic, resamples, rng)
-        lows.append(lo)
-        highs.append(hi)
-        kept += int(changed.sum())
-    if not kept:
-        return {"n": n, "replicates": replicates, "bootstrapped": 0, "truth": truth}
-    lo, hi = np.concatenate(lows), np.concatenate(highs)
+def cover_shape(pool: dict, metric: str, q: float, multiple: float, sizes: list[int], replicates: int,
+                resamples: int, seed: int) -> list[dict]:
+    """One shape's cells: per size, per changed bin, per level, how many replicates each side covered."""
+    rng = _seeded(seed, metric, q, multiple)
+    found = population(pool, metric, q, multiple, rng)
+    shape = f"q={q:g} x{multiple:g}"
+    if found is None:
+        return [{"metric": metric, "shape": shape, "q": q, "multiple": multiple, "n": n, "infeasible": True}
+                for n in sizes]
+    point, full, share = found
+    truth = _change(pool, metric, point, full)
     slack = 1e-12 * max(1.0, abs(truth))
-    return {"n": n, "replicates": replicates, "bootstrapped": kept, "truth": truth,
-            "lower": float((lo <= truth + slack).mean()), "upper": float((hi >= truth - slack).mean())}
+    statistic, rows = _statistic(metric, pool["pairs"]), []
+    for n in sizes:
+        rng_n = _seeded(seed, metric, q, multiple, n)
+        m = n // BLOCK
+        idx = rng_n.integers(0, len(point), (replicates, m))
+        p, f = point[idx], full[idx]  # [R, m, 4, k]
+        changed = (np.abs(p[..., 0] - f[..., 0]) > pool["noise"]).sum(axis=(1, 2))  # [R]
+        bins: dict[str, dict] = {}
+        chunk = max(1, CHUNK // (resamples * m))
+        keep = np.flatnonzero(changed > 0)
+        for start in range(0, len(keep), chunk):
+            these = keep[start:start + chunk]
+            sums = _block_sums(p[these], f[these], pool["pairs"])  # 4 × [r, m]
+            bounds, dist = bootstrap_bounds(sums, statistic, LEVELS, resamples, rng_n)
+            dist = dist.reshape(len(these), -1)
+            defined = np.isfinite(dist).all(-1) & (np.ptp(dist, axis=-1) > 0)
+            for j, r in enumerate(these):
+                if not defined[j]:
+                    continue
+                cell = bins.setdefault(changed_bin(int(changed[r])), {
+                    "replicates": 0, "lower": [0] * len(LEVELS), "upper": [0] * len(LEVELS)})
+                cell["replicates"] += 1
+                for i, (lo, hi, _) in enumerate(bounds[level] for level in LEVELS):
+                    cell["lower"][i] += int(lo[j] <= truth + slack)
+                    cell["upper"][i] += int(hi[j] >= truth - slack)
+        rows.append({"metric": metric, "shape": shape, "q": q, "multiple": multiple, "n": n, "truth": truth,
+                     "share": share, "replicates": replicates, "bootstrapped": int(sum(b["replicates"]
+                                                                                       for b in bins.values())),
+                     "bins": dict(sorted(bins.items()))})
+    return rows
 
 
-def cover_speed(deviations: np.ndarray, n: int, replicates: int, rng: np.random.Generator) -> dict:
-    """Coverage of each side of the Student-t interval on log ratios over ``replicates`` samples of ``n`` prompts."""
+def cover_speed(deviations: np.ndarray, sizes: list[int], replicates: int, seed: int) -> list[dict]:
+    """Coverage of each side of the Student-t interval on log ratios, per size and level."""
     from scipy import stats
 
-    logs = deviations[rng.integers(0, len(deviations), (replicates, n))] + 0.1  # a true log speed-up of 0.1
-    truth = float(deviations.mean() + 0.1)
-    half = stats.t.ppf(1 - (1 - LEVEL) / 2, n - 1) * logs.std(axis=1, ddof=1) / math.sqrt(n)
-    mean = logs.mean(axis=1)
-    return {"n": n, "replicates": replicates, "bootstrapped": replicates, "truth": truth,
-            "lower": float((mean - half <= truth).mean()), "upper": float((mean + half >= truth).mean())}
+    rows = []
+    for n in sizes:
+        rng = _seeded(seed, SPEED, n)
+        logs = deviations[rng.integers(0, len(deviations), (replicates, n))] + SPEED_TRUTH
+        truth = float(deviations.mean() + SPEED_TRUTH)
+        mean, sd = logs.mean(axis=1), logs.std(axis=1, ddof=1)
+        halves = [stats.t.ppf(1 - (1 - level) / 2, n - 1) * sd / math.sqrt(n) for level in LEVELS]
+        rows.append({"metric": SPEED, "shape": "pooled", "n": n, "truth": truth, "replicates": replicates,
+                     "bins": {ALL_BINS: {"replicates": replicates,
+                                         "lower": [int((mean - half <= truth).sum()) for half in halves],
+                                         "upper": [int((mean + half >= truth).sum()) for half in halves]}}})
+    return rows
 
 
-def table_of(cells: dict) -> dict:
-    """``{metric: {method: {n: {side: smallest coverage over the shapes}}}}`` from the cells (a cell whose samples
-    were all unchanged bounds nothing)."""
-    out: dict = {}
-    for (metric, method, _shape), rows in cells.items():
-        for row in rows:
-            if "lower" not in row:
+def table_of(cells: list[dict]) -> dict:
+    """One row per metric, method, n, changed bin, level and side: the worst shape by its Monte Carlo lower bound
+    (among shapes with ≥ :data:`MIN_BIN_REPLICATES` replicates in the bin), as ``{"columns", "rows"}``."""
+    worst: dict[tuple, Cell] = {}
+    for row in cells:
+        method = "t-log" if row["metric"] == SPEED else "bootstrap"
+        for changed, cell in row.get("bins", {}).items():
+            if cell["replicates"] < MIN_BIN_REPLICATES:
                 continue
-            sides = out.setdefault(metric, {}).setdefault(method, {}).setdefault(str(row["n"]), {})
             for side in ("lower", "upper"):
-                sides[side] = min(sides.get(side, 1.0), row[side])
-    return out
+                for level, covered in zip(LEVELS, cell[side]):
+                    key = (row["metric"], method, row["n"], changed, level, side)
+                    found = Cell(covered, cell["replicates"], row["shape"])
+                    if key not in worst or found.lower < worst[key].lower:
+                        worst[key] = found
+    return {"columns": list(COLUMNS),
+            "rows": [[*k, c.covered, c.replicates, round(c.coverage, 6), round(c.lower, 6), c.shape]
+                     for k, c in sorted(worst.items())]}
 
 
-def markdown(table: dict, threshold: float = THRESHOLD) -> str:
-    """The table as docs/params.md shows it: per metric and side, the coverage at each size (a cell below the
-    threshold in bold: no label rests on that side there)."""
-    sizes = sorted({int(n) for methods in table.values() for cells in methods.values() for n in cells})
-    lines = ["| metric (method) | side | " + " | ".join(f"n {n}" for n in sizes) + " |",
-             "|---|---|" + "---|" * len(sizes)]
-    for metric, methods in table.items():
-        for method, cells in methods.items():
-            for side in ("upper", "lower"):
-                row = []
-                for n in sizes:
-                    found = cells.get(str(n))
-                    value = "–" if found is None else f"{100 * found[side]:.1f}"
-                    row.append(f"**{value}**" if found is not None and found[side] < threshold else value)
-                lines.append(f"| {metric} ({method}) | {side} | " + " | ".join(row) + " |")
+def markdown(table: Coverage, level: float = 0.95) -> str:
+    """Per metric and side, at each simulated size: the level a check judged at ``level`` is judged at in its worst
+    changed bin (its own where the side covers; wider where it must be; – where no simulated level covers)."""
+    metrics = sorted({(k[0], k[1]) for k in table.cells})
+    sizes = sorted({k[2] for k in table.cells})
+    lines = ["| metric (method) | side | " + " | ".join(f"n {n}" for n in sizes) + " |", "|---|---|" + "---|" * len(sizes)]
+    for metric, method in metrics:
+        for side in ("upper", "lower"):
+            row = []
+            for n in sizes:
+                if n not in table.sizes(metric, method):
+                    row.append("")
+                    continue
+                bins = [None] if method == "t-log" else [lo for lo, _ in CHANGED_BINS]
+                found = [table.calibrated(metric, method, n, side, level, b) for b in bins
+                         if table.cell(metric, method, n, side, level, b) is not None]
+                worst = None if not found or None in found else max(found)
+                row.append("–" if worst is None else f"{100 * worst:.4g}")
+            lines.append(f"| {metric} ({method}) | {side} | " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+def _load(path: Path) -> dict:
+    data = json.loads(path.read_text())
+    if data.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a coverage samples file (format {data.get('format')!r}, want {FORMAT!r})")
+    return data
+
+
+def _floats(text: str, name: str, parser: argparse.ArgumentParser) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x]
+    except ValueError:
+        parser.error(f"--{name}: a comma-separated list of numbers, got {text!r}")
+        raise
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", default="reports/runs")
+    parser.add_argument("--samples", type=Path, default=SAMPLES)
     parser.add_argument("--replicates", type=int, default=2000)
     parser.add_argument("--speed-replicates", type=int, default=20000, help="C2's t interval is closed-form: cheap")
     parser.add_argument("--resamples", type=int, default=999)
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
-    parser.add_argument("--metrics", default=",".join([*STATISTICS, SPEED]))
+    parser.add_argument("--q", default=",".join(map(str, QS)))
+    parser.add_argument("--multiples", default=",".join(map(str, MULTIPLES)))
+    parser.add_argument("--metrics", default=None, help="default: every metric of the samples, and speed")
+    parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="coverage")
     args = parser.parse_args(argv)
-    folder = Path(args.runs)
-    runs = _runs(folder) if folder.is_dir() else []
-    if not runs:
-        parser.error(f"--runs {folder}: no run files (run make repro first, or point at a checkout that did)")
-    sizes = [int(x) for x in args.sizes.split(",")]
-    metrics = args.metrics.split(",")
-    unknown = sorted(set(metrics) - {*STATISTICS, SPEED})
-    if unknown:
-        parser.error(f"--metrics: unknown {unknown}; valid: {', '.join([*STATISTICS, SPEED])}")
-    rng = np.random.default_rng(args.seed)
+    try:
+        data = _load(args.samples)
+    except (OSError, ValueError) as err:
+        parser.error(f"--samples {args.samples}: {err} (the aggregate stage writes it: run make repro first)")
+    sizes = [int(x) for x in _floats(args.sizes, "sizes", parser)]
+    if any(n < 2 * BLOCK or n % BLOCK for n in sizes):
+        parser.error(f"--sizes: each a multiple of {BLOCK} of at least {2 * BLOCK} (whole blocks), got {sizes}")
+    qs, multiples = _floats(args.q, "q", parser), _floats(args.multiples, "multiples", parser)
+    pools = data["metrics"]
+    valid = [*pools, SPEED]
+    metrics = args.metrics.split(",") if args.metrics else valid
+    if sorted(set(metrics) - set(valid)):
+        parser.error(f"--metrics: unknown {sorted(set(metrics) - set(valid))}; valid: {', '.join(valid)}")
     began = time.perf_counter()
-    found = pools(runs)
-    cells: dict = {}
-    for metric in [m for m in metrics if m in found]:
-        for shape, q in SHAPES.items():
-            point, full = population(found[metric], metric, q, rng)
-            rows = cells[(metric, "bootstrap", shape)] = []
-            for n in sizes:
-                rows.append(cover_cell(point, full, metric, n, args.replicates, args.resamples, rng))
-                row = rows[-1]
-                print(f"{metric:26s} {shape:10s} n {n:4d}: lower {row.get('lower', float('nan')):.3f} upper "
-                      f"{row.get('upper', float('nan')):.3f} ({row['bootstrapped']} of {row['replicates']} "
-                      f"bootstrapped)", flush=True)
-    if SPEED in metrics:
-        deviations = speed_deviations(runs)
-        if len(deviations):
-            cells[(SPEED, "t-log", "pooled")] = [cover_speed(deviations, n, args.speed_replicates, rng)
-                                                 for n in sizes]
-    result = {"benchmark": "coverage of each side of the verdict's intervals by metric and size",
-              "runs": str(folder), "run_files": len(runs), "replicates": args.replicates,
-              "resamples": args.resamples, "level": LEVEL, "threshold": THRESHOLD, "shapes": SHAPES,
-              "population": POPULATION, "pools": {m: {"units": len(p["base"]), "changes": len(p["changes"])}
-                                                  for m, p in found.items()},
-              "cells": [{"metric": m, "method": method, "shape": shape, "rows": rows}
-                        for (m, method, shape), rows in cells.items()],
-              "table": table_of(cells), "seconds": round(time.perf_counter() - began, 1)}
-    print(markdown(result["table"], THRESHOLD))
-    print(f"written to {write(args.out, result)} in {result['seconds']:.0f} s")
+    jobs = [(pools[m], m, q, k, sizes, args.replicates, args.resamples, args.seed)
+            for m in metrics if m != SPEED for q in qs for k in multiples]
+    cells: list[dict] = []
+    with ProcessPoolExecutor(max_workers=max(1, args.workers)) as pool:
+        for rows in pool.map(cover_shape, *zip(*jobs)) if jobs else []:
+            for row in rows:
+                print(f"{row['metric']:26s} {row['shape']:12s} n {row['n']:4d}: "
+                      + ("infeasible" if row.get("infeasible") else
+                         f"{row['bootstrapped']} of {row['replicates']} bootstrapped"), flush=True)
+            cells += rows
+    deviations = np.asarray(data["speed"]["deviations"], dtype=np.float64)
+    if SPEED in metrics and len(deviations):
+        cells += cover_speed(deviations, sizes, args.speed_replicates, args.seed)
+    table = table_of(cells)
+    result = {"benchmark": "coverage of each side of the verdict's intervals where labels flip, by metric, size, "
+                           "changed units and level",
+              "samples": str(args.samples.relative_to(ROOT) if args.samples.is_relative_to(ROOT) else args.samples),
+              "samples_sha256": sha256_of(args.samples), "run_files": data.get("run_files"),
+              "replicates": args.replicates, "speed_replicates": args.speed_replicates, "resamples": args.resamples,
+              "seed": args.seed, "levels": list(LEVELS), "targets": {str(lv): target(lv) for lv in LEVELS},
+              "slack": SLACK, "mc_confidence": MC_CONFIDENCE, "q": qs, "multiples": multiples, "sizes": sizes,
+              "changed_bins": [bin_label(lo, hi) for lo, hi in CHANGED_BINS],
+              "population_blocks": POPULATION_BLOCKS, "min_bin_replicates": MIN_BIN_REPLICATES,
+              "pools": {m: {"blocks": len(p["base"]), "change_blocks": len(p["changes"])} for m, p in pools.items()},
+              "cells": cells, "table": table, "seconds": round(time.perf_counter() - began, 1)}
+    print(markdown(Coverage.from_dict(result)))
+    print(f"written to {write_compact(args.out, result)} in {result['seconds']:.0f} s")
     return result
+
+
+def write_compact(name: str, result: dict) -> Path:
+    """``reports/bench/<name>.json`` with one line per cell and per table row (the file stays small enough to
+    read and to diff), written atomically."""
+    lines = []
+    for key, value in result.items():
+        if key == "cells":
+            body = ",\n".join("    " + json.dumps(row) for row in value)
+            lines.append(f'  "cells": [\n{body}\n  ]')
+        elif key == "table":
+            body = ",\n".join("      " + json.dumps(row) for row in value["rows"])
+            lines.append(f'  "table": {{\n    "columns": {json.dumps(value["columns"])},\n    "rows": [\n{body}\n    ]\n  }}')
+        else:
+            lines.append(f"  {json.dumps(key)}: {json.dumps(value)}")
+    path = ROOT / "reports" / "bench" / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text("{\n" + ",\n".join(lines) + "\n}\n")
+    tmp.replace(path)
+    return path
 
 
 if __name__ == "__main__":
     main()
+

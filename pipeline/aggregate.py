@@ -15,6 +15,7 @@ from pathlib import Path
 from emad import tracking
 from emad.evaluation import coverage
 from emad.evaluation.coverage import Coverage
+from emad.evaluation.coverage_samples import coverage_samples, samples_text
 from emad.evaluation.record import load_records
 from emad.io import atomic_write_json, atomic_write_text, read_json
 from emad.params import load_section
@@ -106,6 +107,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--report", type=Path, required=True, help="report.md to write")
     parser.add_argument("--coverage", type=Path, help="coverage table of the intervals (reports/bench/coverage.json: "
                         "benchmarks/bench_coverage.py); without it every interval is taken at face value")
+    parser.add_argument("--coverage-samples", type=Path, help="where to write the per-unit samples the coverage "
+                        "simulation draws from (reports/bench/coverage_samples.json: python benchmarks/bench_coverage.py "
+                        "rebuilds coverage.json from it)")
     parser.add_argument("--params", default="params.yaml")
     return parser.parse_args(argv)
 
@@ -163,6 +167,8 @@ def _aggregate(args: argparse.Namespace, cfg: AggregateConfig, runs: list[dict])
         atomic_write_text(args.report, text)
         atomic_write_json(args.metrics, summary)
         atomic_write_json(args.details, details)
+        if args.coverage_samples:
+            atomic_write_text(args.coverage_samples, samples_text(coverage_samples(runs)))
         for model, v in verdicts.items():
             run.log_dict(v.to_dict(), f"verdict/{model}.json")
             metrics, tags = verdict_log(v, model)  # c1 / c2: pass, fail or unresolved

@@ -41,7 +41,7 @@ BASE = {
     "decode": {
         "domains": {"stdlib-prose": ["perplexity", "fidelity"], "gsm8k": ["gsm8k", "fidelity"]},
         "tasks": {"perplexity": {"tokens": 64, "window": 32, "prefix": 8},
-                  "fidelity": {"prompts": 8, "prompt_tokens": 8, "new_tokens": 4}},
+                  "fidelity": {"prompts": 16, "prompt_tokens": 8, "new_tokens": 4}},
         "baselines": {"full": {"method": "full"}},
         "points": {"p": {"method": "emad", "margin": 0.5}},
         "default_point": "p",
@@ -105,8 +105,8 @@ PARAMS_CASES = [  # (path with '/' between keys, value, what the message must na
      r"decode\.points\.p_0\.5\.estimator.*unknown estimator 'topq'; valid: .*topk"),
     ("decode/shift_points", ["nope"], r"shift_points \['nope'\] are not points or sweeps of points"),
     ("decode/speed_prompts", 5, r"decode\.speed_prompts = 5 is below the 8 distinct prompts per domain"),
-    ("decode/tasks/fidelity", {"prompts": 4}, r"decode\.tasks\.fidelity\.prompts = 4 is fewer than "
-     r"decode\.speed_prompts = 8"),
+    ("decode/tasks/fidelity", {"prompts": 8}, r"decode\.tasks\.fidelity\.prompts = 8 gives 4 prompts in the "
+     r"confirmation half, fewer than decode\.speed_prompts = 8"),
     ("control/spec", "smollm2-135m", r"control\.spec.*has no idle layers.*\+idle<N>"),
     ("control/spec", "smollm2-135m+idle0", r"control\.spec.*idle-layer count.*positive integer"),
     ("control/spec", "smollm2-135m+idle2.5", r"control\.spec.*idle-layer count.*positive integer"),

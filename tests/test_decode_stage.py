@@ -21,7 +21,7 @@ TEXT = "Entropy falls with depth for easy tokens. The quick brown fox jumps over
 DECODE = {
     "domains": {"toy": ["perplexity", "fidelity"]},
     "tasks": {"perplexity": {"tokens": 96, "window": 48, "prefix": 16},
-              "fidelity": {"prompts": 8, "prompt_tokens": 12, "new_tokens": 6}},
+              "fidelity": {"prompts": 16, "prompt_tokens": 12, "new_tokens": 6}},
     "baselines": {"full": {"method": "full"}, "fixed-2": {"method": "fixed", "depth": 2}},
     "points": {"emad-m0": {"method": "emad", "margin": 0.0, "strata": "none"}},
     "default_point": "emad-m0",

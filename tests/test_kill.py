@@ -39,7 +39,7 @@ PARAMS = {
     "calibrate": {"window": 32, "batch_size": 1, "probe_layers": [1, 2, 3], "checkpoint_every": 1,
                   "strata": {"position_edges": [8]}, "device": "cpu", "dtype": "float32"},
     "decode": {"domains": {"toy": ["fidelity"]},
-               "tasks": {"fidelity": {"prompts": 8, "prompt_tokens": 16, "new_tokens": 160}},
+               "tasks": {"fidelity": {"prompts": 16, "prompt_tokens": 16, "new_tokens": 160}},
                "points": {"p": {"method": "emad", "margin": 0.0}}, "device": "cpu", "dtype": "float32"},
 }
 

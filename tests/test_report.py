@@ -338,7 +338,7 @@ def test_report_markdown_and_metrics(powered, tmp_path):
     assert "![m--code--perplexity](figures/m--code--perplexity.png)" in md
     assert "MLflow runs: `abc`, `def`" in md
     assert "### m · code" in md and "`dvc repro`" in md and "`make mlflow`" in md
-    assert "| fixed | m | code, prose | fail |" in md
+    assert "| fixed | m | code, prose | fail (beyond) |" in md
     details = run_details(runs, verdicts)["models"]
     assert details["m"]["verdict"] == {"c1": True, "c2": True, "c1_outcome": "pass", "c2_outcome": "pass",
                                        "c1_literal": False}

@@ -19,7 +19,7 @@ TEXT = "Entropy falls with depth for easy tokens. The quick brown fox jumps over
 BASE = {"domains": {"toy": ["perplexity", "agreement", "fidelity"]},
         "tasks": {"perplexity": {"tokens": 96, "window": 48, "prefix": 16},
                   "agreement": {"prompts": 8, "prompt_tokens": 12, "new_tokens": 6},
-                  "fidelity": {"prompts": 8, "prompt_tokens": 12, "new_tokens": 6}},
+                  "fidelity": {"prompts": 16, "prompt_tokens": 12, "new_tokens": 6}},
         "swept_prompts": 1, "speed_repeats": 1, "speed_tokens": 4, "heatmap_texts": 1,
         "device": "cpu", "dtype": "float32"}
 SHAPED = {**BASE,  # the default params' shape: ranges, `all` and layers relative to L

@@ -9,6 +9,7 @@ import pytest
 
 from emad.evaluation import speed
 from emad.evaluation.intervals import ratio_interval
+from emad.evaluation.units import CONFIRMATION, indices
 from emad.exits.criteria import Full
 
 PROMPTS = [[i, i + 1] for i in range(8)]
@@ -91,10 +92,20 @@ def test_the_interval_is_over_prompts_and_widens_with_a_slow_prompt(monkeypatch)
 
 def test_fewer_speed_prompts_than_asked_is_an_error_naming_both(monkeypatch):
     _stub(monkeypatch, lambda i, full: 1.0)
-    task = SimpleNamespace(speed_prompts=lambda data, settings: (PROMPTS[:4], NEW))
+    task = SimpleNamespace(speed_prompts=lambda data, settings: (PROMPTS[:8], NEW))
     prepared = [SimpleNamespace(name="fidelity", task=task, data=None, settings=None)]
-    with pytest.raises(ValueError, match=r"speed_prompts = 8, but task 'fidelity' has only 4 prompts"):
+    with pytest.raises(ValueError, match=r"speed_prompts = 8, but task 'fidelity' has only 4 prompts in the "
+                                         r"confirmation half \(8 in all.*at least 16"):
         speed.speed_prompts_of(prepared, SimpleNamespace(generated={}), 8)
+
+
+def test_c2_times_prompts_of_the_confirmation_half_only():
+    prompts = [[i] for i in range(32)]
+    task = SimpleNamespace(speed_prompts=lambda data, settings: (prompts, NEW))
+    prepared = [SimpleNamespace(name="fidelity", task=task, data=None, settings=None)]
+    for seed in (0, 1):
+        timed = speed.speed_prompts_of(prepared, SimpleNamespace(generated={}), 8, seed)
+        assert [p[0] for p in timed] == indices(32, CONFIRMATION, seed, "fidelity")[:8]
 
 
 def test_the_cheap_measure_sets_the_task_generation_against_a_reference_made_once(monkeypatch):

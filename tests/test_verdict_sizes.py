@@ -20,6 +20,22 @@ from emad.report.verdict import verdict
 from tests.test_report import full_runs, point_runs, powered  # noqa: F401 (powered: a fixture)
 
 
+def table_of(spec: dict, replicates: int = 100_000) -> Coverage:
+    """A coverage table from ``{metric: {method: {n: {side: coverage}}}}`` at 95% (or ``{level: {side: coverage}}``
+    per n), one bin a size, ``replicates`` simulated samples a cell (its Monte Carlo bound then sits 0.1 point
+    below its coverage)."""
+    rows = []
+    for metric, methods in spec.items():
+        for method, sizes in methods.items():
+            for n, cells in sizes.items():
+                by_level = cells if all(isinstance(k, float) for k in cells) else {0.95: cells}
+                for level, sides in by_level.items():
+                    rows += [[metric, method, n, coverage.ALL_BINS, level, side, round(c * replicates), replicates]
+                             for side, c in sides.items()]
+    return Coverage.from_dict({"table": {"columns": ["metric", "method", "n", "changed", "level", "side", "covered",
+                                                     "replicates"], "rows": rows}})
+
+
 def _windows(nll: list[float], tokens: int = 64) -> dict:
     """A perplexity task's result from its windows' summed NLL."""
     samples = [[v, tokens] for v in nll]
@@ -50,7 +66,7 @@ def test_windows_equal_up_to_float_noise_never_meet_a_perplexity_check():
 def test_a_label_its_interval_cannot_carry_at_its_size_is_withheld():
     """A bootstrap whose upper bound covered 69% at n 8 in the simulation carries no "met": the check is
     underpowered, kept out of the gate, and says from which size it would count."""
-    table = Coverage({"perplexity": {"bootstrap": {8: {"lower": 0.97, "upper": 0.69},
+    table = table_of({"perplexity": {"bootstrap": {8: {"lower": 0.97, "upper": 0.69},
                                                    64: {"lower": 0.975, "upper": 0.97}}}})
     runs = full_runs() + point_runs("emad-a", flops=0.8, ppl=10.01, acc=0.5)
     plain = verdict(runs)["m"]
@@ -60,7 +76,8 @@ def test_a_label_its_interval_cannot_carry_at_its_size_is_withheld():
         v = verdict(runs)["m"]
     checks = [c for p in v.points if p.point == "emad-a" for c in p.checks if c.metric == "perplexity"]
     assert checks and all(c.state == "unresolved" and c.underpowered and not c.counted for c in checks)
-    assert all("met withheld: the upper bound of its bootstrap interval covers 69.0% at n 24" in c.power_text()
+    assert all("met withheld: the upper bound of its bootstrap interval covers 69.0%" in c.power_text()
+               and "at n 24" in c.power_text() and "at no simulated level reaches 96.0%" in c.power_text()
                and "covers from n 64" in c.power_text() for c in checks)
     assert coverage.active() is None  # the table was in force inside the block only
 
@@ -149,9 +166,33 @@ def test_a_speed_up_whose_lower_bound_does_not_cover_at_its_prompts_does_not_pas
     runs = full_runs() + point_runs("emad-a", flops=0.8, ppl=10.01, tps=130)
     assert verdict(runs)["m"].c2.outcome == "pass"
     covers = {"bootstrap": {8: {"lower": 0.97, "upper": 0.97}}}
-    table = Coverage({"perplexity": covers, "fidelity.token_agreement": covers,
+    table = table_of({"perplexity": covers, "fidelity.token_agreement": covers,
                       "speed": {"t-log": {8: {"lower": 0.95, "upper": 0.98}, 32: {"lower": 0.97, "upper": 0.98}}}})
     with coverage.using(table):
         v = verdict(runs)["m"]
-    assert v.c2.outcome == "unresolved" and "its lower bound covers 95.0% (96% needed; from 32 prompts it does)" in \
-        v.c2.sentence()
+    assert v.c2.outcome == "unresolved" and "its lower bound covers 95.0% and reaches 96.0% at no simulated level " \
+        "(from 32 prompts it does)" in v.c2.sentence()
+
+
+@pytest.mark.usefixtures("powered")
+def test_a_side_that_covers_only_at_a_wider_level_is_judged_there_not_withheld():
+    """8 log ratios like the control's fixed_30 (1.41×, 95% CI 1.38 to 1.43): at 95% the t interval's lower side
+    covers 95.4% in the simulation (96% needed), at 99% it covers 99.5%. C2 is judged on the 99% bound, which
+    still lies above 1.10: a pass, naming the level."""
+    ratios = [1.38, 1.44, 1.40, 1.43, 1.39, 1.42, 1.41, 1.41]
+    runs = full_runs()
+    for r in point_runs("fixed-30", flops=0.56, ppl=10.0, tps=141):
+        r["cost"]["speed_pairs"] = [[100 * x, 100.0] for x in ratios]
+        runs.append(r)
+    covers = {"bootstrap": {8: {0.95: {"lower": 0.99, "upper": 0.99}}}}
+    speed = {"t-log": {8: {0.95: {"lower": 0.954, "upper": 0.98}, 0.99: {"lower": 0.995, "upper": 0.995}}}}
+    table = table_of({"perplexity": covers, "fidelity.token_agreement": covers, "speed": speed})
+    assert table.calibrated("speed", "t-log", 8, "lower", 0.95) == 0.99
+    assert not table.trusted("speed", "t-log", 8, "lower", 0.95) and table.trusted("speed", "t-log", 8, "lower", 0.99)
+    with coverage.using(table):
+        v = verdict(runs, ("fixed",))["m"]
+        judged = v.c2.deciding.speed_judged(1.10)
+    assert v.c2.outcome == "pass" and v.c2.reason == "fast"
+    assert judged.interval.level == 0.99 and judged.interval.lo > 1.10
+    assert judged.interval.lo < v.c2.deciding.speed.lo  # wider than the 95% interval
+    assert "99% CI (calibrated from 95%)" in v.c2.sentence()

@@ -36,7 +36,7 @@ def params(model_dir: Path) -> dict:
             "domains": {"stdlib-prose": ["perplexity", "agreement", "fidelity"]},
             "tasks": {"perplexity": {"tokens": 128, "window": 64, "prefix": 16},
                       "agreement": {"prompts": 8, "prompt_tokens": 16, "new_tokens": 8},
-                      "fidelity": {"prompts": 8, "prompt_tokens": 16, "new_tokens": 8}},
+                      "fidelity": {"prompts": 16, "prompt_tokens": 16, "new_tokens": 8}},
             "baselines": {"full": {"method": "full"}, "fixed-2-tuned": {"method": "fixed", "depth": 2,
                                                                         "readout": "tuned"},
                           "fixed": {"method": "fixed", "depth": [3]},

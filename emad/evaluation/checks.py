@@ -106,6 +106,9 @@ class Check:
     all_equal: bool = False
     untrusted: str | None = None
     covers_from: int | None = None
+    blocks: int | None = None
+    changed: int | None = None
+    nominal: float | None = None  # the level it was to be judged at, where it was judged at a wider ``level``
 
     @property
     def ok(self) -> bool:
@@ -166,9 +169,12 @@ class Check:
         if self.all_equal:  # every paired unit equal: the bound on the share that differ
             return f"{self.method.removeprefix('exact: ')}, n {self.n}"
         ci = f"{100 * self.level:.4g}% CI"
+        if self.nominal is not None:
+            ci += f" (calibrated from {100 * self.nominal:.4g}%)"
+        n = f"n {self.n}" + (f" in {self.blocks} blocks" if self.blocks is not None and self.blocks < self.n else "")
         if self.relative:
-            return f"{ci} {self.lo:+.2%} to {self.hi:+.2%}, n {self.n}"
-        return f"{ci} {-100 * self.hi:+.2f} to {-100 * self.lo:+.2f}, n {self.n}"  # as value − full, in points
+            return f"{ci} {self.lo:+.2%} to {self.hi:+.2%}, {n}"
+        return f"{ci} {-100 * self.hi:+.2f} to {-100 * self.lo:+.2f}, {n}"  # as value − full, in points
 
     @property
     def half(self) -> str:
@@ -279,30 +285,43 @@ def build_check(domain: str, metric: str, point_run: dict, full_run: dict, toler
         full, value = metric_value(key, reference), metric_value(key, point)
         check = Check(domain, metric, full, value, iv.value, tolerance, relative, iv.lo, iv.hi, iv.n, iv.method,
                       tolerance_state(iv, tolerance), has=m.bound_units(point) if point else 0,
-                      all_equal=iv.all_equal, **base)
+                      all_equal=iv.all_equal, blocks=iv.blocks, changed=iv.changed, **base)
     if proved_identical(point_run):
         check.state = IDENTICAL
     elif check.n is not None and check.n < MIN_UNITS:
         check.state = NOT_COUNTED
     else:
-        _withhold_uncovered(check, coverage.active())
+        _calibrate(check, coverage.active(), lambda at: _interval(metric, point_run, full_run, units, at))
     return check
 
 
-def _withhold_uncovered(check: Check, table: coverage.Coverage | None) -> None:
-    """A met (violated) label whose interval's upper (lower) bound does not cover at the check's size under
-    ``table`` is withheld: the check becomes unresolved and says why (:attr:`Check.untrusted`)."""
+def _calibrate(check: Check, table: coverage.Coverage | None, at_level: Callable[[float], Interval | None]) -> None:
+    """A met (violated) label rests on its interval's upper (lower) side. Where that side does not cover at the
+    check's size and changed units under ``table``, the check is judged at the smallest simulated level where it
+    does (``at_level`` recomputes its interval there; the label stands only if the wider bound still carries it);
+    where no simulated level covers, the label is withheld: the check becomes unresolved and says why
+    (:attr:`Check.untrusted`)."""
     if table is None or check.state not in (MET, VIOLATED) or check.all_equal or check.n is None:
         return
     method, side = coverage.family(check.method), "upper" if check.state == MET else "lower"
-    if table.trusted(check.metric, method, check.n, side):
+    found = table.calibrated(check.metric, method, check.n, side, check.level, check.changed)
+    if found is None:
+        cell = table.cell(check.metric, method, check.n, side, check.level, check.changed)
+        measured = (f"covers {cell.coverage:.1%} (Monte Carlo lower bound {cell.lower:.1%})" if cell else
+                    "was not simulated")
+        check.untrusted = (f"{check.state} withheld: the {side} bound of its {method} interval {measured} at n "
+                           f"{check.n}" + (f" with {check.changed} changed" if check.changed is not None else "")
+                           + f", and at no simulated level reaches {coverage.target(check.level):.1%}")
+        check.covers_from = table.needs(check.metric, method, side, check.level, check.changed)
+        check.state = UNRESOLVED
         return
-    found = table.coverage(check.metric, method, check.n, side)
-    measured = f"covers {found:.1%}" if found is not None else "was not simulated"
-    check.untrusted = (f"{check.state} withheld: the {side} bound of its {method} interval {measured} at n "
-                       f"{check.n} ({table.threshold:.0%} needed)")
-    check.covers_from = table.needs(check.metric, method, side)
-    check.state = UNRESOLVED
+    if found <= check.level + 1e-9:
+        return
+    wider = at_level(found)
+    if wider is None or not wider.defined:
+        return
+    check.nominal, check.level, check.lo, check.hi, check.method = check.level, found, wider.lo, wider.hi, wider.method
+    check.state = tolerance_state(wider, check.tolerance)
 
 
 def checks_against(domain: str, tasks: dict[str, dict], reference: dict[str, dict],

@@ -12,6 +12,7 @@ from emad.engine.engines import check_engine
 from emad.evaluation.checks import MIN_SPEED_PROMPTS
 from emad.evaluation.operating_point import PointConfig
 from emad.evaluation.sweeps import Screen, SweepPosition, expand_table, knob_of
+from emad.evaluation.units import CONFIRMATION, indices
 from emad.tasks.registry import TASKS, Task
 
 DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")  # keys of decode.speed_tokens_by_device
@@ -194,7 +195,8 @@ class DecodeConfig(Section):
     @model_validator(mode="after")
     def _speed_prompts_exist(self) -> DecodeConfig:
         """Every domain has a task that gives speed prompts (C2 is judged on every domain: one without them could
-        only leave C2 unmeasured), and each such task (fidelity) has at least ``speed_prompts`` of them."""
+        only leave C2 unmeasured), and each such task (fidelity) has at least ``speed_prompts`` of them in the
+        confirmation half (C2 times that half, under ``split_seed``)."""
         timed = sorted(n for n in TASKS.names() if type(TASKS.get(n)()).speed_prompts is not Task.speed_prompts)
         for domain, tasks in self.domains.items():
             if not any(t in timed for t in tasks):
@@ -205,10 +207,13 @@ class DecodeConfig(Section):
         for name in sorted({t for tasks in self.domains.values() for t in tasks}):
             task = TASKS.get(name)()
             have = getattr(task.settings(self.tasks.get(name)), "prompts", None)
-            if type(task).speed_prompts is not Task.speed_prompts and have is not None and have < self.speed_prompts:
-                raise ValueError(f"decode.tasks.{name}.prompts = {have} is fewer than decode.speed_prompts = "
-                                 f"{self.speed_prompts} (C2 times one pair per distinct prompt of {name}): raise it "
-                                 f"to at least {self.speed_prompts}")
+            if type(task).speed_prompts is not Task.speed_prompts and have is not None:
+                judged = len(indices(have, CONFIRMATION, self.split_seed, name))
+                if judged < self.speed_prompts:
+                    raise ValueError(
+                        f"decode.tasks.{name}.prompts = {have} gives {judged} prompts in the confirmation half, fewer "
+                        f"than decode.speed_prompts = {self.speed_prompts} (C2 times one pair per distinct prompt of "
+                        f"{name}'s confirmation half): raise it to at least {2 * self.speed_prompts}")
         return self
 
     @model_validator(mode="after")

@@ -392,7 +392,8 @@ class Decoder:
         """C2's timing of ``block`` (``(job, result, limit)`` each): the jobs that time the same prompts together."""
         cfg, stack, tokenizer = self.plan.cfg, self.stack, self.loaded.tokenizer
         groups: dict[tuple, list[int]] = {}  # prompts -> indices into block
-        prompts = [speed_prompts_of(prepared, result, cfg.speed_prompts) or [] for _, result, _ in block]
+        prompts = [speed_prompts_of(prepared, result, cfg.speed_prompts, cfg.split_seed) or []
+                   for _, result, _ in block]
         for i, these in enumerate(prompts):
             groups.setdefault(tuple(map(tuple, these)), []).append(i)
         out: list[dict] = [{}] * len(block)

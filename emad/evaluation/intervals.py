@@ -356,7 +356,7 @@ def ratio_interval(ratios: Sequence[float], level: float = LEVEL) -> Interval:
 
     half = float(stats.t.ppf(1 - (1 - level) / 2, n - 1) * logs.std(ddof=1) / math.sqrt(n))
     return Interval(value, float(np.exp(logs.mean() - half)), float(np.exp(logs.mean() + half)), n,
-                    "student-t on log ratios")
+                    "student-t on log ratios", level=level)
 
 
 def floor_state(interval: Interval, floor: float) -> State:

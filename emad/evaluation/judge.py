@@ -17,7 +17,7 @@ rule.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -136,31 +136,23 @@ class PointAssessment:
         """Every tolerance is met at this sample size."""
         return self.state == MET
 
-    def speed_withheld(self, floor: float) -> str | None:
-        """Why this point's speed-up interval carries no label against ``floor`` though it lies on one side of it
-        (the side does not cover at its number of prompts, :mod:`emad.evaluation.coverage`); None otherwise."""
-        if self.speed is None or not self.speed.defined:
-            return None
-        state, table = floor_state(self.speed, floor), coverage.active()
-        if table is None or state not in (MET, VIOLATED):
-            return None
-        side, method = ("lower" if state == MET else "upper"), coverage.family(self.speed.method)
-        if table.trusted(coverage.SPEED, method, self.speed.n, side):
-            return None
-        found = table.coverage(coverage.SPEED, method, self.speed.n, side)
-        need = table.needs(coverage.SPEED, method, side)
-        measured = f"covers {found:.1%}" if found is not None else "was not simulated"
-        return (f"its interval lies {'at or above' if state == MET else 'below'} the gain, but at {self.speed.n} "
-                f"prompts its {side} bound {measured} ({table.threshold:.0%} needed"
-                + (f"; from {need} prompts it does)" if need else ")"))
-
-    def speed_state(self, floor: float) -> str | None:
-        """C2's state of this point's speed-up interval against ``floor`` (None: not timed over prompts): a pass
-        (fail) whose lower (upper) bound does not cover at its number of prompts under the coverage table in force
-        is unresolved (:mod:`emad.evaluation.coverage`)."""
+    def speed_judged(self, floor: float) -> SpeedJudgement | None:
+        """C2's judgement of this point's speed-up against ``floor`` (:func:`judge_speed`; None: not timed over
+        prompts)."""
         if self.speed is None:
             return None
-        return UNRESOLVED if self.speed_withheld(floor) else floor_state(self.speed, floor)
+        return judge_speed(self.speed, floor, lambda level: _prompt_speed(self.runs, level)[0])
+
+    def speed_withheld(self, floor: float) -> str | None:
+        """Why this point's speed-up interval carries no label against ``floor`` though it lies on one side of it
+        (no simulated level makes that side cover at its number of prompts); None otherwise."""
+        judged = self.speed_judged(floor)
+        return None if judged is None else judged.withheld
+
+    def speed_state(self, floor: float) -> str | None:
+        """C2's state of this point's speed-up interval against ``floor`` (None: not timed over prompts)."""
+        judged = self.speed_judged(floor)
+        return None if judged is None else judged.state
 
     @property
     def worst(self) -> Check | None:
@@ -319,13 +311,45 @@ def _references(runs: Sequence[dict]) -> tuple[str | None, dict[str, float]]:
     return reference, {n: math.exp(sum(map(math.log, v)) / len(v)) for n, v in by_ref.items() if len(v) == len(runs)}
 
 
+@dataclass(frozen=True)
+class SpeedJudgement:
+    """A speed-up interval against C2's floor: its ``state``, the ``interval`` it rests on (at the level where its
+    side covers) and, where no simulated level makes that side cover, why the label was ``withheld``."""
+
+    state: State
+    interval: Interval
+    withheld: str | None = None
+
+
+def judge_speed(speed: Interval, floor: float, at_level: Callable[[float], Interval | None]) -> SpeedJudgement:
+    """The speed-up interval ``speed`` against ``floor`` under the coverage table in force: a pass rests on its
+    lower side, a fail on its upper; where that side does not cover at its number of prompts, the interval is taken
+    at the smallest simulated level where it does (``at_level`` recomputes it there) — or, where none does, the label
+    is withheld (unresolved)."""
+    state, table = floor_state(speed, floor), coverage.active()
+    if table is None or state not in (MET, VIOLATED):
+        return SpeedJudgement(state, speed)
+    side, method = ("lower" if state == MET else "upper"), coverage.family(speed.method)
+    found = table.calibrated(coverage.SPEED, method, speed.n, side, speed.level)
+    if found is None:
+        cell = table.cell(coverage.SPEED, method, speed.n, side, speed.level)
+        measured = f"covers {cell.coverage:.1%}" if cell else "was not simulated"
+        need = table.needs(coverage.SPEED, method, side, speed.level)
+        return SpeedJudgement(UNRESOLVED, speed, (
+            f"its interval lies {'at or above' if state == MET else 'below'} the gain, but at {speed.n} prompts its "
+            f"{side} bound {measured} and reaches {coverage.target(speed.level):.1%} at no simulated level"
+            + (f" (from {need} prompts it does)" if need else "")))
+    wider = at_level(found) if found > speed.level + 1e-9 else None
+    if wider is None or not wider.defined:
+        return SpeedJudgement(state, speed)
+    return SpeedJudgement(floor_state(wider, floor), wider)
+
+
 def passes_c2(checks: Sequence[Check], pairs: Sequence[Sequence[float]], floor: float) -> bool:
     """C2 on one domain, as the decode stage's early stop reads it: every counted check met (``checks``, on the
     selection split) and the speed-up's interval over ≥ :data:`MIN_SPEED_PROMPTS` prompts (``pairs`` of the point's
-    and the reference's tokens/s) at or above ``floor``."""
+    and the reference's tokens/s) at or above ``floor`` (judged as :func:`judge_speed` judges it)."""
     if len(pairs) < MIN_SPEED_PROMPTS or gate_state(checks) != MET:
         return False
-    speed = ratio_interval([a / b for a, b in pairs])
-    table = coverage.active()
-    trusted = table is None or table.trusted(coverage.SPEED, coverage.family(speed.method), speed.n, "lower")
-    return floor_state(speed, floor) == MET and trusted
+    ratios = [a / b for a, b in pairs]
+    return judge_speed(ratio_interval(ratios), floor, lambda level: ratio_interval(ratios, level)).state == MET

@@ -34,6 +34,7 @@ from emad.decode.steppers import build
 from emad.engine.engines import compile_stats
 from emad.evaluation.provenance import cpu_model, gpu_of
 from emad.evaluation.speed_devices import device_name
+from emad.evaluation.units import CONFIRMATION, Units
 from emad.exits.criteria import Full
 
 
@@ -79,21 +80,25 @@ def _speed_prompts(prepared: Sequence, result) -> tuple | None:
 WARM_UP_TOKENS = 2  # new tokens of a warm-up generation: its prompt pass and steps run every code path once
 
 
-def speed_prompts_of(prepared: Sequence, result, prompts: int) -> list | None:
-    """C2's prompts of a point: the first ``prompts`` speed prompts of its first task that has them (:func:`point_speedup`
-    for how it is found); None when no task has any.
+def speed_prompts_of(prepared: Sequence, result, prompts: int, seed: int = 0) -> list | None:
+    """C2's prompts of a point: the first ``prompts`` speed prompts of the confirmation half (under the split's
+    ``seed``, :mod:`emad.evaluation.units`) of its first task that has them (:func:`point_speedup` for how it is
+    found) — the half the verdict judges, so that no timed prompt was one the screen chose on; None when no task has
+    any.
 
     Raises:
-        ValueError: the task has fewer speed prompts than ``prompts`` (names both counts).
+        ValueError: the task's confirmation half has fewer speed prompts than ``prompts`` (names both counts).
     """
     found = _speed_prompts(prepared, result)
     if found is None:
         return None
     p, (have, _) = found
-    if len(have) < prompts:
-        raise ValueError(f"decode.speed_prompts = {prompts}, but task {p.name!r} has only {len(have)} prompts: "
-                         f"raise decode.tasks.{p.name}.prompts to at least {prompts}")
-    return [list(x) for x in have[:prompts]]
+    judged = Units(CONFIRMATION, seed).take(p.name, have)
+    if len(judged) < prompts:
+        raise ValueError(f"decode.speed_prompts = {prompts}, but task {p.name!r} has only {len(judged)} prompts in "
+                         f"the confirmation half ({len(have)} in all; C2 times that half): raise "
+                         f"decode.tasks.{p.name}.prompts to at least {2 * prompts}")
+    return [list(x) for x in judged[:prompts]]
 
 
 FULL_DEPTH = "emad full depth"  # our own full-depth generation: the reference on every device

@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from emad.engine.idle_spec import parse_idle_spec
-from emad.evaluation import coverage
 from emad.evaluation.checks import IDENTICAL, NOT_COUNTED, RULED_OUT
+from emad.evaluation.decisions import table_markdown
 from emad.evaluation.states import MET, UNRESOLVED, UNTESTED, VIOLATED
 from emad.report.curves import Curve, domain_curves, domain_shift_curves, model_curves
 from emad.report.frontier import FULL, baselines, point_label, speedup
 from emad.report.readouts import readouts_markdown
+from emad.report.rules import DECISION_RULE, UNCERTAINTY_RULE, coverage_rule
 from emad.report.tables import (
     CURVE_NOTE,
     ablation_markdown,
@@ -40,67 +41,6 @@ REPRODUCE = ("`dvc repro` rebuilds every stage from params.yaml (only what chang
              "reports/metrics.json (per model and family: C1, C2, quality at the target FLOPs, largest reduction "
              "within tolerance), reports/details.json holds every run's numbers and the curves, and "
              "`dvc plots show` reads reports/pareto/.")
-
-
-UNCERTAINTY_RULE = (
-    "Each check compares a point with full depth on the same units, in the metric's own unit (perplexity windows; "
-    "prompts for exact match and ROUGE-L; items and problems for accuracies; prompts for token agreement, whose "
-    "tokens are resampled and bounded by prompt), on the *confirmation* half of each task's units: the "
-    "teacher-forced screen, the placement of screened points and C2's early stop chose on the other (*selection*) "
-    "half, fixed by decode.split_seed and recorded in each run file. A unit whose value moved by no more than the "
-    "float noise of two runs computing the same thing (1e-3 nats for a perplexity window, exact elsewhere) is "
-    "unchanged. The change's 95% interval is a paired bootstrap (BCa) over the units, or exact (Clopper–Pearson on "
-    "the units where the two runs disagree) for 0/1 scores. When every paired unit is unchanged, the data rule out "
-    "only a share of differing units above the exact bound 1 − 0.025^(1/N) over the N judged units: a 1-point "
-    "tolerance needs N ≥ 368 (more at the stricter level of a claim resting on several points: 437 at 97.5%), and "
-    "for perplexity no share bounds a relative change (unchanged windows are unresolved). A check is *met* when its "
-    "whole interval lies within the tolerance, *violated* when it lies wholly beyond, *unresolved* otherwise; "
-    "*identical by construction* only where the engine proved the output equal to full depth's (it never exits and "
-    "reads the final layer, or exits only where the model's state is already final: layers whose output projections "
-    "are zero, checked on the weights and by running them). A check that cannot be met at its size is "
-    "*underpowered* (it says how many units it needs) and kept out of the gate unless its data show it violated; one "
-    "on fewer than 8 units is *not counted*; a task the screen stopped is *ruled out by the screen*, and the point's "
-    "worst check is then the teacher-forced violation the screen measured. A point is *met* only when every check "
-    "the criteria name — perplexity and every accuracy-like task the run has — counts and is met (or it is "
-    "identical by construction); where every check that counts is met but a named one cannot count, it is "
-    "*untested at this size*. C1 (within 1% perplexity and 1 point accuracy) passes when some point with the "
-    "required reduction is met; where the best candidates are untested it reads *not falsified; untested at this "
-    "size*, naming the checks and what each would need. Where several candidates could carry the claim each is "
-    "judged at 1 − 0.05/m (Bonferroni over the m candidates, the first step of Holm's procedure), so the claim holds "
-    "at 95% family-wise. It is falsified only when every such point is measured beyond a tolerance; otherwise it is "
-    "unresolved at this sample size. C2 reads a speed-up of whole generations (tokens/s with the prompt's pass "
-    "included; each point's run file gives its decode-only speed-up against our full depth beside it) with an "
-    "interval over distinct prompts (≥ 8 per domain, one block per prompt — the points and the full-depth "
-    "reference back to back in one process, after an untimed warm-up, in an order reversed from one prompt to the "
-    "next so that each point runs before the reference on half its prompts — Student t on the log ratios; "
-    "Bonferroni over the timed candidates): it passes when a met point has its whole interval at or above the gain "
-    "(*not falsified; untested at this size* where that point is untested), is falsified only when every met, "
-    "untested or unresolved point that saves FLOPs was timed and each interval lies wholly below the gain, and is "
-    "unresolved otherwise, naming the eligible points not timed. What is timed over prompts: per family and domain, "
-    "the decode.speed_candidates points with the fewest FLOPs among those the screen keeps, that exit early and "
-    "spend fewer FLOPs than decode.speed_flops_below of full depth's, and every strategy (EAD, speculative "
-    "decoding); where a decode stage runs one domain, a family's candidates are timed cheapest first and, once one "
-    "passes C2 there, the rest are not (\"C2 decided for … by …\"). A point the screen rules out is not timed at "
-    "all (it decodes nothing free running); every other point not timed over prompts — never exiting, too dear, "
-    "beyond decode.speed_candidates, or after C2 was decided — gets decode.speed_repeats cheap timed pairs for the "
-    "figures, which C2 does not read. The literal reading counts the points with a violated check or a violation measured by the "
-    "screen.")
-
-
-def coverage_rule() -> str:
-    """What the labels rest on: the coverage table in force (:mod:`emad.evaluation.coverage`), or that there is
-    none."""
-    table = coverage.active()
-    if table is None:
-        return ("No coverage table was in force: every interval was taken at face value, whatever its size "
-                "(`aggregate --coverage`).")
-    return (f"A met or violated label stands only where the side of the interval it rests on (the upper bound for "
-            f"met, the lower for violated; the lower for a C2 pass) covered at least {table.threshold:.0%} of the "
-            f"time at the check's size in the coverage simulation ({table.source or 'the table in force'}: "
-            f"benchmarks/bench_coverage.py, on paired differences shaped like the run files' own — most units "
-            f"unchanged, a few with large changes); elsewhere the check is *underpowered*, kept out of the gate, "
-            f"and says from which size its interval would cover.")
-
 
 
 def _aside(checks) -> list[tuple[str, int]]:
@@ -138,7 +78,8 @@ def _family_rows(v: ModelVerdict) -> list[list[str]]:
         worst = p.worst
         power = f"; underpowered, kept out: {', '.join(sorted({c.metric for c in p.underpowered}))}" \
             if p.underpowered else ""
-        rows.append([family, p.label, fmt(p.reduction, ".1%"), str(p.state), speed_text(p),
+        rows.append([family, p.label, fmt(p.reduction, ".1%"), str(p.state),
+                     speed_text(p, 1.0 + v.thresholds.min_speed_gain),
                      (worst.describe() if worst else "–") + power])
     return rows
 
@@ -160,7 +101,8 @@ def _point_rows(v: ModelVerdict) -> list[list[str]]:
         worst = p.worst
         counts = ", ".join([f"{sum(c.state == s for c in p.checks)} {s}" for s in (MET, UNRESOLVED, VIOLATED)]
                            + [f"{n} {label}" for label, n in _aside(p.checks) if n])
-        rows.append([p.label, p.family, fmt(p.reduction, ".1%"), speed_text(p), str(p.state), counts,
+        rows.append([p.label, p.family, fmt(p.reduction, ".1%"), speed_text(p, 1.0 + v.thresholds.min_speed_gain),
+                     str(p.state), counts,
                      worst.describe() if worst else "–"])
     return rows
 
@@ -274,9 +216,10 @@ def baselines_markdown(family_verdicts: Mapping[str, Mapping[str, ModelVerdict]]
     for family, per_model in family_verdicts.items():
         for model, v in per_model.items():
             domains = ", ".join(v.domains) + (" (only these)" if v.subset else "")
-            rows.append([family, model, domains, v.c1.outcome, v.c1.deciding.label if v.c1.deciding else "–",
-                         v.c2.outcome, v.c2.deciding.label if v.c2.deciding else "–",
-                         speed_text(v.c2.deciding) if v.c2.deciding else "–"])
+            rows.append([family, model, domains, f"{v.c1.outcome} ({v.c1.reason})",
+                         v.c1.deciding.label if v.c1.deciding else "–", f"{v.c2.outcome} ({v.c2.reason})",
+                         v.c2.deciding.label if v.c2.deciding else "–",
+                         speed_text(v.c2.deciding, 1.0 + v.thresholds.min_speed_gain) if v.c2.deciding else "–"])
     if not rows:
         return "_No families to compare._"
     return markdown_table(["family", "model", "domains judged", "C1", "C1 deciding point", "C2", "C2 deciding point", "speed-up"],
@@ -374,7 +317,8 @@ def report_markdown(runs: Sequence[dict[str, Any]], verdicts: Mapping[str, Model
         readout_fits: ``{"model/source": metrics.json of fit_readouts}`` for the "Readouts" section.
     """
     parts = ["# EMAD report", *mixed_units_markdown(runs), "## Verdict (DESIGN.md §4)",
-             f"Uncertainty. {UNCERTAINTY_RULE} {coverage_rule()}", verdict_markdown(verdicts)]
+             f"Uncertainty. {UNCERTAINTY_RULE} {coverage_rule()}", DECISION_RULE, table_markdown(),
+             verdict_markdown(verdicts)]
     if family_verdicts:
         parts += ["## Every family against the same criteria", baselines_markdown(family_verdicts)]
         parts += curves_sections(family_verdicts)

@@ -71,19 +71,24 @@ from emad.report.frontier import FULL, baselines, point_label
 PASS, FAIL, UNRESOLVED, UNTESTED = Outcome.PASS, Outcome.FAIL, Outcome.UNRESOLVED, Outcome.UNTESTED
 
 
-def speed_text(p: PointAssessment) -> str:
+def speed_text(p: PointAssessment, floor: float | None = None) -> str:
     """``1.62× (95% CI 1.55 to 1.70, 16 prompts, load 1.9)``, or the cheap measure when not timed over prompts;
-    where the point's runs were timed on several devices, the one read and the pairs left out."""
+    where the point's runs were timed on several devices, the one read and the pairs left out. Given C2's ``floor``,
+    the interval C2 judged against it: at a wider level where the side its label rests on covers only there."""
     if p.speed is None:
         return "n/a" if p.speedup is None else f"{p.speedup:.2f}× (one pair, not timed for C2)"
-    level = f"{100 * p.level:.4g}% CI"
-    ci = (f"{level} {p.speed.lo:.2f} to {p.speed.hi:.2f}" if p.speed.defined
-          else f"{level} n/a: {p.speed.method.removeprefix('undefined: ')}")
+    judged = p.speed_judged(floor) if floor is not None else None
+    speed = judged.interval if judged is not None else p.speed
+    level = f"{100 * speed.level:.4g}% CI"
+    if speed.level > p.speed.level + 1e-9:
+        level += f" (calibrated from {100 * p.speed.level:.4g}%)"
+    ci = (f"{level} {speed.lo:.2f} to {speed.hi:.2f}" if speed.defined
+          else f"{level} n/a: {speed.method.removeprefix('undefined: ')}")
     load = f", load {p.load_avg:.1f}" if p.load_avg is not None else ""
     versus = f" vs {p.speed_reference}" if p.speed_reference else ""
     others = "".join(f"; vs {name} {value:.2f}×" for name, value in p.speedup_by_reference.items()
                      if name != p.speed_reference)
-    return f"{p.speed.value:.2f}×{versus} ({ci}, {p.speed.n} prompts{load}{others}{_device_text(p)})"
+    return f"{speed.value:.2f}×{versus} ({ci}, {speed.n} prompts{load}{others}{_device_text(p)})"
 
 
 def _device_text(p: PointAssessment) -> str:
@@ -286,24 +291,24 @@ def _some(names: list[str]) -> str:
     return f"{len(names)} points: {', '.join(names[:NAMED])} … and {len(names) - NAMED} more"
 
 
-def _information(d: C2Decision) -> str:
+def _information(d: C2Decision, floor: float) -> str:
     """``; timed all the same, for information: …`` for the timed points that do no less work (not C2's reason)."""
     if not d.information:
         return ""
     return "; timed all the same, for information only: " + "; ".join(
-        f"{p.named} {speed_text(p)}" for p in d.information[:NAMED])
+        f"{p.named} {speed_text(p, floor)}" for p in d.information[:NAMED])
 
 
 def c2_result(d: C2Decision, thr: Thresholds) -> C2Result:
     """C2's decision in words."""
-    p, gain = d.deciding, f"{thr.min_speed_gain:.0%}"
+    p, gain, floor = d.deciding, f"{thr.min_speed_gain:.0%}", 1.0 + thr.min_speed_gain
     family = _level_text(d.level, d.timed)
     if d.reason == C2Reason.FAST:
         text = (f"C2 passes (not falsified): at matched accuracy (every counted tolerance met) {p.named} runs "
-                f"{speed_text(p)} the full-depth tokens/s: the whole interval is at or above the gain of "
+                f"{speed_text(p, floor)} the full-depth tokens/s: the whole interval is at or above the gain of "
                 f"{gain}{family}{_kept_out(p)}.")
     elif d.reason == C2Reason.UNTESTED:
-        text = (f"C2 not falsified; untested at this size: {p.named} runs {speed_text(p)} the full-depth tokens/s, "
+        text = (f"C2 not falsified; untested at this size: {p.named} runs {speed_text(p, floor)} the full-depth tokens/s, "
                 f"its whole interval at or above the gain of {gain}{family}, but at matched accuracy only where it "
                 f"counts: {_needing(p)}.")
     elif d.reason == C2Reason.OPEN:
@@ -315,7 +320,7 @@ def c2_result(d: C2Decision, thr: Thresholds) -> C2Result:
             why = f"{speed_why}, and {_needing(p)}"
         else:
             why = speed_why
-        text = f"C2 unresolved at this sample size: {p.named} runs {speed_text(p)} the full-depth tokens/s{family}, " \
+        text = f"C2 unresolved at this sample size: {p.named} runs {speed_text(p, floor)} the full-depth tokens/s{family}, " \
                f"but {why}."
     elif d.reason == C2Reason.NONE_ELIGIBLE:
         text = ("C2 fails (falsified): no operating point stays within the quality tolerances (every one violates "
@@ -324,12 +329,12 @@ def c2_result(d: C2Decision, thr: Thresholds) -> C2Result:
         text = (f"C2 fails (falsified): at matched accuracy no point does less work than full depth — every point "
                 f"within (or possibly within) the tolerances ({_some(d.matched + d.unresolved)}) spends at least "
                 f"full depth's FLOPs on the judged half (it never exits early, or its probes cost more than the "
-                f"layers it skips), and none is a strategy{_information(d)}.")
+                f"layers it skips), and none is a strategy{_information(d, floor)}.")
     elif d.reason == C2Reason.NO_POINTS:
         text = "C2 untested (not falsified): no operating point was evaluated on every domain."
     elif d.reason == C2Reason.NOT_TIMED and p is not None:
         text = (f"C2 unresolved: every timed candidate within (or possibly within) the tolerances is slower than the "
-                f"gain of {gain} requires{family} (the best, {p.named}, runs {speed_text(p)} the full-depth "
+                f"gain of {gain} requires{family} (the best, {p.named}, runs {speed_text(p, floor)} the full-depth "
                 f"tokens/s), but {len(d.untimed)} candidate(s) that do less work than full depth were not timed over "
                 f"prompts ({_some(d.untimed)}): C2 is falsified only when every one of them is.")
     elif d.reason == C2Reason.NOT_TIMED:
@@ -341,7 +346,7 @@ def c2_result(d: C2Decision, thr: Thresholds) -> C2Result:
     else:
         text = (f"C2 fails (falsified): every point within (or possibly within) the tolerances that does less work "
                 f"than full depth was timed over prompts and is slower than the gain of {gain} requires{family}; the "
-                f"best, {p.named} ({p.state}), runs {speed_text(p)} the full-depth tokens/s{_information(d)}.")
+                f"best, {p.named} ({p.state}), runs {speed_text(p, floor)} the full-depth tokens/s{_information(d, floor)}.")
     return C2Result(d.outcome, p, list(d.matched), text, list(d.unresolved), list(d.untimed), str(d.reason))
 
 
