@@ -205,9 +205,9 @@ def test_metrics_name_the_judged_method_when_it_spans_families():
     assert metrics["m"]["emad (all)"]["max_reduction_within_tolerance"] == pytest.approx(0.3)
 
 
-def test_a_metric_curve_skips_a_check_identical_by_construction_without_a_measured_change():
-    """A point proved identical counts its checks, but a judged half with no units of a metric has no change to
-    place: that metric's curve skips it instead of failing, the other metrics still read it."""
+def test_a_metric_curve_places_a_check_identical_by_construction_at_zero_without_a_measured_change():
+    """A point proved identical counts its checks; a judged half with no units of a metric has no measured change,
+    but the proof is the value: that metric's curve places the point at zero, as the others do."""
     from types import SimpleNamespace
 
     from emad.evaluation.checks import IDENTICAL, Check
@@ -218,4 +218,19 @@ def test_a_metric_curve_skips_a_check_identical_by_construction_without_a_measur
     point = SimpleNamespace(label="p", checks=[ppl, *cloze], flops_ratio=0.8, flops_by_domain={"d": 0.8, "e": 0.8})
     curve = _curve(CurveId("m", "emad"), 0.85, [point])  # over both domains
     assert [p.label for p in curve.points] == ["p"]
-    assert set(curve.metrics) == {"perplexity"} and curve.metrics["perplexity"][0].value == 0.0
+    assert set(curve.metrics) == {"perplexity", "cloze.accuracy"}
+    assert curve.metrics["perplexity"][0].value == curve.metrics["cloze.accuracy"][0].value == 0.0
+
+
+def test_a_point_identical_by_construction_stands_on_its_curve_at_zero_change():
+    """Speculative decoding proved lossless, on too few windows to count a perplexity check and with no units of a
+    metric on its judged half: its curve still holds the point, at zero change (a proven value, not a missing one)."""
+    runs = full_runs() + _sweep("speculative", [(1.117, 10.0)])
+    for r in runs:
+        if r["family"] == "speculative":
+            r["identity"] = {"proved": True, "why": "lossless verification"}
+            r["tasks"]["perplexity"]["samples"]["perplexity"] = r["tasks"]["perplexity"]["samples"]["perplexity"][:5]
+    curves = {c.family: c for c in model_curves(family_verdicts(runs))}
+    point, = curves["speculative"].points
+    assert point.value == 0.0 and point.state == "met" and point.flops_ratio == pytest.approx(1.117)
+    assert all(p.value == 0.0 for pts in curves["speculative"].metrics.values() for p in pts)

@@ -1,13 +1,16 @@
 """Which checks a plan (a params file) can decide at its sizes under the verdict's rules — computed from the plan,
-not run. Per domain and metric: the judged units (the confirmation half of each task's units), what a "met" needs
-and whether the plan has it:
+not run. Per domain and metric: the judged units (the confirmation half of each task's units) and whether each
+label is reachable there — a *pass* (met) and a *failure* (violated) — at the level the check is judged at (95%
+with one candidate, 1 − 0.05/m with ``--candidates`` m):
 
-- a score in [0, 1] with every judged unit equal: at least ``needs`` units (``1 − ((1 − level)/2)^(1/n) ≤ 1 point``
-  at the level the check is judged at: 95% with one candidate, 1 − 0.05/m with m);
-- a change shown by a bootstrap interval (perplexity always: equal windows bound no relative change; the other
-  bootstrap metrics where units differ): a size at which the interval's upper bound covers
-  (reports/bench/coverage.json, :mod:`emad.evaluation.coverage`);
-- C2: its prompts per domain, where the Student-t interval's lower bound covers.
+- met, a score in [0, 1] with every judged unit equal: at least ``needs`` units (``1 − ((1 − level)/2)^(1/n) ≤
+  1 point``);
+- met, a change shown by a bootstrap interval (perplexity always: equal windows bound no relative change; the other
+  bootstrap metrics where units differ): a simulated level at which the interval's upper side covers at that size
+  in every bin of changed units (reports/bench/coverage.json, :mod:`emad.evaluation.coverage`; the level it is then
+  judged at is given);
+- violated: an exact interval (0/1 scores) always; a bootstrap where its lower side covers, as above;
+- C2: its prompts per domain, where the Student-t interval's lower side (a pass) or upper side (a failure) covers.
 
     python tools/plan_power.py [params.yaml] [--coverage reports/bench/coverage.json] [--candidates 1]
 """
@@ -22,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from emad.evaluation.checks import MIN_UNITS, Thresholds  # noqa: E402
-from emad.evaluation.coverage import SPEED, Coverage  # noqa: E402
+from emad.evaluation.coverage import CHANGED_BINS, SPEED, Coverage  # noqa: E402
 from emad.evaluation.intervals import LEVEL  # noqa: E402
 from emad.evaluation.metrics import METRICS  # noqa: E402
 from emad.params import validate_params  # noqa: E402
@@ -47,44 +50,80 @@ def judged_units(cfg: dict, domain: str) -> dict[str, int]:
     return out
 
 
+def _side(table: Coverage, metric: str, method: str, n: int, side: str, level: float) -> float | None:
+    """The level a label resting on ``side`` is judged at over ``n`` units, in the worst simulated bin of changed
+    units (None: no simulated level makes that side cover there)."""
+    bins = [None] if method == "t-log" else [lo for lo, _ in CHANGED_BINS]
+    found = [table.calibrated(metric, method, n, side, level, b) for b in bins
+             if table.cell(metric, method, n, side, level, b) is not None]
+    return None if not found or None in found else max(found)
+
+
+def _reach(at: float | None, level: float, covers_from: int | None) -> str:
+    if at is None:
+        return "no: its interval does not cover" + (f" (it does from n {covers_from})" if covers_from else "")
+    return "yes" if at <= level + 1e-9 else f"yes, judged at {100 * at:.4g}%"
+
+
+def _met(n: int, needs: int | None, unit: str, at: float | None, boot: bool, level: float,
+         covers_from: int | None) -> str:
+    """Whether a pass can be shown over ``n`` judged units: every unit equal and ``n ≥ needs`` (a score's share
+    bound), or, where units changed, a bootstrap whose upper side covers (judged at ``at``)."""
+    ways = []
+    if needs is not None and n >= needs:
+        ways.append(f"with every {unit} equal")
+    if boot and at is not None:
+        ways.append("by its bootstrap" + ("" if at <= level + 1e-9 else f", judged at {100 * at:.4g}%"))
+    if ways:
+        return "yes, " + " or ".join(ways)
+    why = [] if needs is None else [f"needs {needs} {unit}s with every one equal"]
+    if boot:
+        why.append("its interval does not cover" + (f" (it does from n {covers_from})" if covers_from else ""))
+    return "no: " + "; ".join(why)
+
+
 def rows(cfg: dict, table: Coverage, candidates: int = 1) -> list[dict]:
-    """One row per domain and check: judged units, what met needs, whether the plan can decide it."""
+    """One row per domain and check: judged units and whether a pass (met) and a failure (violated) are decidable
+    at the plan's sizes, each judged at 1 − 0.05/``candidates``."""
     thr, level = Thresholds(), 1.0 - (1.0 - LEVEL) / candidates
     out = []
     for domain in cfg["decode"].domains:
         for metric, n in sorted(judged_units(cfg, domain).items()):
             m = METRICS.get(metric)
             needs = m.needs(thr.tolerance(metric), level)
-            covers = (table.trusted(metric, "bootstrap", n, "upper") if metric in BOOTSTRAPPED else None)
-            covers_from = table.needs(metric, "bootstrap", "upper") if metric in BOOTSTRAPPED else None
+            boot = metric in BOOTSTRAPPED
+            met_at = _side(table, metric, "bootstrap", n, "upper", level) if boot else None
+            fail_at = _side(table, metric, "bootstrap", n, "lower", level) if boot else level
             if n < MIN_UNITS:
-                verdict = f"not counted (n < {MIN_UNITS})"
-            elif needs is None:  # perplexity: only a paired interval that covers meets it
-                verdict = "decidable" if covers else f"underpowered: its interval covers from n {covers_from}"
-            elif n < needs:
-                verdict = f"underpowered: needs {needs} {m.sampled}s"
+                met = failure = f"not counted (n < {MIN_UNITS})"
             else:
-                verdict = "decidable"
+                met = _met(n, needs, m.sampled, met_at if boot else None, boot, level,
+                           table.needs(metric, "bootstrap", "upper", level) if boot else None)
+                failure = _reach(fail_at, level, table.needs(metric, "bootstrap", "lower", level)) if boot else "yes"
             out.append({"domain": domain, "check": metric, "judged": n, "unit": m.sampled, "needs_equal": needs,
-                        "bootstrap_covers": covers, "bootstrap_covers_from": covers_from, "verdict": verdict})
+                        "level": level, "met": met, "violated": failure})
         prompts = cfg["decode"].speed_prompts
-        speed = table.trusted(SPEED, "t-log", prompts, "lower")
         out.append({"domain": domain, "check": "C2 speed-up", "judged": prompts, "unit": "prompt", "needs_equal": None,
-                    "bootstrap_covers": speed, "bootstrap_covers_from": table.needs(SPEED, "t-log", "lower"),
-                    "verdict": "decidable" if speed else "underpowered: its interval does not cover"})
+                    "level": level,
+                    "met": _reach(_side(table, SPEED, "t-log", prompts, "lower", level), level,
+                                  table.needs(SPEED, "t-log", "lower", level)),
+                    "violated": _reach(_side(table, SPEED, "t-log", prompts, "upper", level), level,
+                                       table.needs(SPEED, "t-log", "upper", level))})
     return out
 
 
+def decidable(row: dict, label: str) -> bool:
+    """Whether ``label`` (``met`` or ``violated``) can be reached at the row's size."""
+    return row[label].startswith("yes")
+
+
 def markdown(found: list[dict]) -> str:
-    lines = ["| domain | check | judged units | met with every unit equal needs | its interval covers (the side "
-             "a pass rests on) | decidable? |", "|---|---|---|---|---|---|"]
+    lines = ["| domain | check | judged units | met with every unit equal needs | a pass (met) decidable | "
+             "a failure (violated) decidable |", "|---|---|---|---|---|---|"]
     for r in found:
         needs = "—" if r["needs_equal"] is None else f"{r['needs_equal']} {r['unit']}s"
-        covers = ("—" if r["bootstrap_covers"] is None else
-                  ("yes" if r["bootstrap_covers"] else "no") + (f" (from n {r['bootstrap_covers_from']})"
-                                                                if r["bootstrap_covers_from"] else " (at no size)"))
-        lines.append(f"| {r['domain']} | {r['check']} | {r['judged']} {r['unit']}s | {needs} | {covers} | "
-                     f"{r['verdict']} |")
+        lines.append(f"| {r['domain']} | {r['check']} | {r['judged']} {r['unit']}s | {needs} | {r['met']} | "
+                     f"{r['violated']} |")
     return "\n".join(lines)
 
 

@@ -54,24 +54,27 @@ def _changes(point: Sequence, full: Sequence, noise: float) -> list[float]:
 
 def metric_pools(runs: Sequence[dict]) -> dict[str, dict]:
     """``{metric: {"pairs", "noise", "base": [blocks of full depth's units], "changes": [blocks of a point's
-    changes]}}`` over every model and domain's full-depth run and the points beside it."""
+    changes]}}`` over every model and domain's full-depth run and the points beside it; a metric whose samples are
+    all 0/1 (an exact interval judges it) is left out."""
     full = {(r["model"], r["domain"]): r for r in runs if r.get("family") == "full"}
     out: dict[str, dict] = {}
     for metric in METRICS.values():
-        base, changes, pairs = [], [], None
+        base, changes, pairs, scores = [], [], None, False
         for key, ref in sorted(full.items()):
             found = samples_of(ref.get("tasks", {}), metric.name)
-            if not found or _binary(found[1]):
+            if not found:
                 continue
             reference = found[1]
             pairs = isinstance(reference[0], list | tuple)
             base += [[_unit(u) for u in block] for block in _blocks(reference)]
+            scores |= not _binary(reference)
             for run in sorted(runs, key=lambda r: r["run_id"]):
                 ours = samples_of(run.get("tasks", {}), metric.name) if run is not ref and (
                     run["model"], run["domain"]) == key else None
                 if ours and len(ours[1]) <= len(reference):
+                    scores |= not _binary(ours[1])
                     changes += [b for b in _blocks(_changes(ours[1], reference, metric.noise)) if any(b)]
-        if base and changes:
+        if base and changes and scores:
             out[metric.name] = {"pairs": bool(pairs), "noise": metric.noise, "base": base, "changes": changes}
     return out
 

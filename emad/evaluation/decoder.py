@@ -35,7 +35,7 @@ from emad.evaluation.checks import Thresholds, checks_against, screen
 from emad.evaluation.config import DecodeConfig
 from emad.evaluation.evaluate import Evaluation, evaluate, heatmap_inputs, prepare, score_all, score_shard
 from emad.evaluation.identity import FULL
-from emad.evaluation.judge import passes_c2
+from emad.evaluation.judge import half_flops, passes_c2
 from emad.evaluation.operating_point import (
     PointConfig,
     build_method,
@@ -56,7 +56,7 @@ from emad.evaluation.speed import (
     time_prompts,
 )
 from emad.evaluation.sweeps import SweepPosition
-from emad.evaluation.units import SELECTION, Units, split_record
+from emad.evaluation.units import CONFIRMATION, SELECTION, Units, split_record
 from emad.exits.criteria import Full
 from emad.exits.estimators import ESTIMATORS
 from emad.tasks.registry import Shared
@@ -361,11 +361,12 @@ class Decoder:
         full = next((result for job, _, _, result in done if job.point.method == FULL), None)
         decides = len(self.plan.domains) == 1 and full is not None
         floor = 1.0 + self.plan.thresholds.min_speed_gain
+        done = [(job, why or self._dear(job, result), limit, result) for job, why, limit, result in done]
         speeds = {job.label: self._speed(job, prepared, result, limit, why)
                   for job, why, limit, result in done if why is not None}
         queues: dict[str, list] = {}  # family -> its candidates (job, result, limit), in rising FLOPs order
         for job, _, limit, result in sorted((d for d in done if d[1] is None),
-                                            key=lambda d: (d[0].point.family, d[3].cost()["flops_ratio"] or 0.0)):
+                                            key=lambda d: (d[0].point.family, self._judged_flops(d[3]))):
             queues.setdefault(job.point.family, []).append((job, result, limit))
         cap = self.plan.cfg.speed_candidates
         for family, queue in queues.items():
@@ -387,6 +388,23 @@ class Decoder:
                     for later, res, limit in queues.pop(job.point.family, []):
                         speeds[later.label] = self._speed(later, prepared, res, limit, why)
         return speeds
+
+    def _judged_flops(self, result: Evaluation) -> float:
+        """``result``'s FLOPs ratio on the half the verdict judges (the confirmation half of every task's units, the
+        free-running ones included), as the verdict reads a point's FLOPs (:func:`emad.evaluation.judge.half_flops`);
+        its ratio over every unit where a task records no per-unit cost."""
+        found = half_flops({"tasks": result.tasks}, Units(CONFIRMATION, self.plan.cfg.split_seed))
+        return found if found is not None else (result.cost()["flops_ratio"] or 0.0)
+
+    def _dear(self, job: Job, result: Evaluation) -> NotTimed | None:
+        """Why a point the teacher-forced screen left as a C2 candidate is not one after all: on the judged half, with
+        its free-running tasks, it spends at least ``decode.speed_flops_below`` of full depth's FLOPs — the basis on
+        which the verdict asks whether it does less work (a strategy is timed whatever its FLOPs)."""
+        below = self.plan.cfg.speed_flops_below
+        if below is None or isinstance(job.method, Strategy):
+            return None
+        ratio = self._judged_flops(result)
+        return NotTimed(Untimed.COSTLY, f"FLOPs ratio {ratio:.3f} >= {below:g} (judged half)") if ratio >= below else None
 
     def _time_block(self, prepared: list, block: list[tuple]) -> list[dict]:
         """C2's timing of ``block`` (``(job, result, limit)`` each): the jobs that time the same prompts together."""

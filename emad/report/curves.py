@@ -43,7 +43,7 @@ from typing import Any
 from emad.evaluation.checks import Check, combined_state, tolerance_used
 from emad.evaluation.identity import CurveId, split_family
 from emad.evaluation.judge import gate_state
-from emad.evaluation.states import MET, UNRESOLVED, UNTESTED
+from emad.evaluation.states import IDENTICAL, MET, UNRESOLVED, UNTESTED
 from emad.report.frontier import finite
 from emad.report.verdict import ModelVerdict, PointAssessment
 
@@ -181,16 +181,18 @@ def _curve(cid: CurveId, target: float, assessed: Sequence[PointAssessment]) -> 
         mine_all = [c for c in p.checks if domain is None or c.domain == domain]
         checks: list[Check] = [c for c in mine_all if c.counted]
         flops = p.flops_ratio if domain is None else p.flops_by_domain.get(domain)
-        used = tolerance_used(checks)
+        # a point the engine proved identical to full depth stands at zero change: a proven value, not a missing one
+        proved = bool(mine_all) and all(c.state == IDENTICAL for c in mine_all)
+        used = 0.0 if proved else tolerance_used(checks)
         if flops is None or used is None:
             continue
         curve.points.append(CurvePoint(p.label, flops, used, gate_state(mine_all)))
-        # a metric's curve reads measured changes: a check identical by construction counts without one (its
-        # judged half may hold no units of that metric)
-        for metric in sorted({c.metric for c in checks if c.change is not None}):
-            mine = [c for c in checks if c.metric == metric and c.change is not None]
-            curve.metrics.setdefault(metric, []).append(
-                CurvePoint(p.label, flops, max(c.change for c in mine), combined_state(mine)))
+        # a metric's curve reads measured changes, and zero where the check is identical by construction (its judged
+        # half may hold no units of that metric)
+        for metric in sorted({c.metric for c in checks if c.change is not None or c.state == IDENTICAL}):
+            mine = [c for c in checks if c.metric == metric and (c.change is not None or c.state == IDENTICAL)]
+            change = max(0.0 if c.state == IDENTICAL else c.change for c in mine)
+            curve.metrics.setdefault(metric, []).append(CurvePoint(p.label, flops, change, combined_state(mine)))
     return curve
 
 
