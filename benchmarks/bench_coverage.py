@@ -15,7 +15,8 @@ in its range; a population that cannot reach it is left out, "infeasible"). The 
 Then ``--replicates`` samples of n units (n/4 whole blocks, for n in :data:`SIZES`) get the interval the verdict
 computes (:func:`emad.evaluation.bootstrap.bootstrap_bounds`: the paired BCa bootstrap over blocks, the percentile
 interval where BCa is undefined, ``--resamples`` resamples; the verdict uses 4,999 — coverage does not move with
-more) at every level of :data:`emad.evaluation.coverage.LEVELS` from the same resamples. A sample whose units are all
+more) at every level of :data:`emad.evaluation.coverage.LEVELS` from the same resamples (every :data:`PER_DRAW`
+replicates share one draw of which blocks each resample takes). A sample whose units are all
 unchanged is left out (the verdict gives it no bootstrap), as is one whose resamples do not vary. Each replicate is
 counted in the bin of its changed units (:data:`emad.evaluation.coverage.CHANGED_BINS`). C2's speed-up (Student t on
 the log ratios of its per-prompt pairs) is simulated on the timed points' per-prompt log ratios about their own mean.
@@ -46,7 +47,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from emad.evaluation.bootstrap import bootstrap_bounds, paired_change_statistic  # noqa: E402
+from emad.evaluation.bootstrap import bootstrap_bounds, paired_change_of_totals  # noqa: E402
 from emad.evaluation.checks import Thresholds  # noqa: E402
 from emad.evaluation.coverage import (  # noqa: E402
     ALL_BINS,
@@ -71,7 +72,7 @@ MULTIPLES = (0.5, 1.0, 2.0)
 POPULATION_BLOCKS = 5000
 BLOCK = 4
 MIN_BIN_REPLICATES = 200  # a shape speaks for a changed bin only with this many replicates there
-CHUNK = 6_000_000  # elements of one resampled array at a time (replicates × resamples × blocks)
+PER_DRAW = 100  # replicates that share one draw of resample counts (a matrix product gives all their resamples)
 COLUMNS = ("metric", "method", "n", "changed", "level", "side", "covered", "replicates", "coverage", "lower", "shape")
 SPEED_TRUTH = 0.1  # a true log speed-up (the t interval is location-invariant: any value serves)
 
@@ -84,15 +85,15 @@ def _seeded(*key) -> np.random.Generator:
 
 
 def _statistic(metric: str, pairs: bool):
-    """The change the verdict computes for ``metric`` from block sums (point num, den, full num, den)."""
+    """The change the verdict computes for ``metric`` from totals (point num, den, full num, den)."""
     m = METRICS.get(metric)
-    return paired_change_statistic(metric == "perplexity" and pairs, m.tolerance == "relative")
+    return paired_change_of_totals(metric == "perplexity" and pairs, m.tolerance == "relative")
 
 
 def _change(pool: dict, metric: str, point: np.ndarray, full: np.ndarray) -> float:
     """The population's change: the statistic on every unit (``[N, 4, k]`` each)."""
     sums = _block_sums(point, full, pool["pairs"])
-    return float(_statistic(metric, pool["pairs"])(*(s.reshape(-1) for s in sums)))
+    return float(_statistic(metric, pool["pairs"])(*(s.sum() for s in sums)))
 
 
 def _block_sums(point: np.ndarray, full: np.ndarray, pairs: bool) -> tuple[np.ndarray, ...]:
@@ -177,10 +178,9 @@ def cover_shape(pool: dict, metric: str, q: float, multiple: float, sizes: list[
         p, f = point[idx], full[idx]  # [R, m, 4, k]
         changed = (np.abs(p[..., 0] - f[..., 0]) > pool["noise"]).sum(axis=(1, 2))  # [R]
         bins: dict[str, dict] = {}
-        chunk = max(1, CHUNK // (resamples * m))
         keep = np.flatnonzero(changed > 0)
-        for start in range(0, len(keep), chunk):
-            these = keep[start:start + chunk]
+        for start in range(0, len(keep), PER_DRAW):
+            these = keep[start:start + PER_DRAW]
             sums = _block_sums(p[these], f[these], pool["pairs"])  # 4 × [r, m]
             bounds, dist = bootstrap_bounds(sums, statistic, LEVELS, resamples, rng_n)
             dist = dist.reshape(len(these), -1)

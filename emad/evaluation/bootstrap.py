@@ -5,16 +5,18 @@ simulation measures exactly the interval the verdict computes.
 
 Units that share a source are resampled together: the split keeps blocks of :data:`emad.evaluation.units.BLOCK`
 consecutive units (neighbouring windows of one text, prompts cut next to each other) on one side, and the bootstrap
-draws whole blocks. Every statistic is a ratio of sums — a mean is Σ value / Σ 1, a pair metric Σ numerator /
-Σ denominator (perplexity its exponential) — so a block is summarised by its sums and a resample of blocks gives
-exactly the statistic over the units of the blocks drawn. With one unit a block this is the ordinary bootstrap over
-units; with blocks of perfectly correlated units it is the bootstrap over block means.
+draws whole blocks. Every statistic is a ratio of totals — a mean is Σ value / Σ 1, a pair metric Σ numerator /
+Σ denominator (perplexity its exponential) — so a block is summarised by its sums, and a resample's totals are its
+draw counts times the block sums: the statistic over the units of the blocks drawn. With one unit a block this is
+the ordinary bootstrap over units (the same draws as scipy's, so the same bounds); with blocks of perfectly
+correlated units it is the bootstrap over block means.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -43,17 +45,9 @@ def block_sums(x: np.ndarray, blocks: Sequence[int] | np.ndarray | None = None) 
     return sums
 
 
-def ratio_of_sums(num: np.ndarray, den: np.ndarray, axis: int = -1) -> np.ndarray:
-    """Σ num / Σ den over ``axis`` (a zero denominator reads as 1)."""
-    d = den.sum(axis=axis)
-    return num.sum(axis=axis) / np.where(d == 0, 1.0, d)
-
-
-def statistic_of_sums(exponential: bool) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
-    """The statistic of block sums: Σ num / Σ den, or its exponential (perplexity)."""
-    if exponential:
-        return lambda num, den, axis=-1: np.exp(ratio_of_sums(num, den, axis))
-    return ratio_of_sums
+def ratio_of_totals(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+    """Σ num / Σ den from the totals (a zero denominator reads as 1)."""
+    return num / np.where(den == 0, 1.0, den)
 
 
 def change_function(relative: bool) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
@@ -64,41 +58,62 @@ def change_function(relative: bool) -> Callable[[np.ndarray, np.ndarray], np.nda
     return lambda point, full: full - point
 
 
-def paired_change_statistic(exponential: bool, relative: bool) -> Callable[..., np.ndarray]:
-    """``f(point_num, point_den, full_num, full_den, axis)`` of block sums: the change of the statistic."""
-    stat, change = statistic_of_sums(exponential), change_function(relative)
-
-    def statistic(pn, pd, fn, fd, axis=-1):
-        return change(stat(pn, pd, axis), stat(fn, fd, axis))
-
-    return statistic
+def statistic_of_totals(exponential: bool) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
+    """A metric from its totals (Σ num, Σ den): their ratio, or its exponential (perplexity)."""
+    if exponential:
+        return lambda num, den: np.exp(ratio_of_totals(num, den))
+    return ratio_of_totals
 
 
-def bootstrap_bounds(columns: tuple[np.ndarray, ...], statistic: Callable[..., np.ndarray], levels: Sequence[float],
+def paired_change_of_totals(exponential: bool, relative: bool) -> Callable[..., np.ndarray]:
+    """``f(point_num, point_den, full_num, full_den)`` of totals: the change of the metric."""
+    stat, change = statistic_of_totals(exponential), change_function(relative)
+    return lambda pn, pd, fn, fd: change(stat(pn, pd), stat(fn, fd))
+
+
+def resample_counts(m: int, resamples: int, rng: np.random.Generator) -> np.ndarray:
+    """How often each of ``m`` blocks is drawn in each of ``resamples`` resamples ``[resamples, m]``: the draws of
+    ``rng.integers(0, m, (resamples, m))``, as scipy's bootstrap draws its indices."""
+    idx = rng.integers(0, m, (resamples, m))
+    offsets = (idx + m * np.arange(resamples)[:, None]).ravel()
+    return np.bincount(offsets, minlength=resamples * m).reshape(resamples, m).astype(np.float64)
+
+
+def bootstrap_bounds(columns: tuple[np.ndarray, ...], of_totals: Callable[..., np.ndarray], levels: Sequence[float],
                      resamples: int = RESAMPLES, rng: np.random.Generator | None = None
                      ) -> tuple[dict[float, tuple[np.ndarray, np.ndarray, np.ndarray]], np.ndarray]:
-    """Paired BCa bounds of ``statistic`` over the last axis of ``columns`` (each ``[..., m]``: blocks, with any
-    leading batch dimensions) at each of ``levels``, all from one set of ``resamples`` resamples (drawn from
-    ``rng``, default ``default_rng(SEED)``): ``{level: (lo, hi, bca)}`` — ``bca`` False where BCa is undefined and
-    the percentile interval of the same resamples stands in — and the bootstrap distribution ``[..., resamples]``.
+    """Paired BCa bounds of a statistic of block totals, ``of_totals(*totals)``, over the blocks of ``columns``
+    (each ``[..., m]``: block sums, with any leading batch dimensions) at each of ``levels``, all from one set of
+    ``resamples`` resamples of the blocks (drawn from ``rng``, default ``default_rng(SEED)``, as scipy's bootstrap
+    draws them, shared by the batch): ``{level: (lo, hi, bca)}`` — ``bca`` False where BCa is undefined and the
+    percentile interval of the same resamples stands in — and the bootstrap distribution ``[..., resamples]``.
+
+    A resample's totals are its draw counts times the block sums (one matrix product), and scipy's BCa reads that
+    distribution (``bootstrap_result``) with its own jackknife over the blocks.
     """
     from scipy import stats  # imported on use: a stage that only checks params does not pay for it
 
     rng = np.random.default_rng(SEED) if rng is None else rng
-    out, res = {}, None
+    counts = resample_counts(columns[0].shape[-1], resamples, rng)  # [B, m]
+    dist = np.asarray(of_totals(*(c @ counts.T for c in columns)), dtype=np.float64)  # [..., B]
+
+    def statistic(*cols, axis=-1):
+        return of_totals(*(c.sum(axis=axis) for c in cols))
+
+    given = SimpleNamespace(bootstrap_distribution=dist)
+    out = {}
     with warnings.catch_warnings():  # degenerate or tiny samples: BCa warns and returns NaN; handled below
         warnings.simplefilter("ignore")
         for level in levels:
-            res = stats.bootstrap(columns, statistic, n_resamples=resamples if res is None else 0,
-                                  bootstrap_result=res, vectorized=True, paired=True, axis=-1,
-                                  confidence_level=level, method="BCa", rng=rng)
+            res = stats.bootstrap(columns, statistic, n_resamples=0, bootstrap_result=given, vectorized=True,
+                                  paired=True, axis=-1, confidence_level=level, method="BCa", rng=rng)
             lo = np.array(res.confidence_interval.low, dtype=np.float64, ndmin=1)
             hi = np.array(res.confidence_interval.high, dtype=np.float64, ndmin=1)
             bca = np.isfinite(lo) & np.isfinite(hi)
             if not bca.all():
-                dist = np.asarray(res.bootstrap_distribution).reshape(len(bca), -1)[~bca]
+                flat = dist.reshape(len(bca), -1)[~bca]
                 tail = (1 - level) / 2
-                lo[~bca], hi[~bca] = np.quantile(dist, tail, axis=-1), np.quantile(dist, 1 - tail, axis=-1)
+                lo[~bca], hi[~bca] = np.quantile(flat, tail, axis=-1), np.quantile(flat, 1 - tail, axis=-1)
             shape = np.shape(res.confidence_interval.low)
             out[level] = (lo.reshape(shape), hi.reshape(shape), bca.reshape(shape))
-    return out, np.asarray(res.bootstrap_distribution)
+    return out, dist

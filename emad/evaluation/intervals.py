@@ -50,8 +50,8 @@ from emad.evaluation.bootstrap import (
     SEED,
     block_sums,
     bootstrap_bounds,
-    paired_change_statistic,
-    statistic_of_sums,
+    paired_change_of_totals,
+    statistic_of_totals,
 )
 from emad.evaluation.states import MET, UNRESOLVED, VIOLATED, State
 
@@ -216,7 +216,7 @@ def metric_interval(key: str, samples: Sequence, blocks: Sequence[int] | None = 
     if sums.shape[1] < 2:
         return _undefined(value, n, "fewer than 2 blocks")
     exponential = statistic_name(key, x.shape[0]) == "exp_ratio"
-    return _block_bootstrap((sums[0], sums[1]), statistic_of_sums(exponential), value, n, "", LEVEL)
+    return _block_bootstrap((sums[0], sums[1]), statistic_of_totals(exponential), value, n, "", LEVEL)
 
 
 def _block_bootstrap(columns: tuple[np.ndarray, ...], statistic, value: float | None, n: int, label: str,
@@ -333,7 +333,7 @@ def _change_interval(key: str, point: tuple, full: tuple, relative: bool, bound_
         if ps.shape[1] < 2:
             return _undefined(value, np_, "fewer than 2 blocks")
         exponential = statistic_name(key, xp.shape[0]) == "exp_ratio"
-        return _block_bootstrap((ps[0], ps[1], fs[0], fs[1]), paired_change_statistic(exponential, relative),
+        return _block_bootstrap((ps[0], ps[1], fs[0], fs[1]), paired_change_of_totals(exponential, relative),
                                 value, np_, ", paired", level, changed)
     return _bootstrap(lambda i, j: change(stat(xp[:, i]), stat(xf[:, j])), [np_, nf], value, min(np_, nf),
                       f", unpaired (n {np_} vs {nf})", level)
