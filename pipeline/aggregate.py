@@ -82,12 +82,14 @@ def verdict_log(v, prefix: str) -> tuple[dict[str, float], dict[str, str]]:
     """MLflow metrics and tags of one verdict (a :class:`emad.report.verdict.ModelVerdict`), names under
     ``prefix`` (``smollm2-135m`` or ``family.emad.smollm2-135m``): ``c1_passed``, ``c2_passed``, ``c1_literal``
     (1 = some point with the reduction degrades more than the tolerance), ``c1_flops_reduction`` and
-    ``c2_speedup`` of the deciding points; tags ``c1`` / ``c2`` (pass, fail or unresolved) and the deciding points
+    ``c2_speedup`` of the deciding points; tags ``c1`` / ``c2`` (pass, fail, untested or unresolved), their reasons
+    ``c1_reason`` / ``c2_reason`` (emad.evaluation.decisions) and the deciding points
     ``c1_point`` / ``c2_point``. Nothing undefined is logged."""
     metrics = {"c1_passed": float(v.c1.passed), "c2_passed": float(v.c2.passed), "c1_literal": float(v.c1.literal),
                "c1_flops_reduction": v.c1.deciding.reduction if v.c1.deciding else None,
                "c2_speedup": v.c2.deciding.speedup if v.c2.deciding else None}
-    tags = {"c1": v.c1.outcome, "c2": v.c2.outcome, "c1_point": v.c1.deciding.label if v.c1.deciding else None,
+    tags = {"c1": v.c1.outcome, "c2": v.c2.outcome, "c1_reason": v.c1.reason or None, "c2_reason": v.c2.reason or None,
+            "c1_point": v.c1.deciding.label if v.c1.deciding else None,
             "c2_point": v.c2.deciding.label if v.c2.deciding else None}
     return ({f"{prefix}.{k}": float(x) for k, x in metrics.items() if x is not None},
             {f"{prefix}.{k}": str(x) for k, x in tags.items() if x is not None})

@@ -273,7 +273,7 @@ def test_a_swept_stage_writes_one_run_per_value_each_timed_against_full_depth_he
 
     params = workspace / "params-sweep.yaml"
     sweep = {**DECODE, "domains": {"toy": ["perplexity", "agreement", "fidelity"]},
-             "tasks": {**DECODE["tasks"], "agreement": {"prompts": 8, "prompt_tokens": 12, "new_tokens": 6}},
+             "tasks": {**DECODE["tasks"], "agreement": {"prompts": 16, "prompt_tokens": 12, "new_tokens": 6}},
              "baselines": {"conf": {"method": "confidence", "threshold": [0.5, 8, 1000], "probe_every": 1}},
              "swept_prompts": 1, "speed_repeats": 2, "speed_tokens": 4}
     params.write_text(yaml.safe_dump({"decode": sweep}))

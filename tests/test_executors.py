@@ -23,7 +23,7 @@ DOMAINS = ("toy-a", "toy-b")
 DECODE = {
     "domains": {d: ["perplexity", "agreement", "fidelity"] for d in DOMAINS},
     "tasks": {"perplexity": {"tokens": 96, "window": 48, "prefix": 16},
-              "agreement": {"prompts": 8, "prompt_tokens": 8, "new_tokens": 2},
+              "agreement": {"prompts": 16, "prompt_tokens": 8, "new_tokens": 2},
               "fidelity": {"prompts": 16, "prompt_tokens": 8, "new_tokens": 2}},
     "baselines": {"full": {"method": "full"}, "fixed": {"method": "fixed", "depth": [2, 3]}},
     "points": {"emad": {"method": "emad", "margin": [0.0, 1.0], "strata": "none"}},

@@ -18,7 +18,7 @@ from tests.tiny import save_tiny_pretrained, save_tiny_profiles
 TEXT = "Entropy falls with depth for easy tokens. The quick brown fox jumps over the lazy dog. " * 12
 BASE = {"domains": {"toy": ["perplexity", "agreement", "fidelity"]},
         "tasks": {"perplexity": {"tokens": 96, "window": 48, "prefix": 16},
-                  "agreement": {"prompts": 8, "prompt_tokens": 12, "new_tokens": 6},
+                  "agreement": {"prompts": 16, "prompt_tokens": 12, "new_tokens": 6},
                   "fidelity": {"prompts": 16, "prompt_tokens": 12, "new_tokens": 6}},
         "swept_prompts": 1, "speed_repeats": 1, "speed_tokens": 4, "heatmap_texts": 1,
         "device": "cpu", "dtype": "float32"}

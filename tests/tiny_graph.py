@@ -35,7 +35,7 @@ def params(model_dir: Path) -> dict:
         "decode": {
             "domains": {"stdlib-prose": ["perplexity", "agreement", "fidelity"]},
             "tasks": {"perplexity": {"tokens": 128, "window": 64, "prefix": 16},
-                      "agreement": {"prompts": 8, "prompt_tokens": 16, "new_tokens": 8},
+                      "agreement": {"prompts": 16, "prompt_tokens": 16, "new_tokens": 8},
                       "fidelity": {"prompts": 16, "prompt_tokens": 16, "new_tokens": 8}},
             "baselines": {"full": {"method": "full"}, "fixed-2-tuned": {"method": "fixed", "depth": 2,
                                                                         "readout": "tuned"},
@@ -71,7 +71,7 @@ def params(model_dir: Path) -> dict:
 # ≥ 8 units per check (perplexity windows, prompts), so that the control's checks enter the verdict, and ≥ 368
 # tokens each, so that a lossless point's checks can be met (DESIGN.md §4)
 CONTROL_TASKS = {"perplexity": {"tokens": 512, "window": 64, "prefix": 16},
-                 "agreement": {"prompts": 8, "prompt_tokens": 16, "new_tokens": 48}}
+                 "agreement": {"prompts": 16, "prompt_tokens": 16, "new_tokens": 24}}
 
 
 def env(**extra: str) -> dict:

@@ -42,11 +42,14 @@ DOCS = ("README.md", "docs/results.md")
 BLOCK = re.compile(r"<!-- numbers:begin (?P<name>\S+) -->(?P<body>.*?)<!-- numbers:end (?P<end>\S+) -->", re.S)
 OUTCOME = {"pass": "passes", "fail": "fails (falsified)", "unresolved": "is unresolved",
            "untested": "is not falsified; untested at this size"}
-GROUPS = [(("pass", "pass"), "C1 and C2 pass"), (("pass", "unresolved"), "C1 passes, C2 is unresolved"),
-          (("pass", "untested"), "C1 passes, C2 is untested at this size"),
-          (("pass", None), "C1 passes, C2 fails"), (("untested", None), "C1 is not falsified but untested at this size"),
-          (("unresolved", None), "C1 is unresolved"),
-          (("fail", "fail"), "C1 and C2 fail"), ((None, None), "C1 fails")]  # (C1, C2); None: any other
+GROUPS = [(("pass", "pass", None), "C1 and C2 pass"), (("pass", "unresolved", None), "C1 passes, C2 is unresolved"),
+          (("pass", "untested", None), "C1 passes, C2 is untested at this size"),
+          (("pass", None, None), "C1 passes, C2 fails"),
+          (("untested", None, "short"), "C1 untested: no point reaches {target} fewer FLOPs"),
+          (("untested", None, None), "C1 is not falsified but untested at this size"),
+          (("unresolved", None, None), "C1 is unresolved"),
+          (("fail", "fail", None), "C1 and C2 fail"), ((None, None, None), "C1 fails")]  # (C1, C2, C1's reason);
+# None: any other
 DEFAULT_TARGET = 0.15  # aggregate.min_flops_reduction when params.yaml leaves it out (its model's default)
 SUPERSCRIPT = str.maketrans("-0123456789", "⁻⁰¹²³⁴⁵⁶⁷⁸⁹")
 
@@ -151,7 +154,8 @@ def families_table(m: Metrics, model: str) -> str:
     rows = [f"| family | C1 | C2 | perplexity at {target(m.target)} fewer FLOPs | largest reduction, every check met | "
             f"largest reduction, unresolved | speed-up of C2's point |", "|---|---|---|---|---|---|---|"]
     for family in [m.judged(model), *sorted(m.families(model))]:
-        cells = [code(family), m.get(model, family, "c1"), m.get(model, family, "c2")]
+        cells = [code(family), *(_outcome(m.get(model, family, c), m.optional(model, family, f"{c}_reason"))
+                                 for c in ("c1", "c2"))]
         for key, fmt in (("perplexity_change_at_target", multiple), ("max_reduction_within_tolerance", percent),
                          ("max_reduction_unresolved", percent)):
             value = m.optional(model, family, key)
@@ -162,15 +166,20 @@ def families_table(m: Metrics, model: str) -> str:
     return "\n".join(rows)
 
 
+def _outcome(outcome: str, reason: str | None) -> str:
+    """``untested (short)``: an outcome with the reason the decision table gave it."""
+    return outcome if not reason else f"{outcome} ({reason})"
+
+
 def _grouped(m: Metrics, model: str) -> list[str]:
     """``C1 and C2 pass: `fixed` (28.1%), ...`` per outcome group of the families judged alone."""
     families, out, placed = m.families(model), [], set()
-    for (c1, c2), label in GROUPS:
+    for (c1, c2, reason), label in GROUPS:
         members = [f for f in sorted(families) if f not in placed and c1 in (None, m.get(model, f, "c1"))
-                   and c2 in (None, m.get(model, f, "c2"))]
+                   and c2 in (None, m.get(model, f, "c2")) and reason in (None, m.optional(model, f, "c1_reason"))]
         placed |= set(members)
         if members:
-            out.append((label, members))
+            out.append((label.format(target=target(m.target)), members))
     if len(out) == 1 and len(out[0][1]) > 1:
         return [f"all {len(families)} families judged alone: {out[0][0]}"]
     return [f"{label}: " + ", ".join(_with_reduction(m, model, f) for f in members) for label, members in out]
