@@ -40,6 +40,7 @@ import sys
 import time
 import zlib
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -286,7 +287,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--q", default=",".join(map(str, QS)))
     parser.add_argument("--multiples", default=",".join(map(str, MULTIPLES)))
     parser.add_argument("--metrics", default=None, help="default: every metric of the samples, and speed")
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=2, help="processes (1: in this one)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="coverage")
     args = parser.parse_args(argv)
@@ -307,8 +308,8 @@ def main(argv: list[str] | None = None) -> dict:
     jobs = [(pools[m], m, q, k, sizes, args.replicates, args.resamples, args.seed)
             for m in metrics if m != SPEED for q in qs for k in multiples]
     cells: list[dict] = []
-    with ProcessPoolExecutor(max_workers=max(1, args.workers)) as pool:
-        for rows in pool.map(cover_shape, *zip(*jobs)) if jobs else []:
+    with ProcessPoolExecutor(max_workers=args.workers) if args.workers > 1 else nullcontext() as pool:
+        for rows in (pool.map if pool else map)(cover_shape, *zip(*jobs)) if jobs else []:
             for row in rows:
                 print(f"{row['metric']:26s} {row['shape']:12s} n {row['n']:4d}: "
                       + ("infeasible" if row.get("infeasible") else

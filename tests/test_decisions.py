@@ -112,3 +112,16 @@ def test_the_tables_are_in_the_paper_plan_as_the_report_shows_them():
     assert table_markdown() in (ROOT / "docs" / "paper-plan.md").read_text()
     rows = [line for line in table_markdown().splitlines() if line.startswith("| `")]
     assert len(rows) == len(C1_TABLE) + len(C2_TABLE) == len(C1Reason) + len(C2Reason)
+
+
+def test_a_falsification_reads_every_candidate_at_95_and_a_pass_the_bonferroni_level():
+    """Every candidate beyond a tolerance at 95% falsifies C1 though one is unresolved at 1 − 0.05/m: the claim
+    "all beyond" is wrong only where that candidate is within, which its own 95% check rules out. A pass needs the
+    stricter level: met at 95% but unresolved at 97.5% is no pass."""
+    stricter = {"a": Point("a", 0.2, UNRESOLVED, 1.5), "b": Point("b", 0.3, VIOLATED, 3.0)}
+    reassess = lambda points, level: [stricter[p.label] for p in points]  # noqa: E731
+    beyond = decide_c1([Point("a", 0.2, VIOLATED, 1.5), Point("b", 0.3, VIOLATED, 3.0)], THR, reassess)
+    assert beyond.reason == C1Reason.BEYOND and beyond.level == 0.95 and beyond.outcome == Outcome.FAIL
+    stricter["a"] = Point("a", 0.2, UNRESOLVED, 0.9)
+    open_ = decide_c1([Point("a", 0.2, MET, 0.9), Point("b", 0.3, VIOLATED, 3.0)], THR, reassess)
+    assert open_.reason == C1Reason.OPEN and open_.deciding.label == "a" and open_.level == pytest.approx(0.975)

@@ -396,7 +396,7 @@ def test_c1_and_c2_are_unresolved_when_no_candidate_is_shown_either_way(powered,
     assert v.c2.outcome == "unresolved" and v.c2.deciding.label == "emad-open" and v.c2.matched == ["emad-slow"]
     md = report_markdown(runs, verdict(runs), {}, [])
     assert "**C1 unresolved.**" in md and "**C2 unresolved.**" in md and "Checks of emad-open" in md
-    assert "falsified only when every such point is measured beyond a tolerance" in md
+    assert "| `beyond` | every candidate is measured beyond a tolerance | fail (falsified) |" in md
     assert run_details(runs, verdict(runs))["models"]["m"]["verdict"]["c1_outcome"] == "unresolved"
     assert metrics_summary(runs, verdict(runs))["m"]["emad"]["c1"] == "unresolved"
     json.dumps(v.to_dict())

@@ -170,7 +170,7 @@ def test_a_speed_up_whose_lower_bound_does_not_cover_at_its_prompts_does_not_pas
                       "speed": {"t-log": {8: {"lower": 0.95, "upper": 0.98}, 32: {"lower": 0.97, "upper": 0.98}}}})
     with coverage.using(table):
         v = verdict(runs)["m"]
-    assert v.c2.outcome == "unresolved" and "its lower bound covers 95.0% and reaches 96.0% at no simulated level " \
+    assert v.c2.outcome == "unresolved" and "its lower bound covers 95.0% at 95% and reaches 96.0% at no simulated level " \
         "(from 32 prompts it does)" in v.c2.sentence()
 
 

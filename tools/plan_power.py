@@ -50,32 +50,40 @@ def judged_units(cfg: dict, domain: str) -> dict[str, int]:
     return out
 
 
-def _side(table: Coverage, metric: str, method: str, n: int, side: str, level: float) -> float | None:
-    """The level a label resting on ``side`` is judged at over ``n`` units, in the worst simulated bin of changed
-    units (None: no simulated level makes that side cover there)."""
-    bins = [None] if method == "t-log" else [lo for lo, _ in CHANGED_BINS]
-    found = [table.calibrated(metric, method, n, side, level, b) for b in bins
-             if table.cell(metric, method, n, side, level, b) is not None]
-    return None if not found or None in found else max(found)
+def _side(table: Coverage, metric: str, method: str, n: int, side: str, level: float) -> tuple[int, float] | None:
+    """From how many changed units a label resting on ``side`` stands over ``n`` units, and the widest level it is
+    judged at there: the smallest changed count from which every bin of changed units a sample of ``n`` can have
+    is simulated and covers at some simulated level (None: not even where every unit changed)."""
+    if method == "t-log":
+        found = table.calibrated(metric, method, n, side, level)
+        return None if found is None else (0, found)
+    bins = [lo for lo, _ in CHANGED_BINS if lo <= n]
+    levels = [table.calibrated(metric, method, n, side, level, lo) for lo in bins]
+    start = len(bins)
+    while start > 0 and levels[start - 1] is not None:
+        start -= 1
+    return None if start == len(bins) else (bins[start], max(levels[start:]))
 
 
-def _reach(at: float | None, level: float, covers_from: int | None) -> str:
-    if at is None:
+def _reach(found: tuple[int, float] | None, level: float, covers_from: int | None) -> str:
+    if found is None:
         return "no: its interval does not cover" + (f" (it does from n {covers_from})" if covers_from else "")
-    return "yes" if at <= level + 1e-9 else f"yes, judged at {100 * at:.4g}%"
+    changed, at = found
+    where = "" if changed <= 1 else f" where ≥ {changed} units changed"
+    return "yes" + where + ("" if at <= level + 1e-9 else f", judged at up to {100 * at:.4g}%")
 
 
-def _met(n: int, needs: int | None, unit: str, at: float | None, boot: bool, level: float,
+def _met(n: int, needs: int | None, unit: str, found: tuple[int, float] | None, boot: bool, level: float,
          covers_from: int | None) -> str:
     """Whether a pass can be shown over ``n`` judged units: every unit equal and ``n ≥ needs`` (a score's share
-    bound), or, where units changed, a bootstrap whose upper side covers (judged at ``at``)."""
+    bound), or, where units changed, a bootstrap whose upper side covers (:func:`_side`)."""
     ways = []
     if needs is not None and n >= needs:
         ways.append(f"with every {unit} equal")
-    if boot and at is not None:
-        ways.append("by its bootstrap" + ("" if at <= level + 1e-9 else f", judged at {100 * at:.4g}%"))
+    if boot and found is not None:
+        ways.append("by its bootstrap" + _reach(found, level, None).removeprefix("yes"))
     if ways:
-        return "yes, " + " or ".join(ways)
+        return "yes, " + "; or ".join(ways)
     why = [] if needs is None else [f"needs {needs} {unit}s with every one equal"]
     if boot:
         why.append("its interval does not cover" + (f" (it does from n {covers_from})" if covers_from else ""))
@@ -93,7 +101,7 @@ def rows(cfg: dict, table: Coverage, candidates: int = 1) -> list[dict]:
             needs = m.needs(thr.tolerance(metric), level)
             boot = metric in BOOTSTRAPPED
             met_at = _side(table, metric, "bootstrap", n, "upper", level) if boot else None
-            fail_at = _side(table, metric, "bootstrap", n, "lower", level) if boot else level
+            fail_at = _side(table, metric, "bootstrap", n, "lower", level) if boot else (0, level)
             if n < MIN_UNITS:
                 met = failure = f"not counted (n < {MIN_UNITS})"
             else:

@@ -306,9 +306,9 @@ def _calibrate(check: Check, table: coverage.Coverage | None, at_level: Callable
     method, side = coverage.family(check.method), "upper" if check.state == MET else "lower"
     found = table.calibrated(check.metric, method, check.n, side, check.level, check.changed)
     if found is None:
-        cell = table.cell(check.metric, method, check.n, side, check.level, check.changed)
-        measured = (f"covers {cell.coverage:.1%} (Monte Carlo lower bound {cell.lower:.1%})" if cell else
-                    "was not simulated")
+        near = table.nearest(check.metric, method, check.n, side, check.level, check.changed)
+        measured = (f"covers {near[1].coverage:.1%} at {100 * near[0]:.4g}% (Monte Carlo lower bound "
+                    f"{near[1].lower:.1%})" if near else "was not simulated")
         check.untrusted = (f"{check.state} withheld: the {side} bound of its {method} interval {measured} at n "
                            f"{check.n}" + (f" with {check.changed} changed" if check.changed is not None else "")
                            + f", and at no simulated level reaches {coverage.target(check.level):.1%}")

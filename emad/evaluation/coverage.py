@@ -13,7 +13,8 @@ truth, by n and by how many units of the sample changed. A cell's coverage is de
 bound (one-sided 95% Clopper–Pearson over its replicates), the smallest over the simulated shapes.
 
 A side *covers* at level L where that lower bound reaches :func:`target` (L): a miss rate at most :data:`SLACK`
-times the nominal one (96% at 95%). Where it does not, the check is *calibrated* (:meth:`Coverage.calibrated`):
+times the nominal one (96% at 95%), and at least :data:`ABSOLUTE_SLACK` above it (99.5% at 99.5%, where 1.6 times
+the nominal rate could not be told apart in a simulation of a few thousand samples). Where it does not, the check is *calibrated* (:meth:`Coverage.calibrated`):
 judged at the smallest simulated level above L whose side reaches the target of L — a wider bound that covers as
 the label needs; only when no simulated level reaches it is the label withheld (the check is underpowered). The
 cell read is the one at the largest simulated n not above the check's and the bin of its changed units
@@ -37,7 +38,9 @@ from pathlib import Path
 
 LEVELS = (0.95, 0.975, 0.98333, 0.9875, 0.99, 0.995, 0.998, 0.999)  # simulated two-sided levels (Bonferroni's
 # 1 − 0.05/m for m = 1, 2, 3, 4, 5, 10, 25, 50)
-SLACK = 1.6  # a side may miss up to this many times its nominal rate: 96% at 95% (nominally 97.5%)
+SLACK = 1.6  # a side may miss up to this many times its nominal rate: 96% at 95% (nominally 97.5%) ...
+ABSOLUTE_SLACK = 0.0025  # ... and at least this much more than it: a few thousand simulated samples cannot tell
+# a miss rate of 0.08% from one of 0.2%, so the stricter levels of many candidates would otherwise never cover
 MC_CONFIDENCE = 0.95  # a cell's coverage is read at its one-sided Monte Carlo lower bound at this confidence
 CHANGED_BINS = ((1, 1), (2, 3), (4, 7), (8, 15), (16, 31), (32, 63), (64, None))  # changed units of a sample
 ALL_BINS = "all"  # the bin of a method that does not depend on changed units (C2's t interval)
@@ -49,8 +52,9 @@ THRESHOLD = 1.0 - SLACK * (1.0 - 0.95) / 2  # the target at 95%: 0.96
 
 def target(level: float) -> float:
     """The coverage a side of a two-sided interval at ``level`` must reach to carry a label: a miss rate at most
-    :data:`SLACK` times the nominal ``(1 − level) / 2``."""
-    return 1.0 - SLACK * (1.0 - level) / 2
+    :data:`SLACK` times the nominal ``(1 − level) / 2``, and at least :data:`ABSOLUTE_SLACK` above it."""
+    nominal = (1.0 - level) / 2
+    return 1.0 - max(SLACK * nominal, nominal + ABSOLUTE_SLACK)
 
 
 def lower_bound(covered: int, replicates: int, confidence: float = MC_CONFIDENCE) -> float:
@@ -182,6 +186,16 @@ class Coverage:
         if changed is None:
             return min(found.values(), key=lambda c: c.lower, default=None)
         return found.get(changed_bin(changed)) if changed > 0 else None
+
+    def nearest(self, metric: str, method: str, n: int, side: str, level: float,
+                changed: int | None = None) -> tuple[float, Cell] | None:
+        """The cell a check judged at ``level`` reads first: at the smallest simulated level not below it (None:
+        nothing simulated there)."""
+        for at in (lvl for lvl in self.levels() if lvl >= _level_key(level) - 1e-9):
+            found = self.cell(metric, method, n, side, at, changed)
+            if found is not None:
+                return at, found
+        return None
 
     def coverage(self, metric: str, method: str, n: int, side: str, level: float = 0.95,
                  changed: int | None = None) -> float | None:

@@ -11,7 +11,10 @@ that reason alone, whether or not such a point was timed.
 Terms (the points are :class:`~emad.evaluation.judge.PointAssessment`, judged on the confirmation half):
 
 - C1's *candidates*: points with ≥ ``min_flops_reduction`` fewer FLOPs on the judged half, not ruled out by a
-  teacher-forced violation that stands, each judged at 1 − 0.05/m over the m candidates (Bonferroni).
+  teacher-forced violation that stands. A pass (some candidate met) is an existence claim: each candidate judged
+  at 1 − 0.05/m over the m candidates (Bonferroni). A falsification (every candidate beyond a tolerance; for C2,
+  every candidate slow) is wrong only where some candidate is not, whose own 95% check guards it (an
+  intersection–union test): the candidates are read at 95%.
 - C2's *eligible* points: met, untested at this size or unresolved. Its *candidates*: eligible points that do less
   work than full depth — fewer FLOPs on the judged half, or a strategy (EAD, speculative decoding: it saves
   sequential passes, not FLOPs, and the decode stage times every one). Only candidates are read for C2; a timed
@@ -180,7 +183,11 @@ class C2Decision:
 
 
 def decide_c1(points: list[PointAssessment], thr: Thresholds, reassess: Reassess | None = None) -> C1Decision:
-    """C1 over ``points`` by :data:`C1_TABLE`; ``reassess`` judges the candidates at a stricter level."""
+    """C1 over ``points`` (judged at 95%) by :data:`C1_TABLE`; ``reassess`` judges the candidates at a stricter
+    level for a pass. A pass is an existence claim — some candidate is within every tolerance — and holds at 95%
+    family-wise only with each candidate at 1 − 0.05/m; a falsification claims that *every* candidate is beyond a
+    tolerance, which is wrong only if some candidate is within them, and that candidate's own 95% check guards it
+    (an intersection–union test): it reads the candidates at 95%."""
     if not points:
         return C1Decision(C1Reason.NO_POINTS, None)
     big = [p for p in points if p.reduction >= thr.min_flops_reduction - EPS]
@@ -191,13 +198,18 @@ def decide_c1(points: list[PointAssessment], thr: Thresholds, reassess: Reassess
     literal = sorted(p.label for p in big if p.state in (VIOLATED, RULED_OUT))
     open_labels = sorted(p.label for p in by_state[UNTESTED] + by_state[UNRESOLVED])
     m = len(judged)
-    for state, reason in ((MET, C1Reason.MET), (UNTESTED, C1Reason.UNTESTED), (UNRESOLVED, C1Reason.OPEN)):
+    if by_state[MET]:
+        return C1Decision(C1Reason.MET, by_state[MET][0], literal, open_labels, m, level)
+    measured = [p for p in big if p.worst is not None and p.worst.severity is not None]
+    if measured and all(p.state in (VIOLATED, RULED_OUT) for p in big):
+        p = min(measured, key=lambda p: (p.worst.severity, -p.reduction, p.label))
+        return C1Decision(C1Reason.BEYOND, p, literal, [], m, LEVEL)
+    for state, reason in ((UNTESTED, C1Reason.UNTESTED), (UNRESOLVED, C1Reason.OPEN)):
         if by_state[state]:
             return C1Decision(reason, by_state[state][0], literal, open_labels, m, level)
-    measured = [p for p in big if p.worst is not None and p.worst.severity is not None]
-    if measured:
-        p = min(measured, key=lambda p: (p.worst.severity, -p.reduction, p.label))
-        return C1Decision(C1Reason.BEYOND, p, literal, [], m, level)
+    unresolved = _by_reduction([p for p in big if p.state not in (VIOLATED, RULED_OUT)])
+    if unresolved:  # unresolved at 95% where the stricter level left none open: open all the same
+        return C1Decision(C1Reason.OPEN, unresolved[0], literal, sorted(p.label for p in unresolved), m, level)
     return C1Decision(C1Reason.UNMEASURED, None, literal, [], m, level)
 
 
@@ -234,8 +246,14 @@ def decide_c2(points: list[PointAssessment], thr: Thresholds, reassess: Reassess
     fast_untested = [p for p in timed if p.state == UNTESTED and p.speed_state(need) == MET]
     if fast_untested:
         return C2Decision(C2Reason.UNTESTED, fast_untested[0], **rest)
+    # a falsification claims every candidate slow: each read at 95% (an intersection–union test, as for C1)
+    alone = [p for p in candidates if p.speed is not None and p.speed.value is not None]
+    slow = not untimed and alone and all(p.speed_state(need) == VIOLATED for p in alone)
+    if slow:
+        best = max(alone, key=lambda p: (p.speed.value, p.label))
+        return C2Decision(C2Reason.SLOW, best, **{**rest, "level": LEVEL})
     open_ = [p for p in timed if p.speed_state(need) != VIOLATED]
     if open_:
         return C2Decision(C2Reason.OPEN, max(open_, key=lambda p: (p.speed.value, p.label)), **rest)
     best = max(timed, key=lambda p: (p.speed.value, p.label)) if timed else None
-    return C2Decision(C2Reason.NOT_TIMED if untimed else C2Reason.SLOW, best, **rest)
+    return C2Decision(C2Reason.NOT_TIMED if untimed else C2Reason.OPEN, best, **rest)

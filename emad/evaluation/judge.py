@@ -332,8 +332,8 @@ def judge_speed(speed: Interval, floor: float, at_level: Callable[[float], Inter
     side, method = ("lower" if state == MET else "upper"), coverage.family(speed.method)
     found = table.calibrated(coverage.SPEED, method, speed.n, side, speed.level)
     if found is None:
-        cell = table.cell(coverage.SPEED, method, speed.n, side, speed.level)
-        measured = f"covers {cell.coverage:.1%}" if cell else "was not simulated"
+        near = table.nearest(coverage.SPEED, method, speed.n, side, speed.level)
+        measured = f"covers {near[1].coverage:.1%} at {100 * near[0]:.4g}%" if near else "was not simulated"
         need = table.needs(coverage.SPEED, method, side, speed.level)
         return SpeedJudgement(UNRESOLVED, speed, (
             f"its interval lies {'at or above' if state == MET else 'below'} the gain, but at {speed.n} prompts its "

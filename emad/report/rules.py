@@ -49,7 +49,11 @@ DECISION_RULE = (
     "Decisions. C1 and C2 follow from named reasons, one table each, the first matching row deciding, alike for "
     "every family (docs/paper-plan.md; metrics.json gives each family's c1_reason and c2_reason). C1's candidates "
     "have ≥ aggregate.min_flops_reduction fewer FLOPs on the judged half; C2's are the points within (or possibly "
-    "within) the tolerances that do less work than full depth — fewer FLOPs on the judged half, or a strategy.")
+    "within) the tolerances that do less work than full depth — fewer FLOPs on the judged half, or a strategy. A "
+    "pass claims that some candidate is met: each candidate is judged at 1 − 0.05/m over the m candidates "
+    "(Bonferroni, 95% family-wise). A falsification claims that every candidate is beyond a tolerance (or slow): "
+    "it is wrong only where some candidate is not, and that candidate's own check guards it, so the candidates are "
+    "read at 95% (an intersection–union test).")
 
 
 def coverage_rule() -> str:
