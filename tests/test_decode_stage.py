@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TEXT = "Entropy falls with depth for easy tokens. The quick brown fox jumps over the lazy dog. " * 12
 DECODE = {
     "domains": {"toy": ["perplexity", "fidelity"]},
-    "tasks": {"perplexity": {"tokens": 96, "window": 48, "prefix": 16},
+    "tasks": {"perplexity": {"tokens": 160, "window": 48, "prefix": 16},  # 5 windows: 2 blocks to resample
               "fidelity": {"prompts": 16, "prompt_tokens": 12, "new_tokens": 6}},
     "baselines": {"full": {"method": "full"}, "fixed-2": {"method": "fixed", "depth": 2}},
     "points": {"emad-m0": {"method": "emad", "margin": 0.0, "strata": "none"}},
@@ -293,12 +293,13 @@ def test_a_swept_stage_writes_one_run_per_value_each_timed_against_full_depth_he
             continue
         assert cost["reference_tokens_per_s"] > 0 and cost["speed_tokens_per_s"] > 0
         assert cost["speedup"] > 0 and cost["load_avg"] is not None
-        if cost["speed_timing"] == "pairs":  # the screen keeps it: every prompt, timed on 8 distinct prompts
+        if cost["speed_timing"] == "pairs":  # the screen keeps it: every prompt, timed on 8 distinct prompts (of
+            # the confirmation half)
             assert cost["speed_unit"] == "prompt" and len(cost["speed_pairs"]) == 8 and r["free_prompts"] is None
-            assert len(r["tasks"]["fidelity"]["samples"]["exact_match"]) == 8
+            assert len(r["tasks"]["fidelity"]["samples"]["exact_match"]) == 16
         elif cost["speed_timing"].startswith("cheap: FLOPs ratio"):  # computes as much as full depth: every prompt,
             assert cost["speed_repeats"] == 2 and r["free_prompts"] is None  # the cheap measure
-            assert len(r["tasks"]["fidelity"]["samples"]["exact_match"]) == 8
+            assert len(r["tasks"]["fidelity"]["samples"]["exact_match"]) == 16
         else:  # never exits: the cheap measure on the first prompt
             assert cost["speed_timing"] == "cheap: never exits" and cost["speed_repeats"] == 2
             assert r["free_prompts"] == 1 and len(r["tasks"]["fidelity"]["samples"]["exact_match"]) == 1
@@ -324,7 +325,7 @@ def test_a_point_computing_as_much_as_full_depth_is_judged_on_every_prompt_but_n
         (record,) = [runfile.load(p) for p in (workspace / runs / "baseline-conf").glob("*.json")]
         cost = record["cost"]
         assert 0.5 < cost["flops_ratio"] < 1 and cost["speed_timing"].startswith(timing)
-        assert record["free_prompts"] is None and len(record["tasks"]["fidelity"]["samples"]["exact_match"]) == 8
+        assert record["free_prompts"] is None and len(record["tasks"]["fidelity"]["samples"]["exact_match"]) == 16
         assert (cost["speed_unit"] == "prompt") == (below is None)
 
 
@@ -415,11 +416,12 @@ def test_c2_candidates_share_blocks_and_a_family_that_passed_on_the_only_domain_
 
     def done(label, family, flops, why=None):
         job = SimpleNamespace(label=label, point=SimpleNamespace(method="full" if label == "full" else "conf",
-                                                                 family=family))
-        return job, why, None, SimpleNamespace(cost=lambda: {"flops_ratio": flops})
+                                                                 family=family), method=None)
+        return job, why, None, SimpleNamespace(cost=lambda: {"flops_ratio": flops}, tasks={})
 
     decoder = object.__new__(Decoder)
-    decoder.plan = SimpleNamespace(domains=domains, thresholds=Thresholds(), cfg=SimpleNamespace(speed_candidates=None))
+    decoder.plan = SimpleNamespace(domains=domains, thresholds=Thresholds(),
+                                   cfg=SimpleNamespace(speed_candidates=None, speed_flops_below=1.0, split_seed=0))
     cheap, blocks = [], []
     monkeypatch.setattr(decoder, "_speed", lambda job, prepared, result, limit, why: cheap.append(
         (job.label, why)) or {"speed_timing": f"cheap: {why}"})
@@ -463,12 +465,12 @@ def test_a_family_times_at_most_speed_candidates_on_a_domain_its_cheapest(monkey
     from emad.evaluation.decoder import Decoder
 
     def done(label, family, flops):
-        job = SimpleNamespace(label=label, point=SimpleNamespace(method="conf", family=family))
-        return job, None, None, SimpleNamespace(cost=lambda: {"flops_ratio": flops})
+        job = SimpleNamespace(label=label, point=SimpleNamespace(method="conf", family=family), method=None)
+        return job, None, None, SimpleNamespace(cost=lambda: {"flops_ratio": flops}, tasks={})
 
     decoder = object.__new__(Decoder)
     decoder.plan = SimpleNamespace(domains=["toy", "other"], thresholds=Thresholds(),
-                                   cfg=SimpleNamespace(speed_candidates=2))
+                                   cfg=SimpleNamespace(speed_candidates=2, speed_flops_below=1.0, split_seed=0))
     blocks = []
     monkeypatch.setattr(decoder, "_speed", lambda job, prepared, result, limit, why: {"speed_timing": f"cheap: {why}"})
     monkeypatch.setattr(decoder, "_time_block", lambda prepared, block: blocks.append(
@@ -587,3 +589,33 @@ def _differences(a, b, where: str = "", rel: float = 1e-5) -> list[str]:
     if isinstance(a, float) and isinstance(b, float):
         return [] if a == pytest.approx(b, rel=rel, nan_ok=True) else [f"{where}: {a} vs {b}"]
     return [] if a == b else [f"{where}: {a!r} vs {b!r}"]
+
+
+def test_a_c2_candidate_is_chosen_on_the_judged_halfs_flops(monkeypatch):
+    """A point below full depth's FLOPs over every unit but not on the confirmation half (the half the verdict reads
+    its FLOPs on) is no C2 candidate: the cheap measure, saying why; one below on that half is timed."""
+    from types import SimpleNamespace
+
+    from emad.evaluation.checks import Thresholds
+    from emad.evaluation.decoder import Decoder
+    from emad.evaluation.units import CONFIRMATION, indices
+
+    judged = set(indices(16, CONFIRMATION, 0, "fidelity"))
+
+    def done(label, on_judged, elsewhere):  # FLOPs per unit against full depth's 1.0 per unit
+        costs = [[on_judged if i in judged else elsewhere, 1.0] for i in range(16)]
+        job = SimpleNamespace(label=label, point=SimpleNamespace(method="conf", family=label), method=None)
+        result = SimpleNamespace(cost=lambda: {"flops_ratio": 0.9}, tasks={"fidelity": {"unit_flops": costs}})
+        return job, None, None, result
+
+    decoder = object.__new__(Decoder)
+    decoder.plan = SimpleNamespace(domains=["toy", "other"], thresholds=Thresholds(),
+                                   cfg=SimpleNamespace(speed_candidates=None, speed_flops_below=1.0, split_seed=0))
+    cheap, blocks = [], []
+    monkeypatch.setattr(decoder, "_speed", lambda job, prepared, result, limit, why: cheap.append(
+        (job.label, str(why))) or {"speed_timing": f"cheap: {why}"})
+    monkeypatch.setattr(decoder, "_time_block", lambda prepared, block: blocks.append(
+        [job.label for job, _, _ in block]) or [{"speed_timing": "pairs"} for _ in block])
+    decoder._speeds("toy", [], [done("dear", 1.01, 0.79), done("cheap", 0.8, 1.0)])
+    assert blocks == [["cheap"]]
+    assert cheap == [("dear", "FLOPs ratio 1.010 >= 1 (judged half)")]
