@@ -241,8 +241,9 @@ def table_of(cells: list[dict]) -> dict:
 
 
 def markdown(table: Coverage, level: float = 0.95) -> str:
-    """Per metric and side, at each simulated size: the level a check judged at ``level`` is judged at in its worst
-    changed bin (its own where the side covers; wider where it must be; – where no simulated level covers)."""
+    """Per metric and side, at each simulated size: from how many changed units a label judged at ``level`` stands
+    and the widest level it is judged at there (``≥ 4 · 97.5``; ``all`` where it does not depend on them; – where
+    it stands for no number of changed units)."""
     metrics = sorted({(k[0], k[1]) for k in table.cells})
     sizes = sorted({k[2] for k in table.cells})
     lines = ["| metric (method) | side | " + " | ".join(f"n {n}" for n in sizes) + " |", "|---|---|" + "---|" * len(sizes)]
@@ -250,14 +251,9 @@ def markdown(table: Coverage, level: float = 0.95) -> str:
         for side in ("upper", "lower"):
             row = []
             for n in sizes:
-                if n not in table.sizes(metric, method):
-                    row.append("")
-                    continue
-                bins = [None] if method == "t-log" else [lo for lo, _ in CHANGED_BINS]
-                found = [table.calibrated(metric, method, n, side, level, b) for b in bins
-                         if table.cell(metric, method, n, side, level, b) is not None]
-                worst = None if not found or None in found else max(found)
-                row.append("–" if worst is None else f"{100 * worst:.4g}")
+                found = table.reach(metric, method, n, side, level) if n in table.sizes(metric, method) else None
+                row.append("–" if found is None else
+                           f"{'all' if found[0] <= 1 else f'≥ {found[0]}'} · {100 * found[1]:.4g}")
             lines.append(f"| {metric} ({method}) | {side} | " + " | ".join(row) + " |")
     return "\n".join(lines)
 

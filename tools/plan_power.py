@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from emad.evaluation.checks import MIN_UNITS, Thresholds  # noqa: E402
-from emad.evaluation.coverage import CHANGED_BINS, SPEED, Coverage  # noqa: E402
+from emad.evaluation.coverage import SPEED, Coverage  # noqa: E402
 from emad.evaluation.intervals import LEVEL  # noqa: E402
 from emad.evaluation.metrics import METRICS  # noqa: E402
 from emad.params import validate_params  # noqa: E402
@@ -51,18 +51,8 @@ def judged_units(cfg: dict, domain: str) -> dict[str, int]:
 
 
 def _side(table: Coverage, metric: str, method: str, n: int, side: str, level: float) -> tuple[int, float] | None:
-    """From how many changed units a label resting on ``side`` stands over ``n`` units, and the widest level it is
-    judged at there: the smallest changed count from which every bin of changed units a sample of ``n`` can have
-    is simulated and covers at some simulated level (None: not even where every unit changed)."""
-    if method == "t-log":
-        found = table.calibrated(metric, method, n, side, level)
-        return None if found is None else (0, found)
-    bins = [lo for lo, _ in CHANGED_BINS if lo <= n]
-    levels = [table.calibrated(metric, method, n, side, level, lo) for lo in bins]
-    start = len(bins)
-    while start > 0 and levels[start - 1] is not None:
-        start -= 1
-    return None if start == len(bins) else (bins[start], max(levels[start:]))
+    """:meth:`emad.evaluation.coverage.Coverage.reach`."""
+    return table.reach(metric, method, n, side, level)
 
 
 def _reach(found: tuple[int, float] | None, level: float, covers_from: int | None) -> str:

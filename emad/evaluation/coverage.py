@@ -228,6 +228,26 @@ class Coverage:
         found = self.calibrated(metric, method, n, side, level, changed)
         return found is not None and found <= _level_key(level) + 1e-9
 
+    def _binned(self, metric: str, method: str) -> bool:
+        """Whether ``metric``'s ``method`` was simulated by bins of changed units (not one bin for all)."""
+        return any(changed != ALL_BINS for by_size in self._index.get((metric, method), {}).values()
+                   for cells in by_size.values() for changed in cells)
+
+    def reach(self, metric: str, method: str, n: int, side: str, level: float = 0.95) -> tuple[int, float] | None:
+        """From how many changed units a label resting on ``side`` stands over ``n`` units, and the widest level it
+        is judged at from there: the smallest changed count from which every bin of changed units a sample of ``n``
+        can have is simulated and covers at some simulated level (``(0, level)`` for a method that does not depend
+        on changed units; None: not even where every unit changed)."""
+        if not self._binned(metric, method):
+            found = self.calibrated(metric, method, n, side, level)
+            return None if found is None else (0, found)
+        bins = [lo for lo, _ in CHANGED_BINS if lo <= n]
+        levels = [self.calibrated(metric, method, n, side, level, lo) for lo in bins]
+        start = len(bins)
+        while start > 0 and levels[start - 1] is not None:
+            start -= 1
+        return None if start == len(bins) else (bins[start], max(levels[start:]))
+
     def needs(self, metric: str, method: str, side: str, level: float = 0.95,
               changed: int | None = None) -> int | None:
         """The smallest simulated size from which ``side`` reaches the target of ``level`` at some simulated level
