@@ -147,3 +147,8 @@ def test_the_bench_rebuilds_the_committed_cells_from_the_committed_samples(bench
     assert len(found["cells"]) == 4
     for cell in found["cells"]:
         assert cell == committed[(cell["metric"], cell["shape"], cell["n"])]
+
+
+def test_the_docs_show_the_committed_table(bench):
+    """docs/params.md quotes what the committed table licenses, as the bench prints it."""
+    assert bench.markdown(Coverage.load(COMMITTED)) in (ROOT / "docs" / "params.md").read_text()
