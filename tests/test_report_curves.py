@@ -234,3 +234,16 @@ def test_a_point_identical_by_construction_stands_on_its_curve_at_zero_change():
     point, = curves["speculative"].points
     assert point.value == 0.0 and point.state == "met" and point.flops_ratio == pytest.approx(1.117)
     assert all(p.value == 0.0 for pts in curves["speculative"].metrics.values() for p in pts)
+
+
+def test_a_family_with_judged_runs_never_reads_zero_points():
+    """Speculative decoding, not proved identical, every judged unit equal to full depth's but too few to be met
+    (underpowered) and its perplexity on too few windows to count: its measured change (0) places it on the curve,
+    its state says no label rests on it."""
+    runs = full_runs() + _sweep("speculative", [(1.117, 10.0)])
+    for r in runs:
+        if r["family"] == "speculative":
+            r["tasks"]["perplexity"]["samples"]["perplexity"] = r["tasks"]["perplexity"]["samples"]["perplexity"][:5]
+    curves = {c.family: c for c in model_curves(family_verdicts(runs))}
+    point, = curves["speculative"].points
+    assert point.value == pytest.approx(0.0, abs=1e-9) and point.state in ("untested at this size", "unresolved")

@@ -11,8 +11,9 @@ A sweep gives a family (``emad``, ``emad+tuned``, ``fixed``, ...) many operating
   FLOPs ratio and checks of the same points.
 
 ``y`` is a degradation against full depth, positive = worse: the *tolerance used* — the largest ``change /
-tolerance`` over the point's checks (:func:`emad.report.checks.tolerance_used`; 1 = at the tolerance) — or one
-metric's change (relative rise of perplexity, absolute drop of an accuracy; the worst domain on the model).
+tolerance`` over the point's measured checks on ≥ 8 units (counted, or underpowered: a reading that carries no
+label; 1 = at the tolerance), zero for a point proved identical to full depth — or one metric's change (relative
+rise of perplexity, absolute drop of an accuracy; the worst domain on the model).
 
 Envelope. A curve is read along its lower frontier (its monotone envelope): the points that no other point of the
 family beats on both axes (at most as many FLOPs and at most as much degradation, strictly less of one), sorted by
@@ -40,10 +41,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from emad.evaluation.checks import Check, combined_state, tolerance_used
+from emad.evaluation.checks import Check, combined_state
 from emad.evaluation.identity import CurveId, split_family
 from emad.evaluation.judge import gate_state
-from emad.evaluation.states import IDENTICAL, MET, UNRESOLVED, UNTESTED
+from emad.evaluation.states import IDENTICAL, MET, NOT_COUNTED, UNRESOLVED, UNTESTED
 from emad.report.frontier import finite
 from emad.report.verdict import ModelVerdict, PointAssessment
 
@@ -176,14 +177,16 @@ class Curve:
 def _curve(cid: CurveId, target: float, assessed: Sequence[PointAssessment]) -> Curve:
     curve, domain = Curve.of(cid, target), cid.domain
     for p in assessed:
-        # only counted checks (≥ 8 units, measured, not underpowered) on the confirmation half enter a curve: one
-        # resting on fewer is no reading of it, and the selection half's screen violations are another half's numbers
+        # measured checks on ≥ 8 units of the confirmation half enter a curve — counted, or underpowered (a measured
+        # change whose interval carries no label at its size is still a reading; the point's state says it is no
+        # label): one resting on fewer units is no reading, and the selection half's screen violations are another
+        # half's numbers
         mine_all = [c for c in p.checks if domain is None or c.domain == domain]
-        checks: list[Check] = [c for c in mine_all if c.counted]
+        checks: list[Check] = [c for c in mine_all if c.counted or (c.measured and c.state != NOT_COUNTED)]
         flops = p.flops_ratio if domain is None else p.flops_by_domain.get(domain)
         # a point the engine proved identical to full depth stands at zero change: a proven value, not a missing one
         proved = bool(mine_all) and all(c.state == IDENTICAL for c in mine_all)
-        used = 0.0 if proved else tolerance_used(checks)
+        used = 0.0 if proved else max((c.severity for c in checks if c.severity is not None), default=None)
         if flops is None or used is None:
             continue
         curve.points.append(CurvePoint(p.label, flops, used, gate_state(mine_all)))
