@@ -27,8 +27,8 @@ SHAPED = {**BASE,  # the default params' shape: ranges, `all` and layers relativ
                         "conf": {"method": "confidence", "threshold": {"from": 0.05, "to": 50, "points": 3,
                                                                        "spacing": "log", "grid": 12},
                                  "probe_every": 1, "min_exit_layer": "0.5L"}},
-          "points": {"emad": {"method": "emad", "margin": {"from": 0, "to": "auto", "points": 3, "grid": 10},
-                              "strata": "none"}}}
+          "points": {"emad": {"method": "emad", "margin": {"from": 0, "to": "auto", "points": 3, "grid": 10,
+                                                           "values": None}, "strata": "none"}}}
 
 
 def _row(value: float, flops: float, exits: str, ruled_out: bool, curve: str = "c") -> ScreenRow:
