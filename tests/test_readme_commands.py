@@ -5,6 +5,8 @@ the stages import — from a shell whose PATH holds no virtual environment."""
 from __future__ import annotations
 
 import re
+import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -46,27 +48,21 @@ def test_readme_commands_resolve_in_a_fresh_shell_after_activating():
             assert line.startswith(str(VENV)), line
 
 
-# The docs whose examples run on another params file than the repository's params.yaml: scaling.md's recipe is the
-# one tests/test_pipeline_e2e.py runs on the tiny-model graph.
-TINY_GRAPH_DOCS = {"docs/scaling.md"}
-SET_PARAM = re.compile(r"(?:-S|--set-param)\s+'?([A-Za-z0-9_+-]+\.[A-Za-z0-9_.+-]+)=")  # section.key: not the placeholder key
+# section.key: not the placeholder key, nor one that `+` adds
+SET_PARAM = re.compile(r"(?:-S|--set-param)\s+'?([A-Za-z0-9_-]+\.[A-Za-z0-9_.+-]+)=")
 POINT = re.compile(r"--point\s+([A-Za-z0-9_.-]+)")
 KIND = re.compile(r"--kind\s+([a-z]+)")
 TABLES = {"baseline": "baselines", "point": "points", "ablation": "ablations", "related": "related"}
 
 
 def _examples() -> list[tuple[str, str, dict]]:
-    """(document, text, the params its examples run on) for the README and every page of docs/."""
+    """(document, text, the params its examples run on: the repository's params.yaml) for the README and every page
+    of docs/."""
     import yaml
 
-    from tests.tiny_graph import params as tiny_params
-
     repo = yaml.safe_load((ROOT / "params.yaml").read_text())
-    out = []
-    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
-        name = str(path.relative_to(ROOT))
-        out.append((name, path.read_text(), tiny_params(Path("tiny-model")) if name in TINY_GRAPH_DOCS else repo))
-    return out
+    return [(str(path.relative_to(ROOT)), path.read_text(), repo)
+            for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]]
 
 
 def _has(params: dict, key: str) -> bool:
@@ -100,3 +96,56 @@ def test_every_point_an_example_runs_exists_in_its_params():
                 if not any(point in (params["decode"].get(TABLES[kind]) or {}) for kind in kinds):
                     bad.append(f"{name}: --point {point} (--kind {', '.join(kinds)})")
     assert found >= 2 and not bad, bad
+
+
+PLACEHOLDER = "key=value"  # `dvc exp run -S key=value`: the syntax in prose, not a command to run
+
+
+def _experiments() -> list[tuple[str, str, list[str]]]:
+    """(document, command, its ``-S`` overrides) for each `dvc exp run` that sets params in the README and docs/:
+    the commands of their shell blocks and inline code (tests/test_docs.py's reading of them)."""
+    from tests.test_docs import _all_commands
+
+    out = []
+    for doc, cmd in _all_commands():
+        if cmd[:3] != ["dvc", "exp", "run"]:
+            continue
+        overrides, args = [], cmd[3:]
+        for i, arg in enumerate(args):
+            if arg in ("-S", "--set-param") and i + 1 < len(args):  # a bare `dvc exp run -S` names the flag
+                overrides.append(args[i + 1])
+            elif arg.startswith("--set-param="):
+                overrides.append(arg.partition("=")[2])
+        if overrides and overrides != [PLACEHOLDER]:
+            out.append((doc, shlex.join(cmd), overrides))
+    return out
+
+
+def test_every_documented_experiment_applies_to_the_default_params_and_passes_their_check(tmp_path):
+    """Each `dvc exp run -S ...` of the docs, as printed: DVC's own override code (Hydra's grammar) applied to a copy
+    of the repository's params.yaml, then the params check every stage runs first; a failure names the command and
+    DVC's or the check's message."""
+    from dvc.exceptions import DvcException
+    from dvc.utils.cli_parse import to_path_overrides
+    from dvc.utils.hydra import apply_overrides
+
+    from emad.config import ConfigError
+    from emad.params import validate_params
+
+    found, bad = _experiments(), []
+    for i, (doc, line, overrides) in enumerate(found):
+        work = tmp_path / str(i)
+        work.mkdir()
+        shutil.copy(ROOT / "params.yaml", work / "params.yaml")
+        try:
+            for name, group in to_path_overrides(overrides).items():  # -S [<params file>:]<override>
+                if name != "params.yaml":
+                    shutil.copy(ROOT / name, work / name)
+                apply_overrides(work / name, group)
+            validate_params(work / "params.yaml")
+        except (DvcException, ConfigError, OSError) as err:
+            chain = [err]
+            while chain[-1].__cause__ is not None:  # as DVC prints it: Invalid `--set-param` value: <Hydra's>: ...
+                chain.append(chain[-1].__cause__)
+            bad.append(f"{doc}: {line}: {': '.join(map(str, chain))}")
+    assert len(found) >= 8 and not bad, "\n".join(bad)  # the README's sweeps and queue, params.md, pipeline.md...

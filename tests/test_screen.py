@@ -27,8 +27,8 @@ SHAPED = {**BASE,  # the default params' shape: ranges, `all` and layers relativ
                         "conf": {"method": "confidence", "threshold": {"from": 0.05, "to": 50, "points": 3,
                                                                        "spacing": "log", "grid": 12},
                                  "probe_every": 1, "min_exit_layer": "0.5L"}},
-          "points": {"emad": {"method": "emad", "margin": {"from": 0, "to": "auto", "points": 3, "grid": 10},
-                              "strata": "none"}}}
+          "points": {"emad": {"method": "emad", "margin": {"from": 0, "to": "auto", "points": 3, "grid": 10,
+                                                           "values": None}, "strata": "none"}}}
 
 
 def _row(value: float, flops: float, exits: str, ruled_out: bool, curve: str = "c") -> ScreenRow:
@@ -110,6 +110,42 @@ def test_bad_ranges_and_relative_layers_name_the_key_before_any_work(knob, culpr
     with pytest.raises(ConfigError) as err:
         _cfg({"c": {"method": "confidence", **knob}})
     assert culprit in str(err.value)
+
+
+FORMS = "is either a range {from: ..., to: ..., points: ...} (its values: null), screened, or lists its values"
+
+
+@pytest.mark.parametrize("knob, culprit", [
+    ({"from": 0, "to": 1, "points": 8, "values": 0.5}, "decode.baselines.c.threshold.values: 0.5 is not a list"),
+    ({"from": [0, 1], "to": 1}, "decode.baselines.c.threshold.from: [0, 1]: a list where the range needs one value"),
+    ({"from": 0, "to": 1, "points": [4, 8]}, "decode.baselines.c.threshold.points: [4, 8]: a list where the range"),
+    ({"values": [0.5, 1], "step": 2}, "decode.baselines.c.threshold: unknown key(s) step"),
+    ({"points": 8, "values": None}, "decode.baselines.c.threshold: a range needs from and to"),
+])
+def test_a_range_mixed_with_a_list_wrongly_names_the_key_and_both_forms(knob, culprit):
+    with pytest.raises(ConfigError) as err:
+        _cfg({"c": {"method": "confidence", "threshold": knob}})
+    assert culprit in str(err.value) and f"decode.baselines.c.threshold {FORMS}" in str(err.value)
+    assert "dvc exp run -S 'decode.baselines.c.threshold.values=[0.5,1]'" in str(err.value)
+
+
+def test_a_ranges_values_sweep_exactly_those_values_as_a_list_does():
+    """``-S 'decode.points.emad.margin.values=[0.5,1]'`` on the default params' range: the range keys stay beside
+    the values (DVC's override cannot remove them) and are not read; null values leave the range screened."""
+    ranged = {"from": 0, "to": "auto", "points": 8, "spacing": "linear"}
+    for n_layers in (None, 4):
+        auto = None if n_layers is None else {"e": 2.0}
+        listed = _cfg({"e": {"method": "emad", "margin": {**ranged, "values": [0.5, 1]}}}, n_layers, auto, "points")
+        plain = _cfg({"e": {"method": "emad", "margin": [0.5, 1]}}, n_layers, auto, "points")
+        assert listed.names_of("point") == plain.names_of("point") == ["e_0.5", "e_1"]
+        assert listed.curves == plain.curves and not listed.screens
+        assert listed.point("point", "e_1") == plain.point("point", "e_1")
+        screened = _cfg({"e": {"method": "emad", "margin": {**ranged, "values": None}}}, n_layers, auto, "points")
+        assert set(screened.screens) == {"e"}
+    depth = _cfg({"f": {"method": "fixed", "depth": {"from": 1, "to": "L-1", "values": [2, "L-1"]}}}, 6)
+    assert depth.names_of("baseline") == ["f_2", "f_5"]  # layers relative to L resolve as in a list
+    with pytest.raises(ConfigError, match=r"decode\.points\.e\.margin\.values: the value 1.0 is listed twice"):
+        _cfg({"e": {"method": "emad", "margin": {**ranged, "values": [1, 1.0]}}}, table="points")
 
 
 def test_a_range_on_a_method_without_a_knob_is_named():

@@ -83,8 +83,8 @@ class DecodeConfig(Section):
 
     A point of ``baselines``, ``points`` or ``related`` may give a list, a range or ``all`` for its method's knob
     (``margin``, ``threshold``, ``depth``, ``tau``, ``exit_layer``): a list stands for one point per value, a range
-    for the points its screen keeps; layer fields may be relative to the model's depth (``0.7L``)
-    (:mod:`emad.evaluation.sweeps`).
+    for the points its screen keeps, a range whose ``values`` are set for those values as a list; layer fields may be
+    relative to the model's depth (``0.7L``) (:mod:`emad.evaluation.sweeps`).
         device, dtype: where and how the model runs.
         engine: how decode steps run: ``auto`` (compiled on CUDA, eager on CPU), ``eager`` or ``compiled``
             (segments between probes compiled over static caches, CUDA graphs on CUDA: :mod:`emad.engine.compiled`);

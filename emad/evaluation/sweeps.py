@@ -9,6 +9,10 @@
   one-pass sweep, and keeps ``points`` of them spread along the curve's FLOPs range plus the pairs that bracket the
   verdict's target and the tolerance crossing (:mod:`emad.evaluation.screen`). ``to: auto`` is the profile's
   largest τ (a method with a profile, knob ``margin``).
+- A range's ``values`` (null: the range) **lists** the sweep's values instead: ``margin: {from: 0, to: auto,
+  points: 8, values: [0.5, 1]}`` is the list ``[0.5, 1]`` (its range keys are then not read). DVC's ``-S`` (Hydra's
+  override grammar) cannot replace a mapping by a list, so ``dvc exp run -S 'decode.points.emad.margin.values=[0.5,1]'``
+  is how a ranged knob of the default params is swept at given values in one override.
 
 Fields that name a layer (:data:`LAYER_FIELDS`) may be given relative to the model's depth L: ``L``, ``0.7L``
 (``round(0.7 · L)``, at least 1), ``L-2``; ranges of them too. They resolve per model when the decode stage knows L
@@ -34,6 +38,7 @@ DEFAULT_POINTS = 8  # points a range keeps when it does not say
 GRID = 16  # values a range knob is screened at (a layer knob: every layer in its range)
 NOMINAL_LAYERS = 1000  # L that relative layers resolve against while params are checked without a model
 RANGE_KEYS = {"from", "to", "points", "grid", "spacing"}
+VALUES = "values"  # a range's key that lists the sweep's values instead (null: the range)
 _RELATIVE = re.compile(r"^\s*(?:(\d*\.?\d+)\s*\*?\s*)?L\s*(?:([+-])\s*(\d+))?\s*$")
 
 
@@ -106,6 +111,36 @@ def _values(where: str, values: list) -> list[float]:
     return values
 
 
+def forms(where: str) -> str:
+    """The two forms a swept knob's mapping at ``where`` may take, for error messages."""
+    return (f"{where} is either a range {{from: ..., to: ..., points: ...}} (its values: null), screened, or lists "
+            f"its values, values: [0.5, 1], one point each (dvc exp run -S '{where}.{VALUES}=[0.5,1]')")
+
+
+def listed(where: str, spec: Any) -> list | None:
+    """The values a knob's mapping lists (``values: [...]``; its range keys are then not read), or None for a range
+    (``values`` absent or null) or a knob that is not a mapping.
+
+    Raises:
+        ValueError: naming ``<where>.values``: a value that is not a list; ``<where>.<key>``: a list on a range
+            key (``from``, ``to``, ``points``, ``grid``, ``spacing``) while ``values`` is null; ``<where>``: an
+            unknown key beside ``values``; each with the two forms (:func:`forms`).
+    """
+    if not isinstance(spec, dict):
+        return None
+    values = spec.get(VALUES)
+    if values is not None and not isinstance(values, list):
+        raise ValueError(f"{where}.{VALUES}: {values!r} is not a list; {forms(where)}")
+    if values is None:
+        key = next((k for k in sorted(RANGE_KEYS) if isinstance(spec.get(k), list | dict)), None)
+        if key is not None:
+            raise ValueError(f"{where}.{key}: {spec[key]!r}: a list where the range needs one value; {forms(where)}")
+    unknown = sorted(set(spec) - RANGE_KEYS - {VALUES})
+    if values is not None and unknown:
+        raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}; {forms(where)}")
+    return values
+
+
 def _number(where: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ValueError(f"{where}: {value!r} is not a finite number")
@@ -128,12 +163,13 @@ def grid_of(where: str, knob: str, spec: Any, n_layers: int | None, auto: float 
             raise ValueError(f"{where}: 'all' sweeps a layer knob ({', '.join(LAYER_FIELDS)}); give {knob} a "
                              f"range {{from: ..., to: ..., points: ...}} or a list")
         spec = {"from": 1, "to": "L-1"}
-    unknown = sorted(set(spec) - RANGE_KEYS)
+    unknown = sorted(set(spec) - RANGE_KEYS - {VALUES})
     if unknown:
         raise ValueError(f"{where}: unknown range key(s) {', '.join(unknown)}; a range is {{from, to, points, "
-                         f"grid}}")
+                         f"grid, spacing}}, or its values: [...] lists the sweep's values")
     if "from" not in spec or "to" not in spec:
-        raise ValueError(f"{where}: a range needs from and to, e.g. {{from: 0, to: auto, points: 8}}")
+        raise ValueError(f"{where}: a range needs from and to, e.g. {{from: 0, to: auto, points: 8}}; "
+                         f"{forms(where)}")
     points = spec.get("points", DEFAULT_POINTS)
     if isinstance(points, bool) or not isinstance(points, int) or points < 2:
         raise ValueError(f"{where}.points: {points!r}: a range keeps at least 2 points (an int >= 2)")
@@ -186,8 +222,8 @@ def expand_table(table: str, points: dict[str, Any], n_layers: int | None = None
 
     Raises:
         ValueError: naming ``decode.<table>.<point>.<field>``: a list or range on a field that is not the method's
-            knob, more than one, an empty list, a non-numeric or duplicate value, a bad range (:func:`grid_of`), a
-            bad relative layer, an expanded name that is taken.
+            knob, more than one, an empty list, a non-numeric or duplicate value, a bad range (:func:`grid_of`) or
+            mix of a range and its values (:func:`listed`), a bad relative layer, an expanded name that is taken.
     """
     out: dict[str, Any] = {}
     curves: dict[str, SweepPosition] = {}
@@ -209,9 +245,11 @@ def expand_table(table: str, points: dict[str, Any], n_layers: int | None = None
             field = next((k for k in swept if k != knob), swept[1] if len(swept) > 1 else swept[0])
             raise ValueError(f"{where}.{field}: a list or range sweeps the method's knob only (method {method!r}: "
                              f"{knob or 'no knob'}); give {field} one value")
-        if isinstance(raw[knob], list):
-            given = [resolve_layer(f"{where}.{knob}", v, n_layers) if knob in LAYER_FIELDS else v for v in raw[knob]]
-            values, screen = _values(f"{where}.{knob}", given), None
+        given = raw[knob] if isinstance(raw[knob], list) else listed(f"{where}.{knob}", raw[knob])
+        if given is not None:
+            at = f"{where}.{knob}" + ("" if isinstance(raw[knob], list) else f".{VALUES}")
+            given = [resolve_layer(at, v, n_layers) if knob in LAYER_FIELDS else v for v in given]
+            values, screen = _values(at, given), None
         else:
             spec = raw[knob] if isinstance(raw[knob], dict) else "all"
             has_profile = method in CRITERIA and "profile" in inspect.signature(CRITERIA.get(method)).parameters
