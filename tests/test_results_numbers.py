@@ -107,3 +107,23 @@ def test_the_speedup_block_quotes_c2s_timed_point_with_its_interval_over_prompts
     assert next(r for r in rows if r.startswith("| `emad` |")).endswith("| — |")  # not timed: no number
     with pytest.raises(results_numbers.MissingNumber, match="ctl → emad has no key 'speedup'"):
         results_numbers.render("speedup:ctl:emad", m)
+
+
+def test_a_powered_block_reads_the_powered_record(tmp_path, monkeypatch):
+    """A ``powered/`` block renders the powered run's metrics.json with its own params (target, control), apart from
+    the default run's; an unknown record is named."""
+    powered = json.loads(METRICS.read_text())
+    model = next(iter(powered))
+    judged = results_numbers.load(METRICS, ROOT / "params.yaml").judged(model)
+    powered[model][judged]["c1"], powered[model][judged]["c1_reason"] = "pass", "met"
+    (tmp_path / "powered.json").write_text(json.dumps(powered))
+    monkeypatch.setitem(results_numbers.RECORDS, "powered", (str(tmp_path / "powered.json"),
+                                                             str(ROOT / "params-powered.yaml")))
+    doc = tmp_path / "doc.md"
+    doc.write_text("<!-- numbers:begin glance --><!-- numbers:end glance -->\n"
+                   "<!-- numbers:begin powered/glance --><!-- numbers:end powered/glance -->\n")
+    assert results_numbers.main(["--metrics", str(METRICS), "--params", str(ROOT / "params.yaml"), str(doc)]) == 0
+    default, pow_ = re.findall(r"numbers:begin (?:powered/)?glance -->(.*?)<!--", doc.read_text(), re.S)
+    assert f"**{model}: C1 passes" in pow_ and f"**{model}: C1 passes" not in default
+    doc.write_text("<!-- numbers:begin nowhere/glance --><!-- numbers:end nowhere/glance -->\n")
+    assert results_numbers.main(["--metrics", str(METRICS), "--params", str(ROOT / "params.yaml"), str(doc)]) == 2

@@ -7,7 +7,9 @@ the author's::
     ... (written by this tool) ...
     <!-- numbers:end families:smollm2-135m -->
 
-A block's name is ``<kind>[:<model>[:<family>]]`` (model and family as keys of metrics.json):
+A block's name is ``[<record>/]<kind>[:<model>[:<family>]]`` (model and family as keys of metrics.json); a
+``powered/`` block reads the powered run's record (reports/powered/metrics.json, with params-powered.yaml's target,
+control and methods) instead of the default run's:
 
 - ``glance``: the verdict of every model in a few lines (README).
 - ``verdict:<model>``: a model's verdict, its families grouped by outcome, perplexity at the C1 target.
@@ -248,15 +250,25 @@ def render(name: str, m: Metrics) -> str:
                      f"reduction:<model>:<family>, perplexity:<model>:<family>, speedup:<model>:<family>")
 
 
-def rendered(text: str, m: Metrics, where: str) -> tuple[str, list[str]]:
-    """``text`` with every block rendered, and the names of the blocks whose text changed."""
-    stale = []
+RECORDS = {"powered": ("reports/powered/metrics.json", "params-powered.yaml")}  # record -> its metrics and params
+
+
+def rendered(text: str, m: Metrics, where: str, records: dict[str, Metrics] | None = None) -> tuple[str, list[str]]:
+    """``text`` with every block rendered (a ``<record>/`` block from ``records``, loaded on first use from
+    :data:`RECORDS`), and the names of the blocks whose text changed."""
+    stale, records = [], {} if records is None else records
 
     def one(match: re.Match) -> str:
         name = match["name"]
         if match["end"] != name:
             raise ValueError(f"{where}: block {name!r} ends with numbers:end {match['end']}")
-        body = render(name, m)
+        record, _, bare = name.rpartition("/")
+        if record and record not in RECORDS:
+            raise ValueError(f"{where}: block {name!r} names an unknown record {record!r}; records: "
+                             f"{', '.join(RECORDS)}")
+        if record and record not in records:
+            records[record] = load(*(ROOT / part for part in RECORDS[record]))
+        body = render(bare, records[record] if record else m)
         if body != match["body"]:
             stale.append(name)
         return f"<!-- numbers:begin {name} -->{body}<!-- numbers:end {name} -->"
@@ -284,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         m = load(args.metrics, args.params)
-        results = {path: rendered(path.read_text(encoding="utf-8"), m, str(path))
+        records: dict[str, Metrics] = {}
+        results = {path: rendered(path.read_text(encoding="utf-8"), m, str(path), records)
                    for path in args.files or [ROOT / d for d in DOCS]}
     except (MissingNumber, ValueError) as err:
         print(f"results_numbers: error: {err}", file=sys.stderr)
