@@ -34,6 +34,7 @@ from emad.engine.segments import (
     options_key,
     readout_function,
     segment_function,
+    segment_kinds,
 )
 from emad.engine.stack import LayerStack
 from emad.engine.static_cache import Slab, StaticKVCache
@@ -138,6 +139,8 @@ class SegmentRunner:
         self.deferring = False
         self._pool = None
         self._ready = weakref.WeakKeyDictionary()  # estimators whose lazy tensors are made -> their signature
+        self._called: set[tuple] = set()  # keys of the functions called (compiled) once
+        self._layer_tuples: dict[tuple[int, int], tuple] = {}
 
     def slab(self, batch_size: int, capacity: int) -> Slab | None:
         """A free slab of ``batch_size`` rows and at least ``capacity`` slots: the largest there is, so that once a
@@ -154,24 +157,18 @@ class SegmentRunner:
             running: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
         """:func:`masked_segment` of layers ``[start, stop)``, compiled (and replayed as a graph on a slab)."""
         batch, capacity = cache.batch_size, cache.capacity
-        key = (start, stop, batch, capacity, h.dtype)
-        tensors = (cache.keys[start:stop], cache.values[start:stop], cache.valid[start:stop], cache.real)
+        fixed = (*self._segment_tensors(start, stop, cache), self._layers(start, stop))
         inputs = (h, positions, slot, running)
-        fn = self.functions.get(key)
-        if fn is None:
-            name = f"emad_segment_{start}_{stop}_b{batch}_s{capacity}_{str(h.dtype).split('.')[-1]}"
-            fn = self._compile(key, segment_function(self.stack, start, stop, name))
-            began = time.perf_counter()
-            out = fn(*inputs, *tensors)  # the first call compiles
-            self._count(began, key, compiled=True)
-            return out
+        fn, key = self._segment_fn(start, stop, cache, inputs)
+        if key not in self._called:
+            return self.call(key, lambda: fn, *inputs, *fixed)
         if not self.graphs or self.slabs.get((batch, capacity)) is not cache.slab:  # graphs on own slabs only
             with torch.compiler.set_stance("fail_on_recompile"):
-                return fn(*inputs, *tensors)
-        graph_key = (id(cache.slab), *key)
+                return fn(*inputs, *fixed)
+        graph_key = (id(cache.slab), start, stop, batch, capacity, h.dtype)
         graph = self.captured.get(graph_key)
         if graph is None:
-            graph = self.captured[graph_key] = self._capture(fn, inputs, tensors)
+            graph = self.captured[graph_key] = self._capture(fn, inputs, fixed)
         return graph(*inputs)
 
     def call(self, key: tuple, make, *args):
@@ -180,8 +177,10 @@ class SegmentRunner:
         fn = self.functions.get(key)
         if fn is None:
             fn = self._compile(key, make())
+        if key not in self._called:
             began = time.perf_counter()
             out = fn(*args)
+            self._called.add(key)
             self._count(began, key, compiled=True)
             return out
         with torch.compiler.set_stance("fail_on_recompile"):
@@ -191,11 +190,34 @@ class SegmentRunner:
                 cache: StaticKVCache) -> torch.Tensor:
         """:func:`masked_segment` of layers ``[start, stop)`` over every row of ``cache``, compiled (never a graph of
         its own: a device step captures it inside its own graphs); the slot is the slab's."""
-        key = ("step", start, stop, cache.batch_size, cache.capacity, h.dtype)  # inputs of other kinds than run's
-        name = f"emad_step_segment_{start}_{stop}_b{cache.batch_size}_s{cache.capacity}_{str(h.dtype).split('.')[-1]}"
-        return self.call(key, lambda: segment_function(self.stack, start, stop, name), h, positions,
-                         cache.slab.slot, running, cache.keys[start:stop], cache.values[start:stop],
-                         cache.valid[start:stop], cache.real)
+        inputs = (h, positions, cache.slab.slot, running)
+        fn, key = self._segment_fn(start, stop, cache, inputs)
+        return self.call(key, lambda: fn, *inputs, *self._segment_tensors(start, stop, cache),
+                         self._layers(start, stop))
+
+    def _segment_fn(self, start: int, stop: int, cache: StaticKVCache, inputs: tuple) -> tuple:
+        """The compiled segment function of layers ``[start, stop)``'s structure (:func:`segment_kinds`) on
+        ``cache``'s shapes, and its key: one per structure, shared by the segments of that structure at any depth
+        (and per kind of ``inputs``: inference tensors or not, which the guards tell apart)."""
+        kinds = segment_kinds(self.stack, start, stop)
+        dtype = inputs[0].dtype
+        key = ("segment", kinds, cache.batch_size, cache.capacity, dtype, tuple(x.is_inference() for x in inputs))
+        fn = self.functions.get(key)
+        if fn is None:
+            name = f"emad_segment_{stop - start}_b{cache.batch_size}_s{cache.capacity}_{str(dtype).split('.')[-1]}"
+            fn = self._compile(key, segment_function(self.stack, kinds, f"{name}_{len(self.functions)}"))
+        return fn, key
+
+    @staticmethod
+    def _segment_tensors(start: int, stop: int, cache: StaticKVCache) -> tuple:
+        return cache.keys[start:stop], cache.values[start:stop], cache.valid[start:stop], cache.real
+
+    def _layers(self, start: int, stop: int) -> tuple:
+        """The decoder layers ``[start, stop)`` as a tuple (an argument of a segment function)."""
+        found = self._layer_tuples.get((start, stop))
+        if found is None:
+            found = self._layer_tuples[(start, stop)] = tuple(self.stack.layers[start:stop])
+        return found
 
     def graphs_serve(self, cache) -> bool:
         """Whether steps on ``cache`` replay graphs: graphs are on and the cache is on this runner's own slab."""
@@ -319,12 +341,15 @@ class SegmentRunner:
             self.stats.graphs += 1
 
 
-_RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its SegmentRunner
+RUNNERS_ATTRIBUTE = "_emad_runners"  # a model's runners, by backend, kept on the model itself
 
 
 def runner_for(stack: LayerStack, backend: str = "inductor") -> SegmentRunner:
-    """The process-wide :class:`SegmentRunner` of ``stack``'s model (one per model and backend)."""
-    per_model = _RUNNERS.setdefault(stack.model, {})
+    """The process-wide :class:`SegmentRunner` of ``stack``'s model (one per model and backend).
+
+    Runners live on the model (they refer to it, and what they compiled and captured does too): they go with it,
+    as one cycle the garbage collector frees, where a registry keyed by the model would keep it alive for ever."""
+    per_model = stack.model.__dict__.setdefault(RUNNERS_ATTRIBUTE, {})
     if backend not in per_model:
         per_model[backend] = SegmentRunner(stack, backend)
     return per_model[backend]
