@@ -364,3 +364,40 @@ def test_speed_tokens_by_device_are_checked():
         DecodeConfig(domains={"d": ["perplexity", "fidelity"]}, speed_tokens_by_device={"gpu": 64})
     with pytest.raises(ValueError, match=r"speed_tokens_by_device.cuda = 1: a timed generation needs at least 2"):
         DecodeConfig(domains={"d": ["perplexity", "fidelity"]}, speed_tokens_by_device={"cuda": 1})
+
+
+# ------------------------------------------------------------------------------------------ fallbacks that say so
+
+
+class FailingIfCapture:
+    """A capture with conditional nodes that fails, as it does where the driver lacks them."""
+
+    def __init__(self, program):
+        raise RuntimeError("CUDA error: operation not supported on this driver (a test's IF capture)")
+
+
+def test_a_failed_if_capture_falls_back_to_lookahead_and_says_why(profile):
+    from emad.engine.engines import compile_stats
+
+    stack = as_on_cuda(LayerStack(tiny_model("llama")), BACKEND, "if")
+    stack.runner.capture_step = FailingIfCapture
+    prompts = random_prompts(4, [5, 9, 7, 12], seed=3)
+    method = lambda: Method(Emad(profile, 0.0), "monotone", TopK(48))  # noqa: E731
+    with pytest.warns(RuntimeWarning, match="capture with conditional IF nodes failed"):
+        out = generate(stack, TOK, prompts, method(), NEW)
+    assert out.step_path == "device/graph-lookahead"
+    assert out.token_ids == generate(LayerStack(stack.model), TOK, prompts, method(), NEW).token_ids
+    fallbacks = compile_stats(stack)["graph_fallbacks"]
+    assert len(fallbacks) == 1 and "operation not supported on this driver" in fallbacks[0]
+    assert generate(stack, TOK, prompts, Method(Full()), NEW).step_path == "device/graph-lookahead"  # not retried
+
+
+def test_a_step_without_graphs_where_graphs_were_expected_says_so(profile):
+    from emad.engine.engines import compile_stats
+
+    stack = as_on_cuda(LayerStack(tiny_model("llama")), BACKEND, "if")
+    held = stack.new_cache(2, 20)  # the runner's slab of 2 x 128 is lent: a generation of that shape gets its own
+    with pytest.warns(RuntimeWarning, match="without graphs .* slab of 2 rows x 128 slots is lent"):
+        out = generate(stack, TOK, random_prompts(2, [5, 9], seed=3), Method(Full()), NEW)
+    assert out.step_path == "device/immediate" and held.slab.lent_to() is held
+    assert any("is lent to another cache" in r for r in compile_stats(stack)["graph_fallbacks"])

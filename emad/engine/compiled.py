@@ -20,6 +20,7 @@ object), so dynamo's per-function recompile limit is never shared between segmen
 from __future__ import annotations
 
 import time
+import warnings
 import weakref
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -95,10 +96,23 @@ class CompileStats:
     compilations: int = 0
     graphs: int = 0
     seconds: float = 0.0
-    layouts: list[tuple] = field(default_factory=list)  # what was compiled: segments (start, stop, B, S, dtype), probes
+    layouts: list[tuple] = field(default_factory=list)  # what was compiled: the keys of segments, pieces, probes
+    fallbacks: list[str] = field(default_factory=list)  # where a step took a slower path than asked, and why
 
     def as_dict(self) -> dict:
-        return {"compilations": self.compilations, "graphs": self.graphs, "compile_seconds": round(self.seconds, 3)}
+        return {"compilations": self.compilations, "graphs": self.graphs, "compile_seconds": round(self.seconds, 3),
+                "graph_fallbacks": list(self.fallbacks)}
+
+    def fell_back(self, reason: str) -> None:
+        """Record ``reason`` (once) and warn with it (once per process)."""
+        if reason not in self.fallbacks:
+            self.fallbacks.append(reason)
+        if reason not in _WARNED:
+            _WARNED.add(reason)
+            warnings.warn(reason, RuntimeWarning, stacklevel=3)
+
+
+_WARNED: set[str] = set()  # fallback reasons warned about in this process
 
 
 class SegmentRunner:
@@ -140,6 +154,7 @@ class SegmentRunner:
         self._pool = None
         self._ready = weakref.WeakKeyDictionary()  # estimators whose lazy tensors are made -> their signature
         self._called: set[tuple] = set()  # keys of the functions called (compiled) once
+        self.if_failed: str | None = None  # why a capture with conditional nodes failed (then: lookahead)
         self._layer_tuples: dict[tuple[int, int], tuple] = {}
 
     def slab(self, batch_size: int, capacity: int) -> Slab | None:
@@ -308,15 +323,30 @@ class SegmentRunner:
         """How ``program`` steps on ``cache`` (:mod:`emad.engine.step_graphs`): one graph with conditional nodes
         (``branches`` ``if``) or graphs per block with one block of lookahead (``lookahead``) where graphs serve the
         cache, else immediately. Before a capture the program runs once with every block taken (its pieces compile
-        then, outside the capture); the caller has no row live, so neither changes any state. Captures are counted."""
+        then, outside the capture); the caller has no row live, so neither changes any state. Captures are counted.
+
+        A capture with conditional nodes that fails falls back to lookahead (and every later program of this runner
+        with it); that, and a step on CUDA that runs without graphs, is recorded in :attr:`stats` (``fallbacks``,
+        in each run file's settings) and warned about once."""
         if not self.graphs_serve(cache):
+            if self.graphs or self.stack.device.type == "cuda":
+                why = ("the compiled engine's graphs are off" if not self.graphs else
+                       f"the runner's slab of {cache.batch_size} rows x {cache.capacity} slots is lent to another cache")
+                self.stats.fell_back(f"decode steps ran without graphs (the immediate executor: one read of the "
+                                     f"device per block): {why}")
             return Immediate()
         program.run(Always())
         began = time.perf_counter()
+        made = None
         with torch.compiler.set_stance("fail_on_recompile"):
-            if branches == "if":
-                made, captured = OneGraph(program, self.capture_step), 1
-            else:
+            if branches == "if" and self.if_failed is None:
+                try:
+                    made, captured = OneGraph(program, self.capture_step), 1
+                except Exception as error:  # noqa: BLE001 - any failed capture: the lookahead path, and why
+                    self.if_failed = f"{type(error).__name__}: {error}"
+                    self.stats.fell_back(f"a decode step's capture with conditional IF nodes failed "
+                                         f"({self.if_failed}); steps take graphs per block with lookahead")
+            if made is None:
                 made = Lookahead(program, lambda fn, inputs, fixed: self.capture(fn, inputs, fixed, self.pool))
                 captured = len(made.graphs)
         self._count(began, None, compiled=False)
