@@ -170,14 +170,17 @@ class DeviceStep:
             settle(shape, self.plan.at(k, translator, correction), self.criterion, self.rule, self.lanes, h,
                    self.state, self.tables)
             return
+        # a probe not estimated reads neither the criterion's tables nor the estimator's corrections: its settling
+        # is the same for every method
         tables = self.tables if shape.estimates else {}
+        per_probe = {n: t for n, t in self.probe_tables.items() if shape.estimates or n != "corrections"}
         kind = ((self.criterion.kind(), options_key(self.estimator, corrections=False))
                 if shape.estimates else None)
-        signature = tuple((n, tuple(t.shape), t.dtype) for n, t in sorted({**self.probe_tables, **tables}.items()))
+        signature = tuple((n, tuple(t.shape), t.dtype) for n, t in sorted({**per_probe, **tables}.items()))
         key = ("settle", shape, kind, type(self.rule).__name__, translator is None, signature, *self._shapes())
         names = tuple(sorted(tables))
-        self._call(key, lambda: self._make_settle(shape, names), h, self.ks[k], translator, *self.state,
-                   *self.probe_tables.values(), *(tables[n] for n in names))
+        self._call(key, lambda: self._make_settle(shape, tuple(per_probe), names), h, self.ks[k], translator,
+                   *self.state, *per_probe.values(), *(tables[n] for n in names))
 
     def _finish(self) -> torch.Tensor:
         return self._call(("finish", self.policy.name, *self._shapes()), self._make_finish, *self.state)
@@ -192,9 +195,8 @@ class DeviceStep:
 
         return begin_step
 
-    def _make_settle(self, shape: ProbeShape, names: tuple[str, ...]):
+    def _make_settle(self, shape: ProbeShape, probe_names: tuple[str, ...], names: tuple[str, ...]):
         criterion, rule, lanes, n = self.criterion, self.rule, self.lanes, len(State._fields)
-        probe_names = tuple(self.probe_tables)
         m = len(probe_names)
 
         def settle_probe(h, k, translator, *tensors):

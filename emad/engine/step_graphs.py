@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import torch
 
-
 _IF_SUPPORT: dict[int, str | None] = {}  # CUDA device index -> None (IF nodes work) or why not, tried once
 
 
