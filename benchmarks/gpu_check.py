@@ -32,7 +32,8 @@ torch, transformers and the engine (no dvc, mlflow, ray). On a CPU (``--device c
 compiled engine without graphs (the test suite runs them with the graph paths emulated).
 
 Usage: python benchmarks/gpu_check.py [--device auto] [--model random:smollm2-135m] [--budget 540] [--batches 1,8]
-       [--exactness bfloat16] [--short 16] [--long 144] [--reps 3] [--cache-dir .cache/inductor] [--out NAME]
+       [--exactness bfloat16] [--short 16] [--long 144] [--reps 3] [--cache-dir .cache/inductor]
+       [--sections latency,if_node,decode,c2_dry_run,exactness,memory] [--out NAME] [--out-dir DIR]
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ from emad.engine.step_graphs import Always, if_node_support  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = ("inductor", "aot_eager")
+SECTIONS = ("latency", "if_node", "decode", "c2_dry_run", "exactness", "memory")  # decode: each --batches size
 DTYPES = ("float32", "bfloat16")
 
 
@@ -189,8 +191,8 @@ class Run:
         name: the file name under reports/bench; budget: seconds; header: the JSON's first fields.
     """
 
-    def __init__(self, name: str, budget: float, header: dict):
-        self.name, self.budget = name, budget
+    def __init__(self, name: str, budget: float, header: dict, out_dir: str | None = None):
+        self.name, self.budget, self.out_dir = name, budget, out_dir
         self.began = time.perf_counter()
         self.deadline = self.began + budget
         self.result = {**header, "budget_s": budget, "sections": {}, "errors": [], "complete": False}
@@ -201,7 +203,7 @@ class Run:
 
     def save(self) -> Path:
         self.result["seconds"] = round(self.spent(), 3)
-        return write(self.name, self.result)
+        return write(self.name, self.result, self.out_dir)
 
     def _built(self) -> dict:
         totals = {"compilations": 0, "graphs": 0, "compile_seconds": 0.0, "graph_fallbacks": []}
@@ -212,9 +214,13 @@ class Run:
             totals["graph_fallbacks"] += [r for r in stats["graph_fallbacks"] if r not in totals["graph_fallbacks"]]
         return {**totals, "dynamo_graphs": dynamo_graphs()}
 
-    def section(self, name: str, fn) -> None:
-        """Run ``fn(progress)`` as section ``name`` (skipped once the budget is spent; an error is recorded and the
-        next section runs); ``progress(partial)`` records what the section knows so far and rewrites the file."""
+    def section(self, name: str, fn, wanted: bool = True) -> None:
+        """Run ``fn(progress)`` as section ``name`` (skipped where not ``wanted`` and once the budget is spent; an
+        error is recorded and the next section runs); ``progress(partial)`` records what the section knows so far and
+        rewrites the file."""
+        if not wanted:
+            self.result["sections"][name] = {"status": "skipped", "skipped": "not in --sections"}
+            return
         if self.spent() > self.budget:
             self.result["sections"][name] = {"status": "skipped",
                                              "skipped": f"budget: {self.spent():.0f} s of {self.budget:.0f} s spent"}
@@ -262,8 +268,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--backend", default="inductor", help=f"torch.compile backend: {', '.join(BACKENDS)}")
     parser.add_argument("--cache-dir", default=str(ROOT / ".cache" / "inductor"),
                         help="inductor's (and triton's) cache: a second run reuses what the first compiled")
-    parser.add_argument("--out", default=None, help="file name under reports/bench (default gpu_check-<device>)")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"which to run, in their order (environment always): {', '.join(SECTIONS)}")
+    parser.add_argument("--out", default=None, help="file name (default gpu_check-<device>)")
+    parser.add_argument("--out-dir", default=None, help="folder of the JSON (default reports/bench)")
     args = parser.parse_args(argv)
+    args.sections = [s for s in args.sections.split(",") if s]
+    if not args.sections or set(args.sections) - set(SECTIONS):
+        parser.error(f"--sections must name sections among {', '.join(SECTIONS)}, got {','.join(args.sections)!r}")
     try:
         args.device = resolve_device(args.device)
     except ValueError as error:
@@ -305,7 +317,8 @@ def main(argv: list[str] | None = None) -> dict:
               {"benchmark": "first GPU run: environment, graph latencies, IF nodes, decode speed, C2 dry run, "
                             "exactness", "model": args.model, "argv": sys.argv[1:] if argv is None else list(argv),
                "batches": args.batches, "short": args.short, "long": args.long, "reps": args.reps,
-               "backend": args.backend})
+               "backend": args.backend, "sections_asked": args.sections}, args.out_dir)
+    wanted = set(args.sections)
 
     def compiled(base: LayerStack) -> CompiledStack:
         stack = compiled_stack(base, args.backend)
@@ -315,18 +328,21 @@ def main(argv: list[str] | None = None) -> dict:
 
     bundle_of = bundle_cache(args.model, str(device), compiled)
     run.section("environment", lambda _: section_environment(device, getattr(torch, dtype)))
-    run.section("latency", lambda _: section_latency(device))
-    run.section("if_node", lambda _: section_if_node(bundle_of(dtype).stack, device))
+    run.section("latency", lambda _: section_latency(device), "latency" in wanted)
+    run.section("if_node", lambda _: section_if_node(bundle_of(dtype).stack, device), "if_node" in wanted)
     first, *rest = args.batches
     run.section(f"decode_batch_{first}",
-                lambda progress: section_decode(bundle_of(dtype), first, args, run.deadline, progress))
-    run.section("c2_dry_run", lambda _: section_c2(bundle_of(dtype), args.short))
+                lambda progress: section_decode(bundle_of(dtype), first, args, run.deadline, progress),
+                "decode" in wanted)
+    run.section("c2_dry_run", lambda _: section_c2(bundle_of(dtype), args.short), "c2_dry_run" in wanted)
     for batch in rest:
         run.section(f"decode_batch_{batch}",
-                    lambda progress, b=batch: section_decode(bundle_of(dtype), b, args, run.deadline, progress))
+                    lambda progress, b=batch: section_decode(bundle_of(dtype), b, args, run.deadline, progress),
+                    "decode" in wanted)
     run.section("exactness", lambda progress: section_exactness(bundle_of, args.exactness, max(args.batches),
-                                                                min(32, args.long), run.deadline, progress))
-    run.section("memory", lambda _: section_memory(device))
+                                                                min(32, args.long), run.deadline, progress),
+                "exactness" in wanted)
+    run.section("memory", lambda _: section_memory(device), "memory" in wanted)
     run.result["device"] = run.result["sections"]["environment"].get("gpu") or str(device)
     run.result["complete"] = True
     path = run.save()
