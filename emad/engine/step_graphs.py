@@ -5,7 +5,7 @@ row still runs`` before each later block.
   compiled one without graphs: on a CPU the read costs nothing).
 - :class:`OneGraph` (``graph-if``): the whole step is one CUDA graph, launched once per token; each later block sits
   in a conditional IF node on the flag, which the device evaluates (CUDA ≥ 12.4: ``CUDAGraph.begin_capture_to_if_node``
-  / ``end_capture_to_conditional_node``). The host reads nothing inside a step.
+  / ``end_capture_to_conditional_node``, bound from torch 2.12 on). The host reads nothing inside a step.
 - :class:`Lookahead` (``graph-lookahead``): where conditional nodes are not available, each block is a graph of its
   own; block k+1 is launched before the flag block k left is read (a pinned, non-blocking copy and an event), so the
   device works while the host waits, and launching stops once the device says every row left (one block run in
@@ -29,7 +29,7 @@ def if_node_support() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA device"
     if not hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node"):
-        return f"torch {torch.__version__} has no CUDAGraph.begin_capture_to_if_node"
+        return f"torch {torch.__version__} has no CUDAGraph.begin_capture_to_if_node (torch >= 2.12 has)"
     version = tuple(int(x) for x in (torch.version.cuda or "0.0").split(".")[:2])
     if version < (12, 4):
         return f"CUDA {torch.version.cuda} < 12.4"
