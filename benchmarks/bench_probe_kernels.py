@@ -14,7 +14,7 @@ against a probe of full depth, which equal it.
 Model: SmolLM2-135M's depth (30 layers) and vocabulary at a width of 64 (random weights), probes every 3rd layer.
 Writes reports/bench/probe_kernels.json. Counting is exact (no timing): the numbers are the same on any host.
 
-Usage: python benchmarks/bench_probe_kernels.py [--batches 1,8] [--out probe_kernels]
+Usage: python benchmarks/bench_probe_kernels.py [--batches 1,8] [--layers 30] [--no-kernels] [--out probe_kernels]
 """
 
 from __future__ import annotations
@@ -144,6 +144,7 @@ def traced_minimum(base: LayerStack, estimator, profile, batch: int, kernels: bo
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"], help="at least 3 probes: >= 7")
     parser.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=True,
                         help="also count the kernels inductor generates (compiles each graph: minutes on a CPU)")
     parser.add_argument("--out", default="probe_kernels")
@@ -154,7 +155,11 @@ def main(argv: list[str] | None = None) -> dict:
         batches = []
     if not batches or min(batches) < 1:
         parser.error(f"--batches must be positive integers separated by commas, got {args.batches!r}")
-    config = tf.LlamaConfig(**SHAPE)
+    if args.layers < 2 * EVERY + 1:
+        parser.error(f"--layers must be at least {2 * EVERY + 1} (a first, a middle and a last probe), got "
+                     f"{args.layers}")
+    shape = {**SHAPE, "num_hidden_layers": args.layers}
+    config = tf.LlamaConfig(**shape)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     base = LayerStack(tf.LlamaForCausalLM(config).eval())
@@ -162,7 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
     profile = profile_of(base, tokenizer, EVERY)
     estimators = {"exact": Exact, "topk": lambda: TopK(1024), "lowrank": lambda: LowRank(32)}
     result = {"benchmark": "aten ops of a compiled probe against the least its estimator needs",
-              "model": {"random_weights": True, **SHAPE}, "environment": environment(base.device, base.dtype),
+              "model": {"random_weights": True, **shape}, "environment": environment(base.device, base.dtype),
               "probes_per_token": len(profile.probe_layers), "batches": []}
     for batch in batches:
         rows: dict = {"batch": batch, "estimators": {}}

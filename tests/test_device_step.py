@@ -401,3 +401,18 @@ def test_a_step_without_graphs_where_graphs_were_expected_says_so(profile):
         out = generate(stack, TOK, random_prompts(2, [5, 9], seed=3), Method(Full()), NEW)
     assert out.step_path == "device/immediate" and held.slab.lent_to() is held
     assert any("is lent to another cache" in r for r in compile_stats(stack)["graph_fallbacks"])
+
+
+def test_probes_of_one_shape_share_one_compiled_settling_and_methods_share_what_they_can(profile):
+    """One compiled function per structure: segments by their number of layers (here all of one layer), a probe's
+    settling by its shape (first, middle, last: probes 2 and 3 share the middle one), reset and finish by the probe
+    count. A method of another kind adds only its estimated probes' settlings (the last probe, not estimated, is the
+    same for every method)."""
+    stack = as_on_cuda(LayerStack(tiny_model("llama")), BACKEND, "if")
+    prompts = random_prompts(2, [5, 9], seed=3)
+    generate(stack, TOK, prompts, Method(Confidence(3.0, probe_every=1)), NEW)
+    kinds = [layout[0] for layout in stack.runner.stats.layouts]
+    assert sorted(kinds) == ["begin", "finish", "segment", "settle", "settle", "settle"]
+    generate(stack, TOK, prompts, Method(Emad(profile, 0.0), "monotone", TopK(48)), NEW)
+    kinds = [layout[0] for layout in stack.runner.stats.layouts]
+    assert kinds.count("settle") == 5 and len(kinds) == 8
