@@ -105,8 +105,8 @@ class DeviceStep:
         estimator's options (its corrections are a table, loaded per generation), policy and batch exit rule, the
         batch and the cache's capacity."""
         return (Plan.of(method, stack.n_layers, cost), method.criterion.structure(stack.n_layers),
-                options_key(method.estimator, corrections=False), method.policy, method.batch_exit, cache.batch_size, cache.capacity,
-                stack.dtype)
+                options_key(method.estimator, corrections=False), method.policy, method.batch_exit,
+                cache.batch_size, cache.capacity, stack.dtype)
 
     def load(self, method, policy, tokens: torch.Tensor, positions: torch.Tensor) -> None:
         """Start a generation: every row decodes (:meth:`retire` stops some), from ``tokens`` ``[B]`` at positions
