@@ -19,6 +19,7 @@ object), so dynamo's per-function recompile limit is never shared between segmen
 
 from __future__ import annotations
 
+import gc
 import time
 import weakref
 from collections import OrderedDict
@@ -88,9 +89,14 @@ class SegmentRunner:
     def slab(self, batch_size: int, capacity: int) -> Slab | None:
         """A free slab of ``batch_size`` rows and at least ``capacity`` slots: the largest there is, so that once a
         long generation has compiled a layout every shorter one reuses it; made when none is free and fits."""
-        fits = [s for (b, c), s in self.slabs.items() if b == batch_size and c >= capacity and s.free]
-        if fits:
-            return max(fits, key=lambda s: s.valid.shape[-1])
+        for attempt in range(2):
+            fits = [s for (b, c), s in self.slabs.items() if b == batch_size and c >= capacity and s.free]
+            if fits:
+                return max(fits, key=lambda s: s.valid.shape[-1])
+            if (batch_size, capacity) not in self.slabs:
+                break
+            if attempt == 0:  # lent: perhaps to a cache that only a reference cycle keeps (an exception's frames)
+                gc.collect()
         if (batch_size, capacity) in self.slabs:  # the slab of this shape is lent: the cache gets tensors of its own
             return None
         self.slabs[(batch_size, capacity)] = Slab.empty(self.stack.n_layers, batch_size, capacity, self.stack.device)
