@@ -145,7 +145,7 @@ class _Segment3:
 def section_if_node(stack, device: torch.device) -> dict:
     runner = stack.runner
     if not runner.graphs or stack.branches != "if":
-        return {"skipped": "no CUDA graphs with conditional nodes here"}
+        return {"skipped": f"no CUDA graphs with conditional nodes here: {if_node_support() or 'graphs are off'}"}
     batch, d = 1, stack.config.hidden_size
     cache = stack.new_cache(batch, 16)
     ids = torch.ones(batch, 2, dtype=torch.long, device=device)
