@@ -358,12 +358,13 @@ def test_a_timed_block_that_would_compile_or_capture_fails(graphed, profile):
 def test_speed_tokens_by_device_are_checked():
     from emad.evaluation.config import DecodeConfig
 
-    cfg = DecodeConfig(domains={"d": ["perplexity", "fidelity"]}, speed_tokens_by_device={"cuda": 64})
+    domains = {"domains": {"d": ["perplexity", "fidelity"]}, "tasks": {"fidelity": {"prompts": 16}}}
+    cfg = DecodeConfig(**domains, speed_tokens_by_device={"cuda": 64})
     assert cfg.speed_tokens_by_device == {"cuda": 64}
     with pytest.raises(ValueError, match=r"speed_tokens_by_device: 'gpu' is not a device type \(cpu, cuda"):
-        DecodeConfig(domains={"d": ["perplexity", "fidelity"]}, speed_tokens_by_device={"gpu": 64})
+        DecodeConfig(**domains, speed_tokens_by_device={"gpu": 64})
     with pytest.raises(ValueError, match=r"speed_tokens_by_device.cuda = 1: a timed generation needs at least 2"):
-        DecodeConfig(domains={"d": ["perplexity", "fidelity"]}, speed_tokens_by_device={"cuda": 1})
+        DecodeConfig(**domains, speed_tokens_by_device={"cuda": 1})
 
 
 # ------------------------------------------------------------------------------------------ fallbacks that say so
