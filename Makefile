@@ -15,7 +15,7 @@ export MLFLOW_DISABLE_TELEMETRY ?= true
 export TOKENIZERS_PARALLELISM ?= false
 export DVC_NO_ANALYTICS ?= 1
 
-.PHONY: setup test test-heavy repro repro-powered lint bench bench-gpu gpu-check mlflow tracking-server clean-venv
+.PHONY: setup test test-heavy repro repro-powered lint bench bench-gpu gpu-check gpu-carry mlflow tracking-server clean-venv
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -77,13 +77,21 @@ bench: $(STAMP)
 bench-gpu: $(STAMP)
 	$(BIN)/python benchmarks/bench_gpu_decode.py --device cuda --dtype bfloat16
 
-# The first run on a GPU machine (benchmarks/gpu_check.py, ~10 min): environment, graph latencies, IF nodes, exactness,
-# decode speed against HF static, a C2 dry run; reports/bench/gpu_check-cuda.json. It runs with the python that has a
-# CUDA torch (GPU_PYTHON), not .venv (whose torch is the CPU build), and needs only torch, transformers, accelerate,
-# gguf, pydantic and the embedded model's package beside this checkout.
+# The first run on a GPU machine (benchmarks/gpu_check.py, within --budget seconds): environment, graph latencies, IF
+# nodes, decode speed against HF static, a C2 dry run, exactness; reports/bench/gpu_check-cuda.json (ARGS="--out-dir
+# DIR" elsewhere). It runs with the python that has a CUDA torch (GPU_PYTHON), not .venv (whose torch is the CPU
+# build), on a random-weight model of SmolLM2-135M's shape: torch and transformers are all it needs. What
+# `make gpu-carry` packs (.carry/site: what loading the GGUF needs) joins the path where it is there.
+# docs/pipeline.md has the recipe of the first GPU run.
 GPU_PYTHON ?= python3
 gpu-check:
-	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_PYTHON) benchmarks/gpu_check.py $(ARGS)
+	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}$(if $(wildcard .carry/site),:$(CURDIR)/.carry/site)" \
+	  $(GPU_PYTHON) benchmarks/gpu_check.py $(ARGS)
+
+# What a first GPU run carries for the real model (tools/gpu_carry.py): .carry/site and the GGUF in two parts, each
+# transfer within 64 MiB with the checkout; .carry/manifest.json lists the two carry lists.
+gpu-carry: $(STAMP)
+	$(BIN)/python tools/gpu_carry.py pack
 
 clean-venv:
 	rm -rf $(VENV)

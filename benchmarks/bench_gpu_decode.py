@@ -4,13 +4,13 @@ with HF. For a GPU (bf16) and, shorter, for a CPU.
 
 Per-token time is differenced: (time of ``--long`` new tokens − time of ``--short``) / (long − short), so the prompt
 pass drops out; EOS is off; each decoder's generations alternate with every other's in rounds, medians over
-``--reps`` rounds. Models: the embedded SmolLM2-135M and a random-weight model of SmolLM2-1.7B's shape (built from a
-config, nothing downloaded). Writes reports/bench/gpu_decode-<device>-<dtype>.json.
+``--reps`` rounds. Models: the embedded SmolLM2-135M and a random-weight model of SmolLM2-1.7B's shape
+(``random:smollm2-1.7b``, built from a config, nothing downloaded). Writes reports/bench/gpu_decode-<device>-<dtype>.json.
 
 Defaults by device: on CUDA both models, batches 1 and 8, 144 − 16 new tokens (``make bench-gpu``); on a CPU,
 shorter: SmolLM2-135M only, batches 1 and 4, 40 − 8 new tokens.
 
-Usage: python benchmarks/bench_gpu_decode.py [--models smollm2-135m,random-1.7b] [--batches 1,8] [--short 16]
+Usage: python benchmarks/bench_gpu_decode.py [--models smollm2-135m,random:smollm2-1.7b] [--batches 1,8] [--short 16]
        [--long 144] [--reps 3] [--engines eager,compiled] [--device auto] [--dtype auto] [--out NAME]
 """
 
@@ -33,37 +33,22 @@ from emad.calibration.calibrate import calibrate, windows  # noqa: E402
 from emad.calibration.profile import smooth  # noqa: E402
 from emad.decode import Method, generate, left_pad  # noqa: E402
 from emad.engine.engines import compile_stats, with_engine  # noqa: E402
-from emad.engine.models import LoadedModel, load_model, resolve_device, resolve_dtype  # noqa: E402
+from emad.engine.models import LoadedModel, load_model, resolve_device  # noqa: E402
+from emad.engine.random_models import PREFIX as RANDOM_PREFIX  # noqa: E402
 from emad.engine.stack import LayerStack  # noqa: E402
 from emad.exits.criteria import Emad, Fixed, Full  # noqa: E402
 from emad.exits.estimators import TopK  # noqa: E402
 from emad.exits.strata import Strata  # noqa: E402
 
-RANDOM_SHAPES = {  # name -> LlamaConfig fields: SmolLM2-1.7B's shape
-    "random-1.7b": dict(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
-                        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=8192,
-                        tie_word_embeddings=True, rope_theta=130000.0),
-    "random-tiny": dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,  # tests
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                        tie_word_embeddings=True),
-}
-
 
 def load(spec: str, device: str, dtype: str) -> tuple:
-    """(model, tokenizer, description) for an embedded alias, folder, or a name of :data:`RANDOM_SHAPES`."""
-    if spec not in RANDOM_SHAPES:
-        loaded: LoadedModel = load_model(spec, device=device, dtype=dtype)
-        return loaded.model, loaded.tokenizer, loaded.fingerprint.as_dict()
-    import transformers as tf
-
-    dev = resolve_device(device)
-    config = tf.LlamaConfig(**RANDOM_SHAPES[spec])
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    with torch.device(dev):
-        model = tf.LlamaForCausalLM(config).to(resolve_dtype(dtype, dev)).eval()
-    tokenizer = load_model("smollm2-135m", device="cpu", dtype="float32").tokenizer  # same vocabulary size
-    return model, tokenizer, {"spec": spec, "random_weights": True, **RANDOM_SHAPES[spec]}
+    """(model, tokenizer, description) of a model spec: an embedded alias, a folder, or ``random:<shape>`` (random
+    weights of a real shape, :mod:`emad.engine.random_models`: no model file, no tokenizer file)."""
+    loaded: LoadedModel = load_model(spec, device=device, dtype=dtype)
+    description = loaded.fingerprint.as_dict()
+    if spec.startswith(RANDOM_PREFIX):
+        description["random_weights"] = True
+    return loaded.model, loaded.tokenizer, description
 
 
 def profile_of(stack: LayerStack, tokenizer, every: int = 3):
@@ -95,28 +80,40 @@ def hf_runner(model, ids: torch.Tensor, real: torch.Tensor, static: bool):
     return run
 
 
-def _seconds(fn, new: int, device) -> float:
+def _seconds(fn, new: int, device, clock=time.perf_counter) -> float:
     sync(device)
-    began = time.perf_counter()
+    began = clock()
     fn(new)
     sync(device)
-    return time.perf_counter() - began
+    return clock() - began
 
 
-def per_token_seconds(runs: dict, short: int, long: int, reps: int, device) -> dict[str, list[float]]:
+def per_token_seconds(runs: dict, short: int, long: int, reps: int, device, deadline: float | None = None,
+                      after_round=None, clock=time.perf_counter) -> dict[str, list[float]]:
     """Per decoder, its seconds per token in each of ``reps`` rounds: (time of ``long`` new tokens − time of
-    ``short``) / (long − short); each round runs every decoder in turn, every other round in reverse order."""
+    ``short``) / (long − short); each round runs every decoder in turn, every other round in reverse order. Past
+    ``deadline`` (a ``time.perf_counter()`` value) no further round starts (one always runs); ``after_round(times)``
+    is called after each. ``clock``: wall-clock time (default) or, for the host's own work, ``time.process_time``."""
     times: dict[str, list[float]] = {label: [] for label in runs}
     for r in range(reps):
+        if r and deadline is not None and time.perf_counter() > deadline:
+            break
         for label in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
-            long_s = _seconds(runs[label], long, device)
-            short_s = _seconds(runs[label], short, device)
+            long_s = _seconds(runs[label], long, device, clock)
+            short_s = _seconds(runs[label], short, device, clock)
             times[label].append((long_s - short_s) / (long - short))
+        if after_round is not None:
+            after_round(times)
     return times
 
 
-def bench_batch(model, tokenizer, stacks: dict, profile, batch: int, args) -> dict:
-    """Every decoder at one batch size: per-token ms, mean depth and cost ratios, greedy agreement with HF."""
+def bench_batch(model, tokenizer, stacks: dict, profile, batch: int, args, deadline: float | None = None,
+                progress=None) -> dict:
+    """Every decoder at one batch size: per-token ms, mean depth and cost ratios, greedy agreement with HF.
+
+    Each decoder is warmed up (compiled, captured) in turn, then all are timed in alternating rounds. Past
+    ``deadline`` (a ``time.perf_counter()`` value) no further decoder is warmed up (the rest are recorded as skipped)
+    and no further round starts; ``progress(partial)`` gets what is known after each decoder and each round."""
     prompts = [tokenizer(p)["input_ids"] for p in (PROMPTS * batch)[:batch]]
     device = next(iter(stacks.values())).device
     ids, real = left_pad(prompts, 0, device)
@@ -131,24 +128,48 @@ def bench_batch(model, tokenizer, stacks: dict, profile, batch: int, args) -> di
             runs[f"{name}/{engine}"] = run
     compile_before = {e: compile_stats(s).get("compile_seconds", 0.0) for e, s in stacks.items()}
     began = time.perf_counter()
-    hf_tokens = runs["hf-static"](args.long)[:, ids.shape[1]:].tolist()  # warm-up: every path once, compiles
-    for label, fn in runs.items():
-        out = fn(args.long)
-        if not label.startswith("hf-"):
-            facts[label] = _facts(out, hf_tokens, tokenizer.eos_token_id)
-    warm_up_s = time.perf_counter() - began
-    times = per_token_seconds(runs, args.short, args.long, args.reps, device)
-    rows = {label: {"ms_per_token": 1e3 * statistics.median(ts), **facts.get(label, {})}
-            for label, ts in times.items()}
-    best_hf = min(rows["hf-static"]["ms_per_token"], rows["hf-dynamic"]["ms_per_token"])
+    out = {"batch": batch, "decoders": {}, "skipped": []}
+    ready, hf_tokens = {}, None
+    for label, fn in runs.items():  # warm-up: every path once (compiles, captures); HF static first
+        if deadline is not None and time.perf_counter() > deadline:
+            out["skipped"].append(label)
+            continue
+        t0 = time.perf_counter()
+        made = fn(args.long)
+        if label == "hf-static":
+            hf_tokens = made[:, ids.shape[1]:].tolist()
+        elif not label.startswith("hf-"):
+            facts[label] = _facts(made, hf_tokens, tokenizer.eos_token_id)
+        ready[label] = fn
+        out["decoders"][label] = {"warm_up_s": round(time.perf_counter() - t0, 3), **facts.get(label, {})}
+        if progress is not None:
+            progress(out)
+    out["warm_up_s"] = round(time.perf_counter() - began, 3)
+
+    def timed(times: dict) -> None:
+        for label, ts in times.items():
+            out["decoders"][label].update(ms_per_token=1e3 * statistics.median(ts), rounds=len(ts))
+        _ratios(out["decoders"])
+        if progress is not None:
+            progress(out)
+
+    per_token_seconds(ready, args.short, args.long, args.reps, device, deadline, timed)
+    out["compile_seconds"] = {e: round(compile_stats(s).get("compile_seconds", 0.0) - compile_before[e], 3)
+                              for e, s in stacks.items() if e != "eager"}
+    return out
+
+
+def _ratios(rows: dict) -> None:
+    """Each timed decoder's time against the best HF decoder and against its engine's full depth, in place."""
+    hf = [rows[k]["ms_per_token"] for k in ("hf-static", "hf-dynamic") if "ms_per_token" in rows.get(k, {})]
     for label, row in rows.items():
-        row["time_ratio_to_best_hf"] = row["ms_per_token"] / best_hf
+        if "ms_per_token" not in row:
+            continue
+        if hf:
+            row["time_ratio_to_best_hf"] = row["ms_per_token"] / min(hf)
         full = rows.get(f"full/{label.split('/')[-1]}") if "/" in label else None
-        if full is not None:
+        if full is not None and "ms_per_token" in full:
             row["time_ratio_to_own_full"] = row["ms_per_token"] / full["ms_per_token"]
-    compiled = {e: round(compile_stats(s).get("compile_seconds", 0.0) - compile_before[e], 3)
-                for e, s in stacks.items() if e != "eager"}
-    return {"batch": batch, "decoders": rows, "warm_up_s": round(warm_up_s, 3), "compile_seconds": compiled}
 
 
 def _before_eos(ids: list[int], eos: int | None) -> int:
@@ -156,37 +177,42 @@ def _before_eos(ids: list[int], eos: int | None) -> int:
     return ids.index(eos) if eos in ids else len(ids)
 
 
-def _facts(out, hf_tokens: list[list[int]], eos: int | None) -> dict:
+def _facts(out, hf_tokens: list[list[int]] | None, eos: int | None) -> dict:
     """Mean depth, FLOPs and bytes ratios of a generation, and whether its greedy tokens equal HF static's (up to
     the first EOS)."""
     depths = [d for row in out.depths for d in row[1:]]
     ratio = (lambda spent, full: sum(map(sum, spent)) / sum(map(sum, full)))
     return {"mean_depth": statistics.fmean(depths) if depths else None,
             "flops_ratio": ratio(out.flops, out.full_flops), "bytes_ratio": ratio(out.bytes, out.full_bytes),
-            "tokens_equal_hf_static": all(a[:n] == b[:n] for a, b in zip(out.token_ids, hf_tokens)
-                                          for n in [_before_eos(a, eos)])}
+            "tokens_equal_hf_static": None if hf_tokens is None else all(
+                a[:n] == b[:n] for a, b in zip(out.token_ids, hf_tokens) for n in [_before_eos(a, eos)])}
 
 
 def checks(batch: dict) -> dict:
-    """The targets of a compiled engine (measured values beside them; nothing asserted)."""
-    rows = batch["decoders"]
-    if "full/compiled" not in rows:
+    """The targets of a compiled engine (measured values beside them; nothing asserted; a ratio whose decoders were
+    not timed is left out)."""
+    rows = {k: v["ms_per_token"] for k, v in batch["decoders"].items() if "ms_per_token" in v}
+    full = rows.get("full/compiled")
+    if full is None:
         return {}
-    full = rows["full/compiled"]["ms_per_token"]
-    out = {"full_over_hf_static": full / rows["hf-static"]["ms_per_token"], "target_full_over_hf_static": 1.1}
+    out = {"target_full_over_hf_static": 1.1, "target_emad_probes_over_full": 1.15}
+    if "hf-static" in rows:
+        out["full_over_hf_static"] = full / rows["hf-static"]
     for name in ("fixed-0.5L", "fixed-0.8L"):
-        row = rows[f"{name}/compiled"]
-        out[f"{name}_time_over_full"] = row["ms_per_token"] / full
-        out[f"{name}_target"] = row["bytes_ratio"] + 0.05
-    out["emad_probes_over_full"] = rows["emad-probes-exact/compiled"]["ms_per_token"] / full
-    out["emad_probes_topk_over_full"] = rows["emad-probes-topk/compiled"]["ms_per_token"] / full
-    out["target_emad_probes_over_full"] = 1.15
+        if f"{name}/compiled" in rows:
+            out[f"{name}_time_over_full"] = rows[f"{name}/compiled"] / full
+            out[f"{name}_target"] = batch["decoders"][f"{name}/compiled"]["bytes_ratio"] + 0.05
+    for name, key in (("emad-probes-exact", "emad_probes_over_full"), ("emad-probes-topk",
+                                                                        "emad_probes_topk_over_full")):
+        if f"{name}/compiled" in rows:
+            out[key] = rows[f"{name}/compiled"] / full
     return out
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=None, help="default: smollm2-135m,random-1.7b (CUDA), smollm2-135m (CPU)")
+    parser.add_argument("--models", default=None,
+                        help="default: smollm2-135m,random:smollm2-1.7b (CUDA), smollm2-135m (CPU)")
     parser.add_argument("--batches", default=None, help="default: 1,8 (CUDA), 1,4 (CPU)")
     parser.add_argument("--short", type=int, default=None, help="default: 16 (CUDA), 8 (CPU)")
     parser.add_argument("--long", type=int, default=None, help="default: 144 (CUDA), 40 (CPU)")
@@ -197,7 +223,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default=None, help="file name under reports/bench (default gpu_decode-<device>-<dtype>)")
     args = parser.parse_args(argv)
     on_gpu = resolve_device(args.device).type == "cuda"
-    for key, gpu, cpu in (("models", "smollm2-135m,random-1.7b", "smollm2-135m"), ("batches", "1,8", "1,4"),
+    for key, gpu, cpu in (("models", "smollm2-135m,random:smollm2-1.7b", "smollm2-135m"), ("batches", "1,8", "1,4"),
                           ("short", 16, 8), ("long", 144, 40)):
         if getattr(args, key) is None:
             setattr(args, key, gpu if on_gpu else cpu)

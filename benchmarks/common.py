@@ -58,10 +58,11 @@ def environment(device: torch.device, dtype: torch.dtype) -> dict:
     return info
 
 
-def write(name: str, result: dict) -> Path:
-    """Write ``reports/bench/<name>.json`` atomically and return its path."""
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
-    path = OUT_DIR / f"{name}.json"
+def write(name: str, result: dict, out_dir: Path | None = None) -> Path:
+    """Write ``<out_dir>/<name>.json`` (default ``reports/bench``) atomically and return its path."""
+    out_dir = OUT_DIR if out_dir is None else Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(result, indent=2) + "\n")
     os.replace(tmp, path)

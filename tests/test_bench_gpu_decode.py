@@ -19,7 +19,7 @@ def test_the_gpu_decode_benchmark_runs_on_a_cpu_and_writes_its_json(tmp_path, mo
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     monkeypatch.setattr("common.OUT_DIR", tmp_path)
-    result = bench.main(["--models", "random-tiny", "--batches", "1", "--short", "2", "--long", "5", "--reps", "1",
+    result = bench.main(["--models", "random:tiny", "--batches", "1", "--short", "2", "--long", "5", "--reps", "1",
                          "--out", "gpu_decode-test"])
     written = json.loads((tmp_path / "gpu_decode-test.json").read_text())
     assert written == json.loads(json.dumps(result))

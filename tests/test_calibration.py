@@ -126,6 +126,18 @@ def test_isotonic_output_is_non_increasing_and_equals_scipy():
     assert prof.raw["all"] == pytest.approx(st.mean()[0].tolist())
 
 
+def test_the_fit_without_scipy_equals_scipys():
+    """Where scipy is not installed (a bare GPU image) the profile's isotonic fit is the same, up to rounding."""
+    from emad.calibration.profile import pool_adjacent_violators
+
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 5, 10, 30):
+        for _ in range(20):
+            values, weights = rng.normal(size=n) * 3, rng.uniform(0.01, 50, size=n)
+            expected = isotonic_regression(values, weights=weights, increasing=False).x
+            np.testing.assert_allclose(pool_adjacent_violators(values, weights), expected, rtol=1e-12, atol=1e-12)
+
+
 def test_thin_strata_back_off_to_parent_then_global():
     strata = Strata(position_edges=(10,), confidence_edges=(0.5,))
     st = _stats(probes=(1, 2), strata=strata)

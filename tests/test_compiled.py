@@ -259,3 +259,20 @@ def test_a_static_cache_made_inside_inference_mode_serves_generations_outside_it
     del cache
     prompts = random_prompts(3, [4, 6, 5], seed=13)
     generate(compiled, TOK, prompts, Full(), NEW)  # on the slab made above
+
+
+def test_a_model_and_its_compiled_runner_are_freed_together(profile):
+    """Runners (their compiled functions, graphs and slabs refer to the model) go with the model: no registry keeps
+    it alive after its last reference is dropped."""
+    import gc
+    import weakref
+
+    model = tiny_model("llama")
+    alive = weakref.ref(model)
+    stack = as_on_cuda(LayerStack(model), MATRIX_BACKEND)
+    generate(stack, TOK, random_prompts(2, [5, 7]), Method(Emad(profile, 0.0), "monotone", TopK(48)), 4)
+    generate(stack, TOK, random_prompts(2, [5, 7]), Method(Confidence(3.0, probe_every=2), "copy"), 4)
+    assert stack.runner.stats.compilations > 0 and stack.runner.stats.graphs > 0
+    del model, stack
+    gc.collect()
+    assert alive() is None

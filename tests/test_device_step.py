@@ -358,9 +358,62 @@ def test_a_timed_block_that_would_compile_or_capture_fails(graphed, profile):
 def test_speed_tokens_by_device_are_checked():
     from emad.evaluation.config import DecodeConfig
 
-    cfg = DecodeConfig(domains={"d": ["perplexity", "fidelity"]}, speed_tokens_by_device={"cuda": 64})
+    domains = {"domains": {"d": ["perplexity", "fidelity"]}, "tasks": {"fidelity": {"prompts": 16}}}
+    cfg = DecodeConfig(**domains, speed_tokens_by_device={"cuda": 64})
     assert cfg.speed_tokens_by_device == {"cuda": 64}
     with pytest.raises(ValueError, match=r"speed_tokens_by_device: 'gpu' is not a device type \(cpu, cuda"):
-        DecodeConfig(domains={"d": ["perplexity", "fidelity"]}, speed_tokens_by_device={"gpu": 64})
+        DecodeConfig(**domains, speed_tokens_by_device={"gpu": 64})
     with pytest.raises(ValueError, match=r"speed_tokens_by_device.cuda = 1: a timed generation needs at least 2"):
-        DecodeConfig(domains={"d": ["perplexity", "fidelity"]}, speed_tokens_by_device={"cuda": 1})
+        DecodeConfig(**domains, speed_tokens_by_device={"cuda": 1})
+
+
+# ------------------------------------------------------------------------------------------ fallbacks that say so
+
+
+class FailingIfCapture:
+    """A capture with conditional nodes that fails, as it does where the driver lacks them."""
+
+    def __init__(self, program):
+        raise RuntimeError("CUDA error: operation not supported on this driver (a test's IF capture)")
+
+
+def test_a_failed_if_capture_falls_back_to_lookahead_and_says_why(profile):
+    from emad.engine.engines import compile_stats
+
+    stack = as_on_cuda(LayerStack(tiny_model("llama")), BACKEND, "if")
+    stack.runner.capture_step = FailingIfCapture
+    prompts = random_prompts(4, [5, 9, 7, 12], seed=3)
+    method = lambda: Method(Emad(profile, 0.0), "monotone", TopK(48))  # noqa: E731
+    with pytest.warns(RuntimeWarning, match="capture with conditional IF nodes failed"):
+        out = generate(stack, TOK, prompts, method(), NEW)
+    assert out.step_path == "device/graph-lookahead"
+    assert out.token_ids == generate(LayerStack(stack.model), TOK, prompts, method(), NEW).token_ids
+    fallbacks = compile_stats(stack)["graph_fallbacks"]
+    assert len(fallbacks) == 1 and "operation not supported on this driver" in fallbacks[0]
+    assert generate(stack, TOK, prompts, Method(Full()), NEW).step_path == "device/graph-lookahead"  # not retried
+
+
+def test_a_step_without_graphs_where_graphs_were_expected_says_so(profile):
+    from emad.engine.engines import compile_stats
+
+    stack = as_on_cuda(LayerStack(tiny_model("llama")), BACKEND, "if")
+    held = stack.new_cache(2, 20)  # the runner's slab of 2 x 128 is lent: a generation of that shape gets its own
+    with pytest.warns(RuntimeWarning, match="without graphs .* slab of 2 rows x 128 slots is lent"):
+        out = generate(stack, TOK, random_prompts(2, [5, 9], seed=3), Method(Full()), NEW)
+    assert out.step_path == "device/immediate" and held.slab.lent_to() is held
+    assert any("is lent to another cache" in r for r in compile_stats(stack)["graph_fallbacks"])
+
+
+def test_probes_of_one_shape_share_one_compiled_settling_and_methods_share_what_they_can(profile):
+    """One compiled function per structure: segments by their number of layers (here all of one layer), a probe's
+    settling by its shape (first, middle, last: probes 2 and 3 share the middle one), reset and finish by the probe
+    count. A method of another kind adds only its estimated probes' settlings (the last probe, not estimated, is the
+    same for every method)."""
+    stack = as_on_cuda(LayerStack(tiny_model("llama")), BACKEND, "if")
+    prompts = random_prompts(2, [5, 9], seed=3)
+    generate(stack, TOK, prompts, Method(Confidence(3.0, probe_every=1)), NEW)
+    kinds = [layout[0] for layout in stack.runner.stats.layouts]
+    assert sorted(kinds) == ["begin", "finish", "segment", "settle", "settle", "settle"]
+    generate(stack, TOK, prompts, Method(Emad(profile, 0.0), "monotone", TopK(48)), NEW)
+    kinds = [layout[0] for layout in stack.runner.stats.layouts]
+    assert kinds.count("settle") == 5 and len(kinds) == 8

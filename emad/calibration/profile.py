@@ -35,10 +35,27 @@ class ProfileError(ValueError):
 
 
 def non_increasing(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """Weighted isotonic regression onto non-increasing sequences (scipy's pool-adjacent-violators)."""
-    from scipy.optimize import isotonic_regression  # imported on use: scipy.optimize takes 2 s to import, and
-                                                    # every stage that reads a profile imports this module
-    return isotonic_regression(values, weights=np.maximum(weights, 1e-12), increasing=False).x
+    """Weighted isotonic regression onto non-increasing sequences (scipy's pool-adjacent-violators; where scipy is
+    not installed, as on a bare GPU image, :func:`pool_adjacent_violators`: the same fit up to rounding)."""
+    weights = np.maximum(weights, 1e-12)
+    # imported on use: scipy.optimize takes 2 s to import, and every stage that reads a profile imports this module
+    try:
+        from scipy.optimize import isotonic_regression
+    except ImportError:
+        return pool_adjacent_violators(values, weights)
+    return isotonic_regression(values, weights=weights, increasing=False).x
+
+
+def pool_adjacent_violators(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """The weighted least-squares non-increasing fit of ``values`` ``[n]`` (weights > 0): neighbours that rise are
+    pooled into their weighted mean until none does."""
+    blocks: list[list[float]] = []  # [weighted mean, weight, length] of each pooled block, left to right
+    for value, weight in zip(np.asarray(values, dtype=float), np.asarray(weights, dtype=float)):
+        blocks.append([value, weight, 1])
+        while len(blocks) > 1 and blocks[-2][0] < blocks[-1][0]:  # a rise: pool the two
+            (v1, w1, n1), (v2, w2, n2) = blocks.pop(-2), blocks.pop()
+            blocks.append([(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+    return np.concatenate([np.full(n, v) for v, _, n in blocks]) if blocks else np.zeros(0)
 
 
 def violation(values: np.ndarray) -> dict:

@@ -24,19 +24,25 @@ The host learns a step's outcome once, in one copy (tokens, depths, reasons, ent
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import NamedTuple
-
 import torch
 
+from emad.decode.step_state import (  # noqa: F401 - the step's pieces, importable from here
+    CARRIED,
+    CRITERION,
+    DEPTH_CAP,
+    LAST_PROBE,
+    Plan,
+    ProbeAt,
+    ProbeShape,
+    State,
+    begin,
+    record_of,
+    settle,
+)
 from emad.engine.cost import CostModel
 from emad.engine.segments import options_key, own_code
 from emad.exits.batching import BATCH_EXITS
-from emad.exits.criteria import ProbeView
 from emad.exits.policies import POLICIES
-
-CARRIED, CRITERION, DEPTH_CAP, LAST_PROBE = 3, 0, 1, 2  # exit reason codes (decode.step.EXIT_REASONS)
 
 
 def uses_device_state(stack, method) -> bool:
@@ -47,190 +53,17 @@ def uses_device_state(stack, method) -> bool:
             and getattr(estimator, "fusable", False) and POLICIES.get(method.policy).on_device)
 
 
-@dataclass(frozen=True)
-class Plan:
-    """What a method's step does at each probe: Python constants, the same for every point of its kind.
-
-    Attributes:
-        probes: probe layers (1-based, ascending).
-        estimates: per probe, whether it is estimated (the criterion looks at Ĥ there).
-        tests: per probe, whether the criterion may exit there (at or above its minimum exit layer).
-        reads_every_exit: the criterion probes every running row, the last probe included.
-        probe_costs: per probe, ``(FLOPs, bytes)`` of one row's probe (estimator and translation).
-        readout_costs: per probe, ``(FLOPs, bytes)`` of an exit readout there.
-    """
-
-    probes: tuple[int, ...]
-    estimates: tuple[bool, ...]
-    tests: tuple[bool, ...]
-    reads_every_exit: bool
-    probe_costs: tuple[tuple[float, float], ...]
-    readout_costs: tuple[tuple[float, float], ...]
-
-    @classmethod
-    def of(cls, method, n_layers: int, cost: CostModel) -> Plan:
-        criterion, estimator = method.criterion, method.estimator
-        probes = tuple(criterion.probes(n_layers))
-        spent = estimator.probe_cost(cost)
-
-        def probe_cost(layer: int) -> tuple[float, float]:
-            moved = cost.translation(layer)  # the readout's T_ℓ, read before the estimator's head rows
-            return spent[0] + moved[0], spent[1] + moved[1]
-
-        return cls(probes=probes,
-                   estimates=tuple(criterion.needs_estimate and criterion.wants_estimate(k, p)
-                                   for k, p in enumerate(probes)),
-                   tests=tuple(p >= criterion.min_exit_layer for p in probes),
-                   reads_every_exit=criterion.reads_every_exit,
-                   probe_costs=tuple(probe_cost(p) for p in probes),
-                   readout_costs=tuple(cost.readout_at(p) for p in probes))
-
-
-class State(NamedTuple):
-    """The tensors of a device step (made once per program: a captured graph reads them where they lie).
-
-    Inputs, kept from step to step: ``token`` ``[B]`` long (each row's last token), ``position`` ``[B]`` long (its
-    position id), ``live`` ``[B]`` bool (rows being decoded), ``cap`` ``[B]`` long (the policy's depth cap).
-    Per step: ``running`` / ``ready`` ``[B]`` bool (still runs / may exit at an earlier probe), ``depth``,
-    ``reason``, ``allowed`` ``[B]`` long, ``first_conf`` ``[B]`` float32, ``entropies`` ``[B, P]`` float32 (NaN where
-    not probed), ``flops`` / ``bytes`` ``[B]`` float64 (probes and exit readout), ``more`` ``[P + 1]`` bool (entry
-    k: a row still runs before block k), ``exit_x`` ``[B, d]`` (the head's input at each row's exit: masked lanes),
-    ``logits`` ``[B, V]`` (the exit readout: row lanes).
-    """
-
-    token: torch.Tensor
-    position: torch.Tensor
-    live: torch.Tensor
-    cap: torch.Tensor
-    running: torch.Tensor
-    ready: torch.Tensor
-    depth: torch.Tensor
-    reason: torch.Tensor
-    allowed: torch.Tensor
-    first_conf: torch.Tensor
-    entropies: torch.Tensor
-    flops: torch.Tensor
-    bytes: torch.Tensor
-    more: torch.Tensor
-    exit_x: torch.Tensor
-    logits: torch.Tensor
-
-    @classmethod
-    def empty(cls, batch: int, probes: int, width: int, vocab: int, dtype, device, logits: bool) -> State:
-        """Zeroed tensors for ``batch`` rows and ``probes`` probes (``logits``: room for a ``[B, V]`` readout)."""
-        with torch.inference_mode(False):  # normal tensors: a captured step's guards see the same kind every time
-            long = dict(dtype=torch.long, device=device)
-            flag = dict(dtype=torch.bool, device=device)
-            return cls(torch.zeros(batch, **long), torch.zeros(batch, **long), torch.zeros(batch, **flag),
-                       torch.zeros(batch, **long), torch.zeros(batch, **flag), torch.zeros(batch, **flag),
-                       torch.zeros(batch, **long), torch.zeros(batch, **long), torch.zeros(batch, **long),
-                       torch.ones(batch, dtype=torch.float32, device=device),
-                       torch.full((batch, probes), math.nan, dtype=torch.float32, device=device),
-                       torch.zeros(batch, dtype=torch.float64, device=device),
-                       torch.zeros(batch, dtype=torch.float64, device=device), torch.zeros(probes + 1, **flag),
-                       torch.zeros(batch, width, dtype=dtype, device=device),
-                       torch.zeros(batch if logits else 0, vocab, dtype=dtype, device=device))
-
-
-def begin(st: State) -> None:
-    """Reset the per-step state: every live row runs, nothing decided yet."""
-    st.running.copy_(st.live)
-    st.ready.zero_()
-    st.depth.zero_()
-    st.reason.zero_()
-    st.allowed.zero_()
-    st.first_conf.fill_(1.0)
-    st.entropies.fill_(math.nan)
-    st.flops.zero_()
-    st.bytes.zero_()
-    st.more.zero_()
-
-
-def _put(into: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor | None, values) -> None:
-    """``into[r] = values`` for the rows where ``mask`` ``[B]`` is True, in place; ``values`` are given for every row
-    (``rows`` None) or for ``rows`` (the True entries of ``mask``, in order)."""
-    if rows is None:
-        into.copy_(torch.where(mask, values, into))
-    else:
-        into[rows] = values
-
-
-def _add(into: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor | None, value: float) -> None:
-    """``into[r] += value`` for the rows where ``mask`` ``[B]`` is True, in place (``rows`` as in :func:`_put`)."""
-    if rows is None:
-        into.copy_(torch.where(mask, into + value, into))
-    else:
-        into[rows] += value
-
-
-def settle(plan: Plan, k: int, criterion, rule, lanes, h: torch.Tensor, st: State, tables: dict) -> None:
-    """Settle the ``k``-th probe for the rows still running: estimate where the criterion looks, test, cap, let the
-    batch exit rule pick who leaves, record their exits (depth, reason, exit state, costs) — in place, as tensor
-    operations (on :class:`RowLanes`, the lanes' row picking reads the device).
-
-    The decisions are those of the host step (:func:`emad.decode.step.step`) row for row: capped rows exit without a
-    probe, rows the ``sync`` rule carries are not probed again (unless the criterion reads every exit), and a row
-    that leaves takes the probe's readout where it was probed, else a readout at the layer (charged)."""
-    layer, last = plan.probes[k], k == len(plan.probes) - 1
-    running, ready = st.running, st.ready
-    capped = running & (st.cap <= layer)  # [B]
-    if plan.reads_every_exit:
-        probing = running
-    elif last:
-        probing = torch.zeros_like(running)
-    else:
-        probing = running & ~(capped | ready)
-    passed = torch.zeros_like(running)
-    probe_logits, probed = None, None
-    if plan.estimates[k]:
-        found = lanes.estimate(h, layer, probing)
-        if found is not None:
-            est, probed = found  # est over the rows `probed` (None: every row)
-            _add(st.flops, probing, probed, plan.probe_costs[k][0])
-            _add(st.bytes, probing, probed, plan.probe_costs[k][1])
-            if k == 0:
-                _put(st.first_conf, probing, probed, est.max_prob.float())
-            view = ProbeView(layer, est.entropy, lanes.pick(st.position, probed), lanes.pick(st.first_conf, probed),
-                             est.logits, probed)
-            if plan.tests[k]:
-                exits = criterion.test(view, tables, k)  # [p]
-                passed = probing & (exits if probed is None else lanes.spread(exits, probed, running))
-            _put(st.entropies[:, k], probing, probed, est.entropy.float())
-            probe_logits = criterion.exit_logits(view)
-    allowed = running if last else running & (passed | capped | ready)
-    st.allowed.copy_(torch.where(allowed & ~ready, layer, st.allowed))  # first allowed here
-    leave = rule.leave(allowed, running)
-    took = leave & probing if probe_logits is not None else torch.zeros_like(leave)
-    read = leave & ~took  # rows read out afresh (charged a readout here)
-    _add(st.flops, read, None, plan.readout_costs[k][0])
-    _add(st.bytes, read, None, plan.readout_costs[k][1])
-    lanes.exit(h, layer, leave, took, probed, probe_logits, st)
-    st.depth.copy_(torch.where(leave, layer, st.depth))
-    code = torch.where(ready, CARRIED, torch.where(passed, CRITERION, torch.where(capped, DEPTH_CAP, LAST_PROBE)))
-    st.reason.copy_(torch.where(leave, code, st.reason))
-    staying = running & ~leave
-    st.running.copy_(staying)
-    st.ready.copy_(allowed & staying)
-    st.more[k + 1] = staying.any()
-
-
-def record_of(st: State, tokens: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
-    """What the host learns of a step, as one ``[B, 7 + P]`` float64 tensor (one copy): per row its token,
-    log-probability, depth, reason, first allowed layer, FLOPs and bytes of its probes and exit readout, and its
-    entropies at the probes (NaN where not probed)."""
-    columns = [tokens.double(), logprobs.double(), st.depth.double(), st.reason.double(), st.allowed.double(),
-               st.flops, st.bytes]
-    return torch.cat([torch.stack(columns, dim=1), st.entropies.double()], dim=1)
-
-
 class DeviceStep:
     """One method's decode step over a cache's ``B`` rows, as a program over a :class:`State` (see the module
     docstring): :meth:`run` is one step, taken by an executor (:mod:`emad.engine.step_graphs`) that decides how
     ``when any row still runs`` is answered.
 
-    On a compiled stack the program's pieces — reset and embedding, each probe's settling, the finish — are compiled
-    once per kind of method (:meth:`key_of`, and the readout), shared by every point of the kind: the values that differ between
-    points (thresholds, τ − margin) are the tensors of :attr:`tables`, written per generation (:meth:`load`).
+    On a compiled stack the program's pieces are compiled once per structure and shared: the reset and embedding
+    and the finish by every program of equal probe count, and one settling per probe shape (:class:`ProbeShape`)
+    for every probe of that shape and every method of its kind, its probe index a tensor (the layer, costs and the
+    estimator's correction are read from tables at it, the readout's translator comes in as an argument). The
+    values that differ between points (thresholds, τ − margin) are the tensors of :attr:`tables`, written per
+    generation (:meth:`load`).
 
     Args:
         stack: the reading stack (eager or compiled).
@@ -246,25 +79,34 @@ class DeviceStep:
         self.plan = Plan.of(method, stack.n_layers, cost)
         self.n_layers = stack.n_layers
         self.criterion, self.rule, self.policy = method.criterion, rule_of(method), POLICIES.get(method.policy)
+        self.estimator = method.estimator
         self.lanes, self.compile = lanes, compile
-        self.key = (*self.key_of(stack, method, cache, cost), id(getattr(lanes, "view", None)))
+        self.view_id = id(getattr(lanes, "view", None))
         width = stack.head.weight.shape[1]
         self.state = State.empty(cache.batch_size, len(self.plan.probes), width, stack.vocab_size, stack.dtype,
                                  stack.device, logits=not lanes.compiled)
         self.tables = {name: t.clone() for name, t in method.criterion.tables(stack.n_layers, stack.device).items()}
         self.names = tuple(sorted(self.tables))
+        lens = getattr(getattr(lanes, "view", stack), "lens", None)
+        self.translators = [None if lens is None else lens.translators.get(p) for p in self.plan.probes]
+        with torch.inference_mode(False):  # normal tensors: a captured step's guards see the same kind every time
+            self.ks = [torch.tensor([k], device=stack.device) for k in range(len(self.plan.probes))]  # [1] each
+        self.probe_tables = self.plan.tensors(stack.device)
+        corrections = _corrections(method.estimator, stack, self.plan.probes)
+        if corrections is not None:
+            self.probe_tables["corrections"] = corrections
         self.executor = None  # made by the stepper on the first step (it may capture graphs)
         self.logits: torch.Tensor | None = None  # [B, V] the last step's exit readout (a graph's output: read it first)
         self._h: torch.Tensor | None = None
 
     @staticmethod
     def key_of(stack, method, cache, cost: CostModel) -> tuple:
-        """What the program's compiled pieces specialise on (besides the readout they read through): the plan, the
-        criterion's structure, the estimator's options, policy and batch exit rule, the batch and the cache's
-        capacity."""
+        """What a program (its state, tables and graphs) is kept for: the plan, the criterion's structure, the
+        estimator's options (its corrections are a table, loaded per generation), policy and batch exit rule, the
+        batch and the cache's capacity."""
         return (Plan.of(method, stack.n_layers, cost), method.criterion.structure(stack.n_layers),
-                options_key(method.estimator), method.policy, method.batch_exit, cache.batch_size, cache.capacity,
-                stack.dtype)
+                options_key(method.estimator, corrections=False), method.policy, method.batch_exit,
+                cache.batch_size, cache.capacity, stack.dtype)
 
     def load(self, method, policy, tokens: torch.Tensor, positions: torch.Tensor) -> None:
         """Start a generation: every row decodes (:meth:`retire` stops some), from ``tokens`` ``[B]`` at positions
@@ -272,6 +114,9 @@ class DeviceStep:
         st = self.state
         for name, values in method.criterion.tables(self.n_layers, st.token.device).items():
             self.tables[name].copy_(values)
+        if "corrections" in self.probe_tables:
+            self.probe_tables["corrections"].copy_(_corrections(method.estimator, self.lanes.stack,
+                                                                self.plan.probes))
         st.token.copy_(tokens)
         st.position.copy_(positions)
         st.cap.copy_(policy.first_cap(st.cap.device))
@@ -298,26 +143,47 @@ class DeviceStep:
     def _body(self, k: int) -> None:
         self._h = self._block(k, self._h)
 
-    def _call(self, name: str, make, *args):
+    def _call(self, key: tuple, make, *args):
+        """``make()``'s function on ``args``: compiled once per ``key`` (each a code object of its own: dynamo counts
+        recompiles per code object), or as it is."""
         if self.compile is None:
             return make()(*args)
-        key = (name, *self.key)  # each piece a code object of its own: dynamo counts recompiles per code object
-        return self.compile(key, lambda: own_code(make(), f"emad_step_{name}_{hash(key) & 0xFFFFFFFF:x}"), *args)
-
-    def _flat(self) -> tuple[torch.Tensor, ...]:
-        return (*self.state, *(self.tables[n] for n in self.names))
+        return self.compile(key, lambda: own_code(make(), f"emad_step_{key[0]}_{hash(key) & 0xFFFFFFFF:x}"), *args)
 
     def _block(self, k: int, h: torch.Tensor | None) -> torch.Tensor:
         """Layers up to the ``k``-th probe and its settling (block 0 first resets the step and embeds)."""
         st, lanes, plan = self.state, self.lanes, self.plan
         if k == 0:
-            h = self._call("begin", self._make_begin, *self.state)
+            h = self._call(("begin", *self._shapes()), self._make_begin, *self.state)
         h = lanes.run(h, 0 if k == 0 else plan.probes[k - 1], plan.probes[k], st)
-        self._call(f"settle{k}", lambda: self._make_settle(k), h, *self._flat())
+        self._settle(k, h)
         return lanes.keep(h)
 
+    def _shapes(self) -> tuple:
+        """What every compiled piece of the program specialises on: probes, rows, dtype, the view it reads."""
+        return len(self.plan.probes), self.state.running.shape[0], self.state.exit_x.dtype, self.view_id
+
+    def _settle(self, k: int, h: torch.Tensor) -> None:
+        shape, translator = self.plan.shape(k), self.translators[k]
+        if self.compile is None:
+            correction = self.probe_tables["corrections"][k] if "corrections" in self.probe_tables else None
+            settle(shape, self.plan.at(k, translator, correction), self.criterion, self.rule, self.lanes, h,
+                   self.state, self.tables)
+            return
+        # a probe not estimated reads neither the criterion's tables nor the estimator's corrections: its settling
+        # is the same for every method
+        tables = self.tables if shape.estimates else {}
+        per_probe = {n: t for n, t in self.probe_tables.items() if shape.estimates or n != "corrections"}
+        kind = ((self.criterion.kind(), options_key(self.estimator, corrections=False))
+                if shape.estimates else None)
+        signature = tuple((n, tuple(t.shape), t.dtype) for n, t in sorted({**per_probe, **tables}.items()))
+        key = ("settle", shape, kind, type(self.rule).__name__, translator is None, signature, *self._shapes())
+        names = tuple(sorted(tables))
+        self._call(key, lambda: self._make_settle(shape, tuple(per_probe), names), h, self.ks[k], translator,
+                   *self.state, *per_probe.values(), *(tables[n] for n in names))
+
     def _finish(self) -> torch.Tensor:
-        return self._call("finish", self._make_finish, *self.state)
+        return self._call(("finish", self.policy.name, *self._shapes()), self._make_finish, *self.state)
 
     def _make_begin(self):
         lanes = self.lanes
@@ -329,12 +195,17 @@ class DeviceStep:
 
         return begin_step
 
-    def _make_settle(self, k: int):
-        plan, criterion, rule, lanes, names, n = (self.plan, self.criterion, self.rule, self.lanes, self.names,
-                                                  len(State._fields))
+    def _make_settle(self, shape: ProbeShape, probe_names: tuple[str, ...], names: tuple[str, ...]):
+        criterion, rule, lanes, n = self.criterion, self.rule, self.lanes, len(State._fields)
+        m = len(probe_names)
 
-        def settle_probe(h, *tensors):
-            settle(plan, k, criterion, rule, lanes, h, State(*tensors[:n]), dict(zip(names, tensors[n:])))
+        def settle_probe(h, k, translator, *tensors):
+            per_probe = dict(zip(probe_names, tensors[n:n + m]))
+            costs, reads = per_probe["probe_costs"][k], per_probe["readout_costs"][k]  # [1, 2] each
+            fit = per_probe["corrections"][k] if "corrections" in per_probe else None  # [1, 2]
+            at = ProbeAt(k, per_probe["probe_layers"][k], (costs[:, 0], costs[:, 1]), (reads[:, 0], reads[:, 1]),
+                         translator, None if fit is None else (fit[:, 0], fit[:, 1]))
+            settle(shape, at, criterion, rule, lanes, h, State(*tensors[:n]), dict(zip(names, tensors[n + m:])))
 
         return settle_probe
 
@@ -348,6 +219,15 @@ class DeviceStep:
             return logits
 
         return finish_step
+
+
+def _corrections(estimator, stack, probes) -> torch.Tensor | None:
+    """The estimator's per-probe ``(slope, intercept)`` ``[P, 2]`` (identity where it has none), or None."""
+    table = getattr(estimator, "correction_table", None)
+    if table is None:
+        return None
+    with torch.inference_mode(False):
+        return table(stack, probes).to(stack.device)
 
 
 def rule_of(method):

@@ -100,6 +100,7 @@ def generate(
     eos_token_ids: Sequence[int] | None = None,
     on_token: Callable[[int, int], None] | None = None,
     prefills: Prefills | None = None,
+    on_logits: Callable[[int, torch.Tensor], None] | None = None,
 ) -> Generation:
     """Generate up to ``max_new_tokens`` per prompt with the method's exits.
 
@@ -115,6 +116,10 @@ def generate(
         eos_token_ids: a row stops after producing one of these (default: the model's EOS ids).
         on_token: called as ``on_token(row, token_id)`` for each new token (streaming).
         prefills: prompt passes to reuse (and keep): the generation is then exact but not timed.
+        on_logits: called as ``on_logits(t, logits)`` with the readout ``[B, V]`` each row's ``t``-th new token was
+            chosen from (t = 0: the prompts' pass; rows not stepped: NaN), when it is made (before the host reads
+            the step); a compiled step's readout is a graph's output, overwritten by the next step: copy what you
+            keep (for comparing engines, not for speed).
     """
     sampling = sampling or Sampling()
     stack = reading(stack, method)
@@ -147,6 +152,8 @@ def generate(
         with torch.inference_mode():
             logits = stack.readout(last, depth0)  # [B, V]
     tokens = choose(logits, sampling, generator)  # [B] on the device
+    if on_logits is not None:
+        on_logits(0, logits)
     chosen, logps = _to_host(tokens, logits)
     prefilled = time.perf_counter() - started  # the prompt's pass and its token, read on the host
     positions = real.long().sum(-1).tolist()  # next position id per row, on the host
@@ -158,6 +165,7 @@ def generate(
                 {}, "prompt", depth0, 0)
     probes = method.criterion.probes(stack.n_layers)
     steps = steps_for(stack, cache, method, policy, cost, tokens, positions, sampling, generator, eos, stop_strings)
+    steps.on_logits = on_logits
     with stack.finite_checks_deferred():  # read once at the end: the loop syncs only where it reads its tokens
         alive = _drop_finished(rows_state, list(range(batch)), tokenizer, eos, stop_strings, on_token)
         steps.retire(sorted(set(range(batch)) - set(alive)))

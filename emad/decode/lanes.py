@@ -16,7 +16,7 @@ import weakref
 
 import torch
 
-from emad.decode.device_step import State
+from emad.decode.step_state import State
 from emad.engine.cache import KVCache
 from emad.engine.stack import LayerStack
 from emad.exits.estimators import Estimate, Estimator
@@ -198,16 +198,21 @@ class RowLanes:
         out[rows] = values
         return out
 
-    def estimate(self, h: torch.Tensor, layer: int, probing: torch.Tensor) -> tuple[Estimate, torch.Tensor] | None:
+    def head_input(self, h: torch.Tensor, probe) -> None:
+        """None: each probe and exit reads out its own rows (the host step's operations)."""
+        return None
+
+    def estimate(self, h: torch.Tensor, x, probe, probing: torch.Tensor) -> tuple[Estimate, torch.Tensor] | None:
         rows = self._host(probing)
         if len(rows) == 0:
             return None
         at = torch.searchsorted(self.active, rows)  # their places among the running rows' states
         there = rows.to(h.device)
-        return self.estimator.estimate(self.stack, h[at.to(h.device), -1], layer, there), there
+        return self.estimator.estimate(self.stack, h[at.to(h.device), -1], probe.layer, there), there
 
-    def exit(self, h: torch.Tensor, layer: int, leave: torch.Tensor, took: torch.Tensor, probed, probe_logits,
+    def exit(self, h: torch.Tensor, x, probe, leave: torch.Tensor, took: torch.Tensor, probed, probe_logits,
              st: State) -> None:
+        layer = probe.layer
         self.reads += 1
         flags = torch.stack([leave, took]).cpu()  # [2, B]: one read
         if not bool(flags[0].any()):
@@ -272,16 +277,24 @@ class MaskLanes:
     def pick(self, values: torch.Tensor, rows) -> torch.Tensor:
         return values
 
-    def estimate(self, h: torch.Tensor, layer: int, probing: torch.Tensor) -> tuple[Estimate, None]:
-        """Every row's estimate, rows not probed read as zero states (they cannot trip the NaN/inf flag)."""
-        x = torch.where(probing[:, None], h[:, -1], 0)  # [B, d]
-        return self.estimator.estimate(self.view, x, layer), None
+    def head_input(self, h: torch.Tensor, probe) -> torch.Tensor:
+        """Every row's head input at the probe, final_norm(T_ℓ(h)) ``[B, d]`` (``probe.translator``: T_ℓ, None the
+        identity): made once, read by the estimate and by the exit."""
+        x = h[:, -1]  # [B, d]
+        return self.view.final_norm(x if probe.translator is None else probe.translator(x))
 
-    def exit(self, h: torch.Tensor, layer: int, leave: torch.Tensor, took: torch.Tensor, probed, probe_logits,
-             st: State) -> None:
-        """The leaving rows' head input at ``layer`` (final norm of T_ℓ(h)): their readout is made in :meth:`finish`,
-        the same numbers as the probe's readout (one head product of every row, the same shapes)."""
-        st.exit_x.copy_(torch.where(leave[:, None], self.view.readout_input(h[:, -1], layer), st.exit_x))
+    def estimate(self, h: torch.Tensor, x: torch.Tensor, probe, probing: torch.Tensor) -> tuple[Estimate, None]:
+        """Every row's estimate from its head input ``x`` ``[B, d]``; a NaN/inf of a probed row's entropy sets the
+        runner's flag (rows not probed, whose states rode along, are not read)."""
+        est = self.estimator.from_input(self.view, x, probe.correction)
+        self.view._unchecked.logical_or_((probing & ~torch.isfinite(est.entropy)).any())
+        return est, None
+
+    def exit(self, h: torch.Tensor, x: torch.Tensor, probe, leave: torch.Tensor, took: torch.Tensor, probed,
+             probe_logits, st: State) -> None:
+        """The leaving rows' head input ``x`` at the probe: their readout is made in :meth:`finish`, the same numbers
+        as the probe's readout (one head product of every row, the same shapes)."""
+        st.exit_x.copy_(torch.where(leave[:, None], x, st.exit_x))
 
     def keep(self, h: torch.Tensor) -> torch.Tensor:
         return h

@@ -109,6 +109,7 @@ class DeviceSteps:
         self.mailbox = Mailbox(stack.device, (cache.batch_size, 7 + len(program.plan.probes)))
         self.path = f"device/{program.executor.name}"
         self._launched, self._read = program.executor.launches, program.executor.reads + program.lanes.reads
+        self.on_logits, self.made = None, 0  # generate's on_logits, and the steps launched
 
     @property
     def reads(self) -> int:
@@ -131,6 +132,9 @@ class DeviceSteps:
         program.lanes.slots = slots
         program.executor.run(program)
         logits = program.logits  # [B, V]
+        self.made += 1
+        if self.on_logits is not None:
+            self.on_logits(self.made, logits)
         if self.sampling.do_sample:  # only the live rows draw, as the host step's rows do (read at once: lag 0)
             there = torch.tensor(alive, device=logits.device)
             new = st.token.clone()
@@ -169,6 +173,7 @@ class HostSteps:
         self.tokens, self.positions, self.sampling, self.generator = tokens, positions, sampling, generator
         self.probes = len(method.criterion.probes(stack.n_layers))
         self.reads = 0
+        self.on_logits, self.made = None, 0  # generate's on_logits, and the steps launched
 
     def launch(self, alive: list[int]) -> list[list[float]]:
         policy, device, alive = self.policy, self.stack.device, torch.tensor(alive)
@@ -176,6 +181,11 @@ class HostSteps:
         out = step(self.stack, self.cache, self.method, policy, self.cost, self.tokens[on_device(alive, device)],
                    torch.tensor([self.positions[r] for r in alive.tolist()]), alive)
         new = choose(out.logits, self.sampling, self.generator)
+        self.made += 1
+        if self.on_logits is not None:  # [B, V]: the stepped rows' readouts, NaN elsewhere
+            every = out.logits.new_full((self.cache.batch_size, out.logits.shape[-1]), math.nan)
+            every[on_device(alive, device)] = out.logits
+            self.on_logits(self.made, every)
         logp = torch.log_softmax(out.logits.float(), -1).gather(-1, new[:, None]).squeeze(-1)  # [b]
         chosen = torch.stack([new.double(), logp.double()]).cpu()  # [2, b]: the step's one copy of its tokens
         self.reads += 1 + out.reads

@@ -19,85 +19,29 @@ object), so dynamo's per-function recompile limit is never shared between segmen
 
 from __future__ import annotations
 
+import gc
 import time
 import weakref
 from collections import OrderedDict
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import torch
 
 from emad.engine.cache import KVCache, Slots
+from emad.engine.graph_capture import CompileStats, _Graph  # noqa: F401 - _Graph: what tests and benchmarks subclass
 from emad.engine.segments import (
     estimate_function,
     estimator_signature,
     options_key,
     readout_function,
     segment_function,
+    segment_kinds,
 )
 from emad.engine.stack import LayerStack
 from emad.engine.static_cache import Slab, StaticKVCache
 from emad.engine.step_graphs import Always, Immediate, Lookahead, OneGraph, StepGraph, if_nodes_available
 
 CAPACITY_STEP = 128  # static caches are made in multiples of this many slots, so prompts of similar length share
-
-
-def _like(x: torch.Tensor) -> torch.Tensor:
-    """A copy of ``x`` with its dispatch keys (an inference tensor's copy is one, a normal tensor's is not), so that a
-    compiled function's guards accept the copy wherever they accepted ``x``."""
-    with torch.inference_mode(x.is_inference()):
-        return x.clone()
-
-
-class _Graph:
-    """One function captured as a CUDA graph: replays copy the inputs into the graph's own tensors and overwrite
-    :attr:`output`.
-
-    Args:
-        fn: the compiled function, called as ``fn(*inputs, *fixed)``.
-        inputs: tensors whose values change between replays (copied in at every replay).
-        fixed: what is read where it lies (a slab's buffers, an estimator): its addresses never change.
-    """
-
-    def __init__(self, fn, inputs: tuple[torch.Tensor, ...], fixed: tuple, pool=None):
-        self.inputs = tuple(_like(x) for x in inputs)
-        self.fixed = fixed
-        self.pool = pool
-        self.output = self._record(fn)
-
-    def _record(self, fn):
-        """Capture ``fn`` on the graph's own inputs; its output (tensors the replays overwrite)."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up (lazy initialisation); its writes are the replay's own
-            for _ in range(2):
-                fn(*self.inputs, *self.fixed)
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=self.pool):
-            return fn(*self.inputs, *self.fixed)
-
-    def replay(self) -> None:
-        self.graph.replay()
-
-    def __call__(self, *inputs: torch.Tensor):
-        for mine, given in zip(self.inputs, inputs):
-            mine.copy_(given)
-        self.replay()
-        return self.output
-
-
-@dataclass
-class CompileStats:
-    """What compiling cost in this process: functions compiled, graphs captured and the seconds of both."""
-
-    compilations: int = 0
-    graphs: int = 0
-    seconds: float = 0.0
-    layouts: list[tuple] = field(default_factory=list)  # what was compiled: segments (start, stop, B, S, dtype), probes
-
-    def as_dict(self) -> dict:
-        return {"compilations": self.compilations, "graphs": self.graphs, "compile_seconds": round(self.seconds, 3)}
 
 
 class SegmentRunner:
@@ -138,13 +82,21 @@ class SegmentRunner:
         self.deferring = False
         self._pool = None
         self._ready = weakref.WeakKeyDictionary()  # estimators whose lazy tensors are made -> their signature
+        self._called: set[tuple] = set()  # keys of the functions called (compiled) once
+        self.if_failed: str | None = None  # why a capture with conditional nodes failed (then: lookahead)
+        self._layer_tuples: dict[tuple[int, int], tuple] = {}
 
     def slab(self, batch_size: int, capacity: int) -> Slab | None:
         """A free slab of ``batch_size`` rows and at least ``capacity`` slots: the largest there is, so that once a
         long generation has compiled a layout every shorter one reuses it; made when none is free and fits."""
-        fits = [s for (b, c), s in self.slabs.items() if b == batch_size and c >= capacity and s.free]
-        if fits:
-            return max(fits, key=lambda s: s.valid.shape[-1])
+        for attempt in range(2):
+            fits = [s for (b, c), s in self.slabs.items() if b == batch_size and c >= capacity and s.free]
+            if fits:
+                return max(fits, key=lambda s: s.valid.shape[-1])
+            if (batch_size, capacity) not in self.slabs:
+                break
+            if attempt == 0:  # lent: perhaps to a cache that only a reference cycle keeps (an exception's frames)
+                gc.collect()
         if (batch_size, capacity) in self.slabs:  # the slab of this shape is lent: the cache gets tensors of its own
             return None
         self.slabs[(batch_size, capacity)] = Slab.empty(self.stack.n_layers, batch_size, capacity, self.stack.device)
@@ -154,24 +106,18 @@ class SegmentRunner:
             running: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
         """:func:`masked_segment` of layers ``[start, stop)``, compiled (and replayed as a graph on a slab)."""
         batch, capacity = cache.batch_size, cache.capacity
-        key = (start, stop, batch, capacity, h.dtype)
-        tensors = (cache.keys[start:stop], cache.values[start:stop], cache.valid[start:stop], cache.real)
+        fixed = (*self._segment_tensors(start, stop, cache), self._layers(start, stop))
         inputs = (h, positions, slot, running)
-        fn = self.functions.get(key)
-        if fn is None:
-            name = f"emad_segment_{start}_{stop}_b{batch}_s{capacity}_{str(h.dtype).split('.')[-1]}"
-            fn = self._compile(key, segment_function(self.stack, start, stop, name))
-            began = time.perf_counter()
-            out = fn(*inputs, *tensors)  # the first call compiles
-            self._count(began, key, compiled=True)
-            return out
+        fn, key = self._segment_fn(start, stop, cache, inputs)
+        if key not in self._called:
+            return self.call(key, lambda: fn, *inputs, *fixed)
         if not self.graphs or self.slabs.get((batch, capacity)) is not cache.slab:  # graphs on own slabs only
             with torch.compiler.set_stance("fail_on_recompile"):
-                return fn(*inputs, *tensors)
-        graph_key = (id(cache.slab), *key)
+                return fn(*inputs, *fixed)
+        graph_key = (id(cache.slab), start, stop, batch, capacity, h.dtype)
         graph = self.captured.get(graph_key)
         if graph is None:
-            graph = self.captured[graph_key] = self._capture(fn, inputs, tensors)
+            graph = self.captured[graph_key] = self._capture(fn, inputs, fixed)
         return graph(*inputs)
 
     def call(self, key: tuple, make, *args):
@@ -180,8 +126,10 @@ class SegmentRunner:
         fn = self.functions.get(key)
         if fn is None:
             fn = self._compile(key, make())
+        if key not in self._called:
             began = time.perf_counter()
             out = fn(*args)
+            self._called.add(key)
             self._count(began, key, compiled=True)
             return out
         with torch.compiler.set_stance("fail_on_recompile"):
@@ -191,11 +139,34 @@ class SegmentRunner:
                 cache: StaticKVCache) -> torch.Tensor:
         """:func:`masked_segment` of layers ``[start, stop)`` over every row of ``cache``, compiled (never a graph of
         its own: a device step captures it inside its own graphs); the slot is the slab's."""
-        key = ("step", start, stop, cache.batch_size, cache.capacity, h.dtype)  # inputs of other kinds than run's
-        name = f"emad_step_segment_{start}_{stop}_b{cache.batch_size}_s{cache.capacity}_{str(h.dtype).split('.')[-1]}"
-        return self.call(key, lambda: segment_function(self.stack, start, stop, name), h, positions,
-                         cache.slab.slot, running, cache.keys[start:stop], cache.values[start:stop],
-                         cache.valid[start:stop], cache.real)
+        inputs = (h, positions, cache.slab.slot, running)
+        fn, key = self._segment_fn(start, stop, cache, inputs)
+        return self.call(key, lambda: fn, *inputs, *self._segment_tensors(start, stop, cache),
+                         self._layers(start, stop))
+
+    def _segment_fn(self, start: int, stop: int, cache: StaticKVCache, inputs: tuple) -> tuple:
+        """The compiled segment function of layers ``[start, stop)``'s structure (:func:`segment_kinds`) on
+        ``cache``'s shapes, and its key: one per structure, shared by the segments of that structure at any depth
+        (and per kind of ``inputs``: inference tensors or not, which the guards tell apart)."""
+        kinds = segment_kinds(self.stack, start, stop)
+        dtype = inputs[0].dtype
+        key = ("segment", kinds, cache.batch_size, cache.capacity, dtype, tuple(x.is_inference() for x in inputs))
+        fn = self.functions.get(key)
+        if fn is None:
+            name = f"emad_segment_{stop - start}_b{cache.batch_size}_s{cache.capacity}_{str(dtype).split('.')[-1]}"
+            fn = self._compile(key, segment_function(self.stack, kinds, f"{name}_{len(self.functions)}"))
+        return fn, key
+
+    @staticmethod
+    def _segment_tensors(start: int, stop: int, cache: StaticKVCache) -> tuple:
+        return cache.keys[start:stop], cache.values[start:stop], cache.valid[start:stop], cache.real
+
+    def _layers(self, start: int, stop: int) -> tuple:
+        """The decoder layers ``[start, stop)`` as a tuple (an argument of a segment function)."""
+        found = self._layer_tuples.get((start, stop))
+        if found is None:
+            found = self._layer_tuples[(start, stop)] = tuple(self.stack.layers[start:stop])
+        return found
 
     def graphs_serve(self, cache) -> bool:
         """Whether steps on ``cache`` replay graphs: graphs are on and the cache is on this runner's own slab."""
@@ -286,15 +257,30 @@ class SegmentRunner:
         """How ``program`` steps on ``cache`` (:mod:`emad.engine.step_graphs`): one graph with conditional nodes
         (``branches`` ``if``) or graphs per block with one block of lookahead (``lookahead``) where graphs serve the
         cache, else immediately. Before a capture the program runs once with every block taken (its pieces compile
-        then, outside the capture); the caller has no row live, so neither changes any state. Captures are counted."""
+        then, outside the capture); the caller has no row live, so neither changes any state. Captures are counted.
+
+        A capture with conditional nodes that fails falls back to lookahead (and every later program of this runner
+        with it); that, and a step on CUDA that runs without graphs, is recorded in :attr:`stats` (``fallbacks``,
+        in each run file's settings) and warned about once."""
         if not self.graphs_serve(cache):
+            if self.graphs or self.stack.device.type == "cuda":
+                why = ("the compiled engine's graphs are off" if not self.graphs else
+                       f"the runner's slab of {cache.batch_size} rows x {cache.capacity} slots is lent to another cache")
+                self.stats.fell_back(f"decode steps ran without graphs (the immediate executor: one read of the "
+                                     f"device per block): {why}")
             return Immediate()
         program.run(Always())
         began = time.perf_counter()
+        made = None
         with torch.compiler.set_stance("fail_on_recompile"):
-            if branches == "if":
-                made, captured = OneGraph(program, self.capture_step), 1
-            else:
+            if branches == "if" and self.if_failed is None:
+                try:
+                    made, captured = OneGraph(program, self.capture_step), 1
+                except Exception as error:  # noqa: BLE001 - any failed capture: the lookahead path, and why
+                    self.if_failed = f"{type(error).__name__}: {error}"
+                    self.stats.fell_back(f"a decode step's capture with conditional IF nodes failed "
+                                         f"({self.if_failed}); steps take graphs per block with lookahead")
+            if made is None:
                 made = Lookahead(program, lambda fn, inputs, fixed: self.capture(fn, inputs, fixed, self.pool))
                 captured = len(made.graphs)
         self._count(began, None, compiled=False)
@@ -319,12 +305,15 @@ class SegmentRunner:
             self.stats.graphs += 1
 
 
-_RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its SegmentRunner
+RUNNERS_ATTRIBUTE = "_emad_runners"  # a model's runners, by backend, kept on the model itself
 
 
 def runner_for(stack: LayerStack, backend: str = "inductor") -> SegmentRunner:
-    """The process-wide :class:`SegmentRunner` of ``stack``'s model (one per model and backend)."""
-    per_model = _RUNNERS.setdefault(stack.model, {})
+    """The process-wide :class:`SegmentRunner` of ``stack``'s model (one per model and backend).
+
+    Runners live on the model (they refer to it, and what they compiled and captured does too): they go with it,
+    as one cycle the garbage collector frees, where a registry keyed by the model would keep it alive for ever."""
+    per_model = stack.model.__dict__.setdefault(RUNNERS_ATTRIBUTE, {})
     if backend not in per_model:
         per_model[backend] = SegmentRunner(stack, backend)
     return per_model[backend]

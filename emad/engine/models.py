@@ -26,6 +26,8 @@ from emad.engine.embedded import (  # noqa: F401  (re-exported: the model table'
 )
 from emad.engine.fingerprint import ModelFingerprint, tokenizer_sha256  # noqa: F401  (re-exported)
 from emad.engine.idle import append_idle_layers, parse_idle_spec
+from emad.engine.random_models import PREFIX as RANDOM_PREFIX
+from emad.engine.random_models import random_model
 
 if TYPE_CHECKING:  # importing these eagerly costs ~1 s of transformers' lazy imports
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -103,8 +105,10 @@ def load_model(spec: str, *, device: str = "auto", dtype: str = "auto") -> Loade
     An embedded alias is converted to safetensors under model_cache_dir() on first use.
 
     Args:
-        spec: folder path, a ``.gguf`` file, a key of EMBEDDED (e.g. "smollm2-135m"), or a hub id ("org/name");
-            any of them followed by ``+idle<N>`` appends N idle layers (:mod:`emad.engine.idle`).
+        spec: folder path, a ``.gguf`` file, a key of EMBEDDED (e.g. "smollm2-135m"), a hub id ("org/name"), or a
+            random-weight model of a known shape (``random:smollm2-135m``, :mod:`emad.engine.random_models`: no
+            file, its tokenizer bytes); any of them followed by ``+idle<N>`` appends N idle layers
+            (:mod:`emad.engine.idle`).
         device: "auto" (cuda if available, else cpu) or a torch device string.
         dtype: "auto" (float32 on CPU, bfloat16 on CUDA), "float32", "bfloat16" or "float16".
 
@@ -123,6 +127,9 @@ def load_model(spec: str, *, device: str = "auto", dtype: str = "auto") -> Loade
         base = load_model(idle[0], device=device, dtype=dtype)
         model = append_idle_layers(base.model, idle[1])
         return LoadedModel(model, base.tokenizer, fingerprint(spec, model, base.tokenizer), dev, torch_dtype)
+    if spec.startswith(RANDOM_PREFIX):
+        model, tokenizer = random_model(spec, dev, torch_dtype)
+        return LoadedModel(model, tokenizer, fingerprint(spec, model, tokenizer), dev, torch_dtype)
     folder = Path(spec).expanduser()
     if spec in EMBEDDED:
         source, name = convert_embedded(spec, model_cache_dir() / spec), spec
@@ -293,7 +300,8 @@ def _unknown_spec_message(spec: str, err: OSError | None) -> str:
         reason = "hub is offline (HF_HUB_OFFLINE is set)"
     return (
         f"unknown model spec {spec!r}: not an embedded alias, not a local folder, {reason}; "
-        f"embedded aliases: {', '.join(EMBEDDED)}; a local folder path with config.json also works"
+        f"embedded aliases: {', '.join(EMBEDDED)}; a local folder path with config.json also works, and so does "
+        f"random:<shape> (random weights)"
     )
 
 

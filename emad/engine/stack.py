@@ -188,6 +188,14 @@ class LayerStack:
         logits = self._logits(self.head(torch.cat(inputs)))  # [Σm, V]
         return dict(zip(states, logits.split([len(x) for x in inputs])))
 
+    def head_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits ``[..., V]`` of the head's input ``x`` ``[..., d]``, softcapped, unchecked: for probes that check
+        what they derive from them (an entropy is NaN where its logits hold NaN or +inf)."""
+        logits = self.head(x)
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
     def _logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Softcap the head's output, refusing NaN or inf (at once, or on leaving :meth:`finite_checks_deferred`)."""
         if self.softcap is not None:
@@ -222,6 +230,11 @@ class LayerStack:
             "in float32 (dtype: float32 in params.yaml, --dtype float32 on the command line)")
 
     # ------------------------------------------------------------------ helpers
+    def rotary_index(self, idx: int) -> int:
+        """The first layer whose rotary tables are layer ``idx``'s (layers of one type share them)."""
+        types = getattr(self.config, "layer_types", None)
+        return 0 if types is None else list(types).index(types[idx])
+
     def _rotary(self, h: torch.Tensor, positions: torch.Tensor, idx: int, memo: dict):
         types = getattr(self.config, "layer_types", None)
         key = None if types is None else types[idx]  # layers of one type share their rotary tables

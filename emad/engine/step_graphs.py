@@ -5,7 +5,7 @@ row still runs`` before each later block.
   compiled one without graphs: on a CPU the read costs nothing).
 - :class:`OneGraph` (``graph-if``): the whole step is one CUDA graph, launched once per token; each later block sits
   in a conditional IF node on the flag, which the device evaluates (CUDA ≥ 12.4: ``CUDAGraph.begin_capture_to_if_node``
-  / ``end_capture_to_conditional_node``). The host reads nothing inside a step.
+  / ``end_capture_to_conditional_node``, bound from torch 2.12 on). The host reads nothing inside a step.
 - :class:`Lookahead` (``graph-lookahead``): where conditional nodes are not available, each block is a graph of its
   own; block k+1 is launched before the flag block k left is read (a pinned, non-blocking copy and an event), so the
   device works while the host waits, and launching stops once the device says every row left (one block run in
@@ -19,13 +19,56 @@ from __future__ import annotations
 
 import torch
 
+_IF_SUPPORT: dict[int, str | None] = {}  # CUDA device index -> None (IF nodes work) or why not, tried once
+
+
+def if_node_support() -> str | None:
+    """None where CUDA graphs here hold conditional IF nodes, else the reason they do not: no CUDA device, a torch
+    without the binding, CUDA before 12.4, or a test capture of one IF node that failed or misbehaved (the driver
+    decides too, which no version number tells). The capture is tried once per process and device."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if not hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node"):
+        return f"torch {torch.__version__} has no CUDAGraph.begin_capture_to_if_node (torch >= 2.12 has)"
+    version = tuple(int(x) for x in (torch.version.cuda or "0.0").split(".")[:2])
+    if version < (12, 4):
+        return f"CUDA {torch.version.cuda} < 12.4"
+    device = torch.cuda.current_device()
+    if device not in _IF_SUPPORT:
+        _IF_SUPPORT[device] = _try_if_node()
+    return _IF_SUPPORT[device]
+
+
+def _try_if_node() -> str | None:
+    """Capture ``x += 1`` inside an IF node and replay it with the predicate true, then false: None when ``x`` is 1,
+    else what went wrong."""
+    try:
+        flag = torch.ones((), dtype=torch.bool, device="cuda")
+        x = torch.zeros(1, device="cuda")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            x.add_(1)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            graph.begin_capture_to_if_node(flag)
+            x.add_(1)
+            graph.end_capture_to_conditional_node()
+        x.zero_()
+        graph.replay()
+        flag.fill_(False)
+        graph.replay()
+        torch.cuda.synchronize()
+        got = float(x.item())
+    except Exception as error:  # noqa: BLE001 - any failure means: no IF nodes here, and why
+        return f"a test capture of an IF node failed: {type(error).__name__}: {error}"
+    return None if got == 1.0 else f"a test IF node ran its body {got:g} times in two replays (one expected)"
+
 
 def if_nodes_available() -> bool:
-    """Whether CUDA graphs here can hold conditional IF nodes (a CUDA device, CUDA ≥ 12.4, torch's binding)."""
-    if not torch.cuda.is_available() or not hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node"):
-        return False
-    version = tuple(int(x) for x in (torch.version.cuda or "0.0").split(".")[:2])
-    return version >= (12, 4)
+    """Whether CUDA graphs here hold conditional IF nodes (:func:`if_node_support`)."""
+    return if_node_support() is None
 
 
 class Always:

@@ -155,16 +155,22 @@ class Criterion:
         points of one kind (thresholds, τ − margin), so that a compiled test serves every point of its kind."""
         return {}
 
-    def test(self, view: ProbeView, tables: dict[str, torch.Tensor], k: int) -> torch.Tensor:
-        """:meth:`exits` at the ``k``-th probe, reading its values from ``tables`` (:meth:`tables`) and nothing of the
-        criterion but its structure (its class, probes and strata): bool ``[a]``."""
+    def test(self, view: ProbeView, tables: dict[str, torch.Tensor], k) -> torch.Tensor:
+        """:meth:`exits` at the ``k``-th probe (an int, or a ``[1]`` tensor in compiled code: one compiled test serves
+        every probe), reading its values from ``tables`` (:meth:`tables`) and nothing of the criterion but its kind
+        (:meth:`kind`): bool ``[a]``."""
         return self.exits(view)
 
     def structure(self, n_layers: int) -> tuple:
-        """What a compiled :meth:`test` specialises on (points equal in it share one): the description without
-        the knobs, and the probes."""
+        """What a step program of this criterion is kept for (points equal in it share one): :meth:`kind` and the
+        probes."""
+        return (*self.kind(), tuple(self.probes(n_layers)))
+
+    def kind(self) -> tuple:
+        """What a compiled :meth:`test` specialises on, whatever the probe (points equal in it share one): the
+        class and the description without the knobs."""
         fixed = sorted((k, repr(v)) for k, v in self.describe().items() if k not in self.knobs)
-        return type(self).__name__, tuple(fixed), tuple(self.probes(n_layers))
+        return type(self).__name__, tuple(fixed)
 
     def describe(self) -> dict:
         """Parameters identifying this operating point (for traces, JSON and MLflow)."""
@@ -254,7 +260,7 @@ class Confidence(Criterion):
         return {"limit": torch.full((len(self.probes(n_layers)),), self.threshold, dtype=torch.float32,
                                     device=device)}
 
-    def test(self, view: ProbeView, tables: dict[str, torch.Tensor], k: int) -> torch.Tensor:
+    def test(self, view: ProbeView, tables: dict[str, torch.Tensor], k) -> torch.Tensor:
         return view.entropy <= tables["limit"][k]
 
     def describe(self) -> dict:
@@ -316,12 +322,12 @@ class Emad(Criterion):
         limit = (self.profile.table(device) - self.margin)[:, columns]  # [S, P]
         return {"limit": limit, **strata.edge_tensors(device)}
 
-    def test(self, view: ProbeView, tables: dict[str, torch.Tensor], k: int) -> torch.Tensor:
+    def test(self, view: ProbeView, tables: dict[str, torch.Tensor], k) -> torch.Tensor:
         strata = self.profile.strata.assign(view.positions, view.first_confidence, tables)  # [a]
         return view.entropy <= tables["limit"][strata, k]
 
-    def structure(self, n_layers: int) -> tuple:
-        return (*super().structure(n_layers), self.profile.strata.as_dict().__repr__(), len(self.profile.strata))
+    def kind(self) -> tuple:
+        return (*super().kind(), self.profile.strata.as_dict().__repr__(), len(self.profile.strata))
 
     def describe(self) -> dict:
         return {"method": self.name, "margin": self.margin, "min_exit_layer": self.min_exit_layer,
@@ -377,12 +383,12 @@ class SoftmaxResponse(Criterion):
         limits = [self.layer_thresholds.get(layer, self.threshold) for layer in self.probes(n_layers)]
         return {"limit": torch.tensor(limits, dtype=torch.float32, device=device)}
 
-    def test(self, view: ProbeView, tables: dict[str, torch.Tensor], k: int) -> torch.Tensor:
+    def test(self, view: ProbeView, tables: dict[str, torch.Tensor], k) -> torch.Tensor:
         return top2_gap(view.logits) >= tables["limit"][k]
 
-    def structure(self, n_layers: int) -> tuple:
+    def kind(self) -> tuple:
         fixed = sorted((k, repr(v)) for k, v in self.describe().items() if k not in ("threshold", "layer_thresholds"))
-        return type(self).__name__, tuple(fixed), tuple(self.probes(n_layers))
+        return type(self).__name__, tuple(fixed)
 
     def derived_from_logits(self, layer: int) -> tuple[tuple, ...]:
         return (("top2_gap", layer),)

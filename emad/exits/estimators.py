@@ -76,6 +76,13 @@ class Estimator:
         """(FLOPs, bytes) of one probe for one token."""
         raise NotImplementedError
 
+    def from_input(self, stack, x: torch.Tensor, correction=None) -> Estimate:
+        """Ĥ from the head's input ``x`` ``[a, d]`` (``stack.readout_input(h, layer)``, made once per probe by the
+        caller), with ``correction`` ``(slope, intercept)`` (None: none): a fusable estimator's estimate, the same
+        numbers as :meth:`estimate` of the states, without the NaN/inf check of a readout (the caller reads it
+        from the entropy, which is NaN wherever the logits it came from hold NaN or +inf)."""
+        raise NotImplementedError
+
     def describe(self) -> dict:
         return {"estimator": self.name}
 
@@ -93,6 +100,11 @@ class Exact(Estimator):
 
     def estimate(self, stack, h: torch.Tensor, layer: int, rows: torch.Tensor | None = None) -> Estimate:
         logits = stack.readout(h, layer)  # [a, V]
+        entropy, _, max_prob = readout_summary(logits)
+        return Estimate(entropy, max_prob, logits)
+
+    def from_input(self, stack, x: torch.Tensor, correction=None) -> Estimate:
+        logits = stack.head_logits(x)  # [a, V]
         entropy, _, max_prob = readout_summary(logits)
         return Estimate(entropy, max_prob, logits)
 
@@ -114,10 +126,32 @@ class _Corrected(Estimator):
         self.correction = {int(k): tuple(v) for k, v in (correction or {}).items()}
 
     def corrected(self, raw: torch.Tensor, layer: int) -> torch.Tensor:
+        return self.apply(raw, self.correction_at(layer))
+
+    def correction_at(self, layer: int) -> tuple[float, float] | None:
+        """``(slope, intercept)`` at ``layer``, or None where the raw estimate stands."""
         if self.exact_by_construction or layer not in self.correction:
+            return None
+        return self.correction[layer]
+
+    @staticmethod
+    def apply(raw: torch.Tensor, correction) -> torch.Tensor:
+        """``raw`` ``[a]`` corrected by ``(slope, intercept)`` (numbers or 0-d tensors), or as it is (None)."""
+        if correction is None:
             return raw
-        slope, intercept = self.correction[layer]
+        slope, intercept = correction[0], correction[1]
         return (raw * slope + intercept).clamp_min(0.0)
+
+    def exact_for(self, stack) -> bool:
+        """Whether this estimator is exact by construction on ``stack`` (its raw estimate then stands)."""
+        return False
+
+    def correction_table(self, stack, probes) -> torch.Tensor:
+        """``[P, 2]`` float32: ``(slope, intercept)`` at each probe, ``(1, 0)`` where the raw estimate stands (the
+        same numbers: ``raw · 1 + 0`` is ``raw``, which is ≥ 0)."""
+        rows = [(1.0, 0.0) if self.exact_for(stack) or p not in self.correction else self.correction[p]
+                for p in probes]
+        return torch.tensor(rows, dtype=torch.float32)
 
 
 @ESTIMATORS.register("topk")
@@ -158,11 +192,21 @@ class TopK(_Corrected):
         return self._rows
 
     def estimate(self, stack, h: torch.Tensor, layer: int, rows: torch.Tensor | None = None) -> Estimate:
-        logits = stack.readout_input(h, layer) @ self._head_rows(stack).T  # [a, k]
+        rows_ = self._head_rows(stack)  # made first: it decides whether the estimate is exact by construction
+        return self._estimate(stack, stack.readout_input(h, layer), rows_, self.correction_at(layer))
+
+    def from_input(self, stack, x: torch.Tensor, correction=None) -> Estimate:
+        return self._estimate(stack, x, self._head_rows(stack), correction)
+
+    def _estimate(self, stack, x: torch.Tensor, head_rows: torch.Tensor, correction) -> Estimate:
+        logits = x @ head_rows.T  # [a, k]
         if stack.softcap is not None:
             logits = torch.tanh(logits / stack.softcap) * stack.softcap
         raw, _, max_prob = readout_summary(logits)
-        return Estimate(self.corrected(raw, layer), max_prob, None)
+        return Estimate(self.apply(raw, correction), max_prob, None)
+
+    def exact_for(self, stack) -> bool:
+        return self.k == stack.vocab_size
 
     def probe_cost(self, cost: CostModel) -> tuple[float, float]:
         """``2 × d × K`` FLOPs and the K head rows' bytes (the final norm is element-wise, not counted)."""
@@ -204,12 +248,19 @@ class LowRank(_Corrected):
         return self._factors
 
     def estimate(self, stack, h: torch.Tensor, layer: int, rows: torch.Tensor | None = None) -> Estimate:
+        self._ab(stack)  # made first: it decides whether the estimate is exact by construction
+        return self.from_input(stack, stack.readout_input(h, layer), self.correction_at(layer))
+
+    def from_input(self, stack, x: torch.Tensor, correction=None) -> Estimate:
         a, b = self._ab(stack)
-        logits = (stack.readout_input(h, layer) @ b.T) @ a.T  # [a, V]
+        logits = (x @ b.T) @ a.T  # [a, V]
         if stack.softcap is not None:
             logits = torch.tanh(logits / stack.softcap) * stack.softcap
         raw, _, max_prob = readout_summary(logits)
-        return Estimate(self.corrected(raw, layer), max_prob, None)
+        return Estimate(self.apply(raw, correction), max_prob, None)
+
+    def exact_for(self, stack) -> bool:
+        return self.rank == stack.head.weight.shape[1]
 
     def probe_cost(self, cost: CostModel) -> tuple[float, float]:
         """``2 × r × (d + V)`` FLOPs and the bytes of the two factors."""
