@@ -162,7 +162,7 @@ class Fidelity(Task):
     """Greedy continuations vs full depth, from prompts cut out of the eval split."""
 
     class Settings(Section):
-        prompts: int = Field(8, ge=1)
+        prompts: int = Field(16, ge=1)  # 8 in the confirmation half: C2's prompts (decode.speed_prompts)
         prompt_tokens: int = Field(64, ge=1)
         new_tokens: int = Field(32, ge=1)
 
