@@ -78,9 +78,10 @@ def test_repro_writes_every_output(repo):
     assert "changed" not in status
 
 
-def test_the_positive_control_passes_c1_with_fixed_depth_and_the_model_without_idle_layers_fails(repo):
+def test_the_positive_control_passes_c1_with_fixed_depth_and_the_model_without_idle_layers_tests_nothing(repo):
     """Full depth of the control equals the tiny model's; fixed depth 4 (the tiny model's own depth) of 44 is lossless,
-    so the fixed family passes C1 on the control, and fails on the tiny model itself."""
+    so the fixed family passes C1 on the control. On the tiny model itself the LM head carries nearly all FLOPs: no
+    fixed depth saves 15%, so C1 is untested there (reason "short"), not falsified."""
     def run(name: str) -> dict:
         (path,) = (repo / "reports" / "runs").rglob(f"{name}--stdlib-prose.json")
         return json.loads(path.read_text())
@@ -97,7 +98,8 @@ def test_the_positive_control_passes_c1_with_fixed_depth_and_the_model_without_i
     assert len(lossless["cost"]["speed_pairs"]) == 8 and lossless["cost"]["speed_unit"] == "prompt"
     families = json.loads((repo / "reports" / "metrics.json").read_text())
     assert families["tiny+idle40"]["fixed"]["c1"] == "pass"
-    assert families["tiny"]["fixed"]["c1"] == "fail"
+    assert families["tiny"]["fixed"]["c1"] == "untested" and families["tiny"]["fixed"]["c1_reason"] == "short"
+    assert all(run(f"tiny--{p}")["cost"]["flops_ratio"] > 0.85 for p in ("fixed_3", "fixed-2-tuned"))
     assert "tiny+idle40" in (repo / "reports" / "report.md").read_text()
 
 
