@@ -183,7 +183,9 @@ def test_a_later_sweep_on_kept_states_equals_a_fresh_pass_exactly(stack, profile
     kept = {}
     Sweep(stack, first).score(prompt, continuations, kept)
     (entry,) = kept.values()
-    assert all(not any(s.dim() > 1 for s in shared._readouts.values()) for shared in entry.shared.values())
+    rows = entry.rows  # nothing with a row per vocabulary entry is kept: only states and per-row values
+    assert not rows._raw and not rows._whole
+    assert not any(isinstance(v, torch.Tensor) and v.dim() > 1 for memo in rows._memos.values() for v in memo.values())
     fresh = Sweep(stack, later).score(prompt, continuations)
     again = Sweep(stack, later).score(prompt, continuations, kept)
     for i, (f, a) in enumerate(zip(fresh, again)):
@@ -208,7 +210,7 @@ def test_contrastive_in_a_sweep_reads_out_only_the_blocks_of_rows_still_running(
         _assert_same(got[0], score_continuations(stack, prompt, [continuation], method)[0], repr(method))
         depths.append(got[0].depths[1:])  # each position's exit layer
     (entry,) = kept.values()
-    (shared,) = entry.shared.values()
+    shared = entry.rows
     starts: dict[int, set[int]] = {}  # layer -> the blocks whose contrast was computed there
     for memo in shared._memos.values():
         for key in memo:

@@ -98,6 +98,17 @@ class KVCache:
         out.valid, out.real, out.filled = self.valid.clone(), self.real.clone(), list(self.filled)
         return out
 
+    def take(self, rows: torch.Tensor) -> KVCache:
+        """A cache of the given rows (``[b]`` long, repeats allowed), their K/V and validity copied: prompts
+        prefilled once, each continued by several rows (a multiple-choice item's choices)."""
+        out = KVCache.__new__(KVCache)
+        out.__dict__.update(self.__dict__)
+        out.batch_size = len(rows)
+        out.keys = [None if k is None else k[rows] for k in self.keys]
+        out.values = [None if v is None else v[rows] for v in self.values]
+        out.valid, out.real, out.filled = self.valid[:, rows], self.real[rows], list(self.filled)
+        return out
+
     def load(self, other: KVCache) -> None:
         """Become an independent copy of ``other`` (a kept prompt pass reused by a new generation)."""
         copied = other.copy()

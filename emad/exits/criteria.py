@@ -43,8 +43,8 @@ class ProbeView:
         rows: ``[a]`` which rows of the step these are (for criteria that remember earlier probes of a token).
         memo: what criteria derive from the readouts (keyed by what they compute, layer included), shared by
             every method that reads the same states of the same rows at every probe (a sweep), or None.
-        running: with a memo, how many leading rows are still running (the decisions of the rest are never
-            read: a criterion may skip them), or None (every row).
+        running: with a memo, which rows are still running (``[a]`` bool: the decisions of the rest are never
+            read, a criterion may skip them), or None (every row).
     """
 
     layer: int
@@ -54,7 +54,7 @@ class ProbeView:
     logits: torch.Tensor | None = None
     rows: torch.Tensor | None = None
     memo: dict | None = None
-    running: int | None = None
+    running: torch.Tensor | None = None
 
     def shared(self, key: tuple, compute):
         """``compute()``, or the value a method reading the same states already computed under ``key``."""
@@ -459,13 +459,16 @@ class Contrastive(Criterion):
         if view.memo is not None:  # a sweep: the memo holds every probe's log-probabilities of the same rows
             self._seen.append(view.layer)
             n = len(view.logits)
-            need = n if view.running is None else min(view.running, n)
-            parts = [self._block(view, start, min(start + MEMO_BLOCK, n)) for start in range(0, need, MEMO_BLOCK)]
-            if not parts or parts[0][0] is None:  # the first probe: no amateur yet
+            live = torch.ones(n, dtype=torch.bool) if view.running is None else view.running.cpu()
+            starts = (live.nonzero()[:, 0] // MEMO_BLOCK * MEMO_BLOCK).unique().tolist()  # blocks holding a live row
+            parts = {start: self._block(view, start, min(start + MEMO_BLOCK, n)) for start in starts}
+            if not parts or next(iter(parts.values()))[0] is None:  # the first probe: no amateur yet
                 self._cache = (view.layer, None, None)
                 return
-            contrast = torch.cat([c for c, _ in parts]) if self.output else None  # [rows, V] (never in a sweep)
-            self._cache = (view.layer, contrast, torch.cat([t for _, t in parts]))  # top: [rows >= running]
+            top = torch.zeros(n, device=view.entropy.device)  # [a] the contrast's max probability (0: not read)
+            for start, (_, block_top) in parts.items():
+                top[start:start + len(block_top)] = block_top
+            self._cache = (view.layer, None, top)  # contrastive_output is never in a sweep
             return
         logp = torch.log_softmax(view.logits.float(), dim=-1)  # [a, V]
         rows = view.rows if view.rows is not None else torch.arange(len(logp), device=logp.device)
