@@ -1,0 +1,66 @@
+"""Which teacher-forced requests a sweep scores together in one pass (:meth:`emad.decode.Sweep.score_batch`).
+
+As lm-eval's ``Collator`` orders its requests: longest first (a batch's first request fixes its padded width, so
+the requests of a batch are of similar lengths, and memory peaks at the first batch), requests with the same prompt
+side by side and in one batch where they fit (the prompt runs once for all their continuations). A batch holds at
+most ``size`` requests and, when ``tokens`` is given, at most ``tokens`` padded tokens: its continuations × (its
+longest prompt + its longest continuation), the slots its continuation pass holds. The batches depend on the
+requests alone, so every process that scores a task's requests forms the same ones (a shard of a screen is a list
+of them, :mod:`emad.evaluation.shards`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from emad.decode.results import Request
+
+
+def width(request: Request) -> int:
+    """Tokens of a request's longest row: its prompt and its longest continuation."""
+    prompt, continuations = request
+    return len(prompt) + max(len(c) for c in continuations)
+
+
+def padded_tokens(requests: Sequence[Request]) -> int:
+    """Slots a batch of ``requests`` holds: its continuations × (longest prompt + longest continuation)."""
+    rows = sum(len(cs) for _, cs in requests)
+    return rows * (max(len(p) for p, _ in requests) + max(len(c) for _, cs in requests for c in cs))
+
+
+def check_batch(size: int, tokens: int | None = None) -> None:
+    """Raises ValueError naming ``decode.sweep_batch`` (``decode.sweep_batch_tokens``) when it is not a whole number
+    >= 1 (None: no bound on tokens)."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"decode.sweep_batch = {size!r}: requests per sweep pass must be a whole number >= 1")
+    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
+        raise ValueError(f"decode.sweep_batch_tokens = {tokens!r}: padded tokens per sweep pass must be a whole "
+                         f"number >= 1, or null (no bound)")
+
+
+def request_batches(requests: Sequence[Request], size: int, tokens: int | None = None) -> list[list[int]]:
+    """The requests' indices in batches (module docstring): longest first, equal prompts together; each batch at
+    most ``size`` requests and ``tokens`` padded tokens (a request over ``tokens`` alone is a batch of its own).
+
+    Raises:
+        ValueError: naming the parameter, for a ``size`` or ``tokens`` that is not a whole number >= 1.
+    """
+    check_batch(size, tokens)
+    order = sorted(range(len(requests)), key=lambda i: (-width(requests[i]), tuple(requests[i][0]), i))
+    groups: list[list[int]] = []  # requests with one prompt, side by side
+    for i in order:
+        if groups and tuple(requests[groups[-1][0]][0]) == tuple(requests[i][0]):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    batches: list[list[int]] = []
+    for group in groups:
+        for at in range(0, len(group), size):  # a prompt with more requests than a batch holds spans several
+            part = group[at:at + size]
+            batch = batches[-1] if batches else None
+            if batch is not None and len(batch) + len(part) <= size and (tokens is None or padded_tokens(
+                    [requests[i] for i in batch + part]) <= tokens):
+                batch += part
+            else:
+                batches.append(list(part))
+    return batches
