@@ -12,6 +12,7 @@ of them, :mod:`emad.evaluation.shards`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from emad.decode.results import Request
 
@@ -64,3 +65,22 @@ def request_batches(requests: Sequence[Request], size: int, tokens: int | None =
             else:
                 batches.append(list(part))
     return batches
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How a sweep batches a task's requests: at most ``size`` requests and ``tokens`` padded tokens a pass
+    (``decode.sweep_batch``, ``decode.sweep_batch_tokens``)."""
+
+    size: int = 1
+    tokens: int | None = None
+
+    def __post_init__(self):
+        check_batch(self.size, self.tokens)
+
+    def batches(self, requests: Sequence[Request]) -> list[list[int]]:
+        """:func:`request_batches` of ``requests``."""
+        return request_batches(requests, self.size, self.tokens)
+
+
+ONE = Batching()  # one request a pass

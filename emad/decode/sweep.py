@@ -21,6 +21,7 @@ themselves (``contrastive_output``). Those score alone with :func:`emad.decode.s
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -97,6 +98,7 @@ class Sweep:
             if depth0 != method.criterion.probes(n)[-1]:
                 raise ValueError(f"{name}: its prompt runs {depth0} layers, not its deepest probe")
         self.layers = sorted({p for m in self.methods for p in m.criterion.probes(n)})  # states kept here
+        self.work: Counter[str] = Counter()  # FLOPs computed so far, by kind: layers, readouts, estimators
 
     @torch.inference_mode()
     def score(self, prompt: Sequence[int], continuations: Sequence[Sequence[int]], kept: dict | None = None
@@ -141,6 +143,8 @@ class Sweep:
             if kept is not None:
                 kept[batch] = found
         first = self._first_scores(found)
+        if found.rows is not None:
+            found.rows.work = self.work
         exits = self._exits(found.rows) if found.rows is not None else [None] * len(self.methods)
         out = self._scored(found, first, exits, [len(cs) for _, cs in batch])
         if found.rows is not None:
@@ -164,6 +168,7 @@ class Sweep:
         longest = max(len(c) for _, c in pairs) - 1  # continuation inputs: every token but the last
         cache = stack.new_cache(len(prompts), ids.shape[1] + longest)
         states = self._run(cache, ids, positions_of(real), cache.allocate(real))
+        self.work["layers"] += sum(self._layer_flops(0, n) for n in lengths)
         last = {layer: h[:, -1] for layer, h in states.items()}  # [B, d] each prompt's last position
         scored = [(row, c) for row, c in pairs if len(c) > 1]  # continuations with a position after the first
         if not scored:
@@ -180,10 +185,18 @@ class Sweep:
         start = torch.tensor([lengths[row] for row, _ in scored], device=device)  # [C]
         positions = start[:, None] + torch.arange(longest, device=device)[None]  # [C, M]
         states = self._run(cache, x, positions, cache.allocate(real))
+        self.work["layers"] += sum(self._layer_flops(lengths[row], len(c) - 1) for row, c in scored)
         states = {layer: h[real] for layer, h in states.items()}  # [N, d] the real rows, continuation by continuation
         targets = torch.tensor([t for _, c in scored for t in c[1:]], device=device)  # [N]
         rows = Rows(states, positions[real], targets, Segments([len(c) - 1 for _, c in scored]), self._views)
         return Kept(last, rows, pairs, lengths)
+
+    def _layer_flops(self, before: int, n: int) -> int:
+        """FLOPs of ``n`` real tokens after ``before`` others through the kept layers (token i attends to
+        ``before + i + 1`` keys; padding, which the pass also runs, not counted)."""
+        cost, depth = self._views[self.keys[0]][1], self.layers[-1]
+        keys = n * before + n * (n + 1) // 2
+        return 2 * n * sum(cost.layer_params[:depth]) + 4 * cost.d_model * depth * keys
 
     def _first_scores(self, found: Kept) -> dict[tuple, tuple[list[float], list[bool]]]:
         """``(readout key, depth0) ->`` each continuation's first-token log-probability and greedy hit, read out of
@@ -206,6 +219,8 @@ class Sweep:
             for at in range(0, len(these), per):
                 group = these[at:at + per]
                 logits = self._views[key][0].readouts({d: found.last[d] for d in group})  # depth -> [B, V]
+                cost = self._views[key][1]
+                self.work["readouts"] += n_prompts * sum(cost.readout_at(d)[0] for d in group)
                 for depth0, rows in logits.items():
                     logp = torch.log_softmax(rows.float(), -1)[prompt_rows]  # [C, V]
                     best = rows.argmax(-1)[prompt_rows]  # [C]

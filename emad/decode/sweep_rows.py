@@ -14,13 +14,14 @@ the logits a criterion reads (contrastive) and a stateful estimator's (pruning).
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import torch
 
 from emad.decode.monotone import ESTIMATE, Segments, estimated_probes
 from emad.decode.step import Method
-from emad.engine.entropy import readout_summary
+from emad.engine.fused import fused, readout_scores
 from emad.exits.criteria import MEMO_BLOCK, top2_gap
 from emad.exits.estimators import Estimate, Exact
 
@@ -29,7 +30,7 @@ CHUNK = 256  # rows read out in one head product at most (a multiple of BLOCK): 
 LOGIT = ("logit", "")
 SUMMARY = ("entropy", "max_prob", "logprob", "greedy")  # what every readout of a row gives
 # what criteria derive from a probe's logits (memo keys (name, layer)), computed with the summary when asked for
-DERIVED: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"top2_gap": top2_gap}
+DERIVED: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"top2_gap": fused(top2_gap)}
 
 
 def canonical(views: dict, key: tuple, probe: int) -> tuple:
@@ -105,13 +106,10 @@ class RowValues:
 
 
 def summarise(logits: torch.Tensor, targets: torch.Tensor, derived: Sequence[str]) -> dict[str, torch.Tensor]:
-    """A readout's summary per row (``logits`` ``[r, V]``, ``targets`` ``[r]``): :data:`SUMMARY` and the
-    ``derived`` values (:data:`DERIVED`), in fp32 (greedy: bool). The target's log-probability is its logit less
-    the row's log-sum-exp, from the same pass as the entropy (:func:`~emad.engine.entropy.readout_summary`)."""
-    entropy, argmax, max_prob = readout_summary(logits)
-    top = logits.gather(-1, argmax[:, None])[:, 0].float()  # [r]
-    logprob = logits.gather(-1, targets[:, None])[:, 0].float() - top + torch.log(max_prob)  # - log Σ exp(z - top)
-    out = {"entropy": entropy, "max_prob": max_prob, "logprob": logprob, "greedy": argmax == targets}
+    """A readout's summary per row (``logits`` ``[r, V]``, ``targets`` ``[r]``): :data:`SUMMARY`
+    (:func:`~emad.engine.fused.readout_scores`, one fused kernel) and the ``derived`` values (:data:`DERIVED`)."""
+    entropy, max_prob, logprob, greedy = readout_scores(logits, targets)
+    out = {"entropy": entropy, "max_prob": max_prob, "logprob": logprob, "greedy": greedy}
     return out | {name: DERIVED[name](logits) for name in derived}
 
 
@@ -136,6 +134,7 @@ class Rows:
         self._sequence_at: dict[tuple, tuple] = {}  # (readout, estimator key, sequence) -> its last probe, estimator
         self._memos: dict[tuple, dict] = {}  # (readout, estimator key) -> what criteria derive, shared
         self._estimators: dict[int, object] = {}  # the fitted estimators keyed by id: alive while these are
+        self.work: Counter[str] = Counter()  # FLOPs computed, by kind (readouts, estimators): the sweep's own
 
     # ------------------------------------------------------------------ what methods read
     def bind(self, method: Method, key: tuple) -> MethodRows:
@@ -166,6 +165,7 @@ class Rows:
         view = self.views[key][0]
         derived = [name for name in names if name in DERIVED]
         kept = [] if held is None else [held]
+        self.work["readouts"] += len(todo) * self.views[key][1].readout_at(probe)[0]
         for rows in chunks(todo):
             dev = rows.to(self.device)
             logits = view.readout(self.states_at[probe][dev], probe)  # [r, V]
@@ -192,6 +192,8 @@ class Rows:
         store = self._values.setdefault((self.canonical(key, probe), estimator_key(estimator), probe),
                                         RowValues(self.n, self.device))
         todo = store.missing(live, ("entropy", "max_prob"))
+        cost = self.views[key][1]
+        self.work["estimators"] += len(todo) * (estimator.probe_cost(cost)[0] + cost.translation(probe)[0])
         for rows in chunks(todo):
             est = estimator.estimate(self.views[key][0], self.states_at[probe][rows.to(self.device)], probe,
                                      rows.to(self.device))
@@ -235,8 +237,12 @@ class Rows:
             estimator = method.estimator
             estimator.begin(self.n)
         every = torch.arange(self.n, device=self.device)
+        cost = self.views[key][1]
         for layer in todo:
-            self._whole[base + (layer,)] = estimator.estimate(self.views[key][0], self.states_at[layer], layer, every)
+            est = estimator.estimate(self.views[key][0], self.states_at[layer], layer, every)
+            self._whole[base + (layer,)] = est
+            per_row = float(est.cost[0].sum()) if est.cost is not None else self.n * estimator.probe_cost(cost)[0]
+            self.work["estimators"] += per_row + self.n * cost.translation(layer)[0]
         self._sequence_at[base] = probe, estimator
         return self._whole[base + (probe,)]
 
@@ -319,6 +325,8 @@ class RowLogits:
         index = self.slot[rows.cpu() if isinstance(rows, torch.Tensor) else rows]
         if bool((index < 0).any()):
             raise IndexError("a row whose logits were not read out at this probe")
+        if isinstance(rows, slice) and len(index) and bool((index[1:] - index[:-1] == 1).all()):
+            return self.held[int(index[0]):int(index[-1]) + 1]  # held side by side: a view, no copy
         return self.held[index.to(self.device)]
 
 

@@ -79,6 +79,11 @@ class DecodeConfig(Section):
             it; the stage checks the name before any work. Outputs are the same either way
             (:mod:`emad.evaluation.executors`).
         workers: Ray actors (null: one per GPU of the cluster, else 2).
+        sweep_batch: requests the screen's sweep scores in one pass (:mod:`emad.decode.batches`: longest first,
+            requests with one prompt together); a request's scores do not depend on its batch-mates beyond float
+            rounding.
+        sweep_batch_tokens: at most this many padded tokens a sweep pass (its continuations × its longest prompt and
+            continuation): the memory bound (null: none).
 
     A point of ``baselines``, ``points`` or ``related`` may give a list, a range or ``all`` for its method's knob
     (``margin``, ``threshold``, ``depth``, ``tau``, ``exit_layer``): a list stands for one point per value, a range
@@ -118,6 +123,8 @@ class DecodeConfig(Section):
     screens: dict[str, Screen] = Field(default_factory=dict)
     executor: str = "serial"
     workers: int | None = Field(None, ge=1)
+    sweep_batch: int = Field(16, ge=1)
+    sweep_batch_tokens: int | None = Field(4096, ge=1)
     device: str = "auto"
     dtype: str = "auto"
     engine: str = "auto"

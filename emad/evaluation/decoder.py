@@ -24,6 +24,7 @@ from typing import Any
 from tqdm import tqdm
 
 from emad.decode import Method
+from emad.decode.batches import Batching
 from emad.decode.strategy import Strategy
 from emad.engine.engines import compile_stats, with_engine
 from emad.engine.host_memory import release_free
@@ -173,6 +174,7 @@ class Decoder:
         self.final_from = final_state_from(plain)  # exits from here on read the final state (emad.engine.idle)
         self.stack = with_engine(plain, cfg.engine)
         self.speed_tokens = cfg.speed_tokens_by_device.get(self.stack.device.type, cfg.speed_tokens)
+        self.batching = Batching(cfg.sweep_batch, cfg.sweep_batch_tokens)
         self.jobs = [Job(j.kind, j.name, j.point, j.calibration, j.position) for j in plan.jobs]
         self._scores: dict[str, dict] = {}  # domain -> job label -> its teacher-forced scores (score_all)
         self._reference: dict[str, dict] = {}  # domain -> full depth's teacher-forced task results
@@ -233,7 +235,7 @@ class Decoder:
         methods = self._methods(jobs, reference=not extra)
         shared = self._shared.setdefault(domain, Shared())
         out = score_shard(self.stack, self.loaded.tokenizer, methods, self.prepared[domain], shared,
-                          self.plan.cfg.unserved_tokens, self._kept.setdefault(domain, {}), shard)
+                          self.plan.cfg.unserved_tokens, self._kept.setdefault(domain, {}), shard, self.batching)
         print(f"decode: {domain}: shard {shard} of the teacher-forced tasks of {len(jobs)} points in "
               f"{time.perf_counter() - start:.0f} s", file=sys.stderr)
         return out
@@ -432,7 +434,8 @@ class Decoder:
         shared = self._shared.setdefault(domain, Shared())
         print(f"decode: {domain}: teacher-forced tasks of {len(jobs)} points", file=sys.stderr)
         self._install(domain, score_all(self.stack, self.loaded.tokenizer, methods, self.prepared[domain], shared,
-                                        self.plan.cfg.unserved_tokens, self._kept.setdefault(domain, {})))
+                                        self.plan.cfg.unserved_tokens, self._kept.setdefault(domain, {}),
+                                        self.batching))
 
     def _install(self, domain: str, scores: dict) -> None:
         """Keep ``scores`` (label → its teacher-forced scores) for :meth:`_forced`; the first time, full depth's

@@ -304,7 +304,9 @@ class Emad(Criterion):
     def exits(self, view: ProbeView) -> torch.Tensor:
         if self._tau is None or self._tau.device != view.entropy.device:
             self._tau = self.profile.table(view.entropy.device)
-        strata = self.profile.strata.assign(view.positions, view.first_confidence)  # [a]
+        first = self.probes(self.profile.probe_layers[-1])[0]  # where first_confidence was read
+        strata = view.shared(("strata", repr(self.profile.strata.as_dict()), first),  # one assignment a sweep's rows
+                             lambda: self.profile.strata.assign(view.positions, view.first_confidence))  # [a]
         tau = self._tau[strata, self._column[view.layer]]  # [a]
         return view.entropy <= tau - self.margin
 
@@ -504,10 +506,8 @@ class Contrastive(Criterion):
         p, h_p = probs(view.layer)
         scores = torch.stack([jsd_probs(p, q, h_p, h_q) for q, h_q in map(probs, earlier)])  # [C, b]
         pick = amateur_of(scores, view.layer, earlier, self.distance_discount)  # [b]
-        amateur = torch.empty_like(logp)  # [b, V] each row's amateur log-probabilities
-        for c, m in enumerate(earlier):
-            rows = pick == c
-            amateur[rows] = view.memo[("logp", m, start)][rows]
+        candidates = torch.stack([view.memo[("logp", m, start)] for m in earlier])  # [C, b, V]
+        amateur = candidates[pick, torch.arange(len(pick), device=pick.device)]  # [b, V] each row's amateur's
         return self._contrast_with(view.layer, logp, amateur)
 
     def _contrast(self, layer: int, logp: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:

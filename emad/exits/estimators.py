@@ -13,6 +13,7 @@ import torch
 
 from emad.engine.cost import CostModel
 from emad.engine.entropy import readout_summary
+from emad.engine.fused import summary
 from emad.registry import Registry
 
 
@@ -208,7 +209,7 @@ class LowRank(_Corrected):
         logits = (stack.readout_input(h, layer) @ b.T) @ a.T  # [a, V]
         if stack.softcap is not None:
             logits = torch.tanh(logits / stack.softcap) * stack.softcap
-        raw, _, max_prob = readout_summary(logits)
+        raw, _, max_prob = summary(logits)  # [a, V]: fused (emad.engine.fused)
         return Estimate(self.corrected(raw, layer), max_prob, None)
 
     def probe_cost(self, cost: CostModel) -> tuple[float, float]:
@@ -294,7 +295,7 @@ class Prune(Estimator):
 
     def _full(self, stack, h, layer, rows) -> Estimate:
         logits = stack.readout(h, layer)  # [a, V]
-        entropy, _, max_prob = readout_summary(logits)
+        entropy, _, max_prob = summary(logits)
         keep = self._adaptive(max_prob, self._sets.shape[1], stack.vocab_size)  # adaptive: the next probe's size
         width = int(keep.max()) if self.schedule == "adaptive" else self._sets.shape[1]
         self._sets[rows, :width] = logits.topk(width, dim=-1).indices  # [a, width] best first
