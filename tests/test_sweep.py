@@ -201,7 +201,7 @@ def test_contrastive_in_a_sweep_reads_out_only_the_blocks_of_rows_still_running(
     only the blocks that cover the longest prefix of rows one of its methods still runs there (what their exits
     say), and every method still equals its own scoring."""
     prompt = random_prompts(1, [5], seed=7)[0]
-    continuation = random_prompts(1, [41], seed=8)[0]  # 40 scored positions: 5 blocks
+    continuation = random_prompts(1, [5 * MEMO_BLOCK + 1], seed=8)[0]  # 5 blocks of scored positions
     methods = [Method(Contrastive(t, alpha=0.2, probe_every=1)) for t in (0.2, 0.4, 0.6)]
     kept = {}
     together = Sweep(stack, methods).score(prompt, [continuation], kept)

@@ -25,7 +25,7 @@ from emad.engine.fused import fused, readout_scores
 from emad.exits.criteria import MEMO_BLOCK, top2_gap
 from emad.exits.estimators import Estimate, Exact
 
-BLOCK = MEMO_BLOCK  # rows computed together: a row's value never depends on which other rows were asked for
+BLOCK = 8  # rows computed together: a row's value never depends on which other rows were asked for
 CHUNK = 256  # rows read out in one head product at most (a multiple of BLOCK): bounds the [rows, V] in flight
 LOGIT = ("logit", "")
 SUMMARY = ("entropy", "max_prob", "logprob", "greedy")  # what every readout of a row gives
@@ -217,10 +217,10 @@ class Rows:
 
     def raw_rows(self, live: torch.Tensor) -> torch.Tensor:
         """``[N]`` bool: the whole blocks of :data:`~emad.exits.criteria.MEMO_BLOCK` rows that hold a ``live``
-        row (a criterion that reads the logits reads them by block)."""
-        rows = blocks(live, torch.zeros(self.n, dtype=torch.bool))
+        row (a criterion that reads the logits reads them by those blocks)."""
         out = torch.zeros(self.n, dtype=torch.bool)
-        out[rows] = True
+        for start in (live.nonzero()[:, 0] // MEMO_BLOCK * MEMO_BLOCK).unique().tolist():
+            out[start:start + MEMO_BLOCK] = True
         return out
 
     def _whole_rows(self, method: Method, key: tuple, probe: int) -> Estimate:

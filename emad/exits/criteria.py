@@ -25,7 +25,7 @@ from emad.exits.contrastive import (
 )
 from emad.registry import Registry
 
-MEMO_BLOCK = 8  # rows a sweep's memo computes together for a criterion that reads only the running rows: a fixed
+MEMO_BLOCK = 32  # rows a sweep's memo computes together for a criterion that reads only the running rows: a fixed
 # split, so that a row's value never depends on how many rows the other methods needed
 
 
