@@ -145,6 +145,30 @@ def test_batches_take_the_longest_requests_first_keep_a_prompt_s_requests_togeth
     assert request_batches(requests, 8, tokens=26) == [[1], [0, 3, 2], [4]]  # 2 rows x 13 slots; 3 x 8; 4 x 8 > 26
     assert request_batches(requests, 8, tokens=5) == [[1], [0, 3], [2], [4]]  # over the bound alone: a batch
     assert request_batches([], 4) == []
-    for size, tokens in ((0, None), (2, 0)):
+    assert request_batches(requests, "auto", tokens=26) == request_batches(requests, 8, tokens=26)  # tokens alone
+    for size, tokens in ((0, None), (2, 0), ("many", None), (True, None)):
         with pytest.raises(ValueError, match="decode.sweep_batch"):
             request_batches(requests, size, tokens)
+
+
+def test_bad_batch_params_name_the_key_and_the_valid_values_before_any_work():
+    from emad.config import ConfigError, validate_section
+    from emad.evaluation.config import DecodeConfig
+
+    base = {"domains": {"toy": ["perplexity", "fidelity"]}}
+    for key, value, words in (("sweep_batch", 0, "whole number >= 1, or auto"), ("sweep_batch", "big", "auto"),
+                              ("sweep_batch_tokens", 0, "whole number >= 1, or null")):
+        with pytest.raises(ConfigError, match=rf"decode.{key}.*{words}"):
+            validate_section("decode", {**base, key: value}, DecodeConfig)
+    assert validate_section("decode", {**base, "sweep_batch": "auto"}, DecodeConfig).sweep_batch == "auto"
+
+
+def test_an_auto_batch_fills_a_share_of_the_free_memory(stack):  # noqa: F811
+    from emad.decode.batches import Batching, auto_tokens, token_bytes
+
+    methods = [Method(Full()), Method(Confidence(1.0))]
+    per = token_bytes(stack, methods)
+    assert token_bytes(stack, [*methods, Method(Contrastive(0.5))]) > per  # contrastive keeps every probe's rows
+    assert auto_tokens(stack, methods) >= 256
+    assert Batching.of("auto", None, stack, methods).tokens == auto_tokens(stack, methods)
+    assert Batching.of("auto", 1000, stack, methods) == Batching("auto", 1000)  # a given bound stands

@@ -81,7 +81,8 @@ class DecodeConfig(Section):
         workers: Ray actors (null: one per GPU of the cluster, else 2).
         sweep_batch: requests the screen's sweep scores in one pass (:mod:`emad.decode.batches`: longest first,
             requests with one prompt together); a request's scores do not depend on its batch-mates beyond float
-            rounding.
+            rounding. ``auto``: as many as ``sweep_batch_tokens`` lets a pass hold, or without it a quarter of the
+            free memory.
         sweep_batch_tokens: at most this many padded tokens a sweep pass (its continuations × its longest prompt and
             continuation): the memory bound (null: none).
 
@@ -123,8 +124,8 @@ class DecodeConfig(Section):
     screens: dict[str, Screen] = Field(default_factory=dict)
     executor: str = "serial"
     workers: int | None = Field(None, ge=1)
-    sweep_batch: int = Field(16, ge=1)
-    sweep_batch_tokens: int | None = Field(4096, ge=1)
+    sweep_batch: int | str = 16
+    sweep_batch_tokens: int | None = 4096
     device: str = "auto"
     dtype: str = "auto"
     engine: str = "auto"
@@ -159,6 +160,13 @@ class DecodeConfig(Section):
     @classmethod
     def _known_engine(cls, value: str) -> str:
         return check_engine(value)
+
+    @model_validator(mode="after")
+    def _sweep_batch(self) -> DecodeConfig:
+        from emad.decode.batches import check_batch  # no torch: the params check stays light
+
+        check_batch(self.sweep_batch, self.sweep_batch_tokens)
+        return self
 
     @field_validator("speed_tokens_by_device")
     @classmethod

@@ -174,7 +174,6 @@ class Decoder:
         self.final_from = final_state_from(plain)  # exits from here on read the final state (emad.engine.idle)
         self.stack = with_engine(plain, cfg.engine)
         self.speed_tokens = cfg.speed_tokens_by_device.get(self.stack.device.type, cfg.speed_tokens)
-        self.batching = Batching(cfg.sweep_batch, cfg.sweep_batch_tokens)
         self.jobs = [Job(j.kind, j.name, j.point, j.calibration, j.position) for j in plan.jobs]
         self._scores: dict[str, dict] = {}  # domain -> job label -> its teacher-forced scores (score_all)
         self._reference: dict[str, dict] = {}  # domain -> full depth's teacher-forced task results
@@ -182,6 +181,8 @@ class Decoder:
         self._kept: dict[str, dict] = {}  # domain -> its sweep passes, for the screen's refinements (Sweep.score)
         self._references: dict[tuple, float] = {}  # (prompts, new tokens) -> full depth's tokens/s (cheap measure)
         self._build_all()
+        self.batching = Batching.of(cfg.sweep_batch, cfg.sweep_batch_tokens, self.stack,
+                                    [job.method for job in self.jobs])
         self.prepared = {d: prepare(tasks, cfg.tasks, src.corpora / d if src.corpora else None,
                                     self.loaded.tokenizer) for d, tasks in plan.tasks_of.items()}
 
