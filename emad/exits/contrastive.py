@@ -35,6 +35,15 @@ def jsd(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
 
 
 @fused
+def log_distribution(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``log_softmax(logits)``, its probabilities and their entropy, in fp32: ``[..., V]`` → ``[..., V]``,
+    ``[..., V]``, ``[...]`` (one pass where fused)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    p = logp.exp()
+    return logp, p, -torch.special.xlogy(p, p).sum(-1)
+
+
+@fused
 def jsd_probs(p: torch.Tensor, q: torch.Tensor, h_p: torch.Tensor, h_q: torch.Tensor) -> torch.Tensor:
     """Jensen–Shannon divergence from probabilities ``[..., V]`` and their entropies ``[...]`` (broadcast):
     ``H((p + q)/2) − (H(p) + H(q))/2`` → ``[...]``, clamped at 0."""

@@ -19,8 +19,8 @@ from emad.exits.contrastive import (
     amateur_of,
     choose_amateur,
     contrastive_logprobs,
-    entropy_of,
     jsd_probs,
+    log_distribution,
     plausibility_alpha,
 )
 from emad.registry import Registry
@@ -464,7 +464,7 @@ class Contrastive(Criterion):
             live = torch.ones(n, dtype=torch.bool) if view.running is None else view.running.cpu()
             starts = (live.nonzero()[:, 0] // MEMO_BLOCK * MEMO_BLOCK).unique().tolist()  # blocks holding a live row
             parts = {start: self._block(view, start, min(start + MEMO_BLOCK, n)) for start in starts}
-            if not parts or next(iter(parts.values()))[0] is None:  # the first probe: no amateur yet
+            if not parts or next(iter(parts.values()))[1] is None:  # the first probe: no amateur yet
                 self._cache = (view.layer, None, None)
                 return
             top = torch.zeros(n, device=view.entropy.device)  # [a] the contrast's max probability (0: not read)
@@ -480,35 +480,31 @@ class Contrastive(Criterion):
                                                                     logp.shape[-1]), float("nan")))
         store[rows] = logp
 
-    def _block(self, view: ProbeView, start: int, stop: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The contrastive log-probabilities ``[b, V]`` of rows ``[start, stop)`` and their top probabilities
-        ``[b]`` (None at the first probe), computed once for every method of these settings that reads the memo."""
-        view.shared(("logp", view.layer, start), lambda: torch.log_softmax(view.logits[start:stop].float(), -1))
+    def _block(self, view: ProbeView, start: int, stop: int) -> tuple[None, torch.Tensor | None]:
+        """The contrast's top probabilities ``[b]`` of rows ``[start, stop)`` (None at the first probe), computed
+        once for every method of these settings that reads the memo; the block's log-probabilities, probabilities
+        and entropy at this probe are kept in the memo for the probes after it (one fused pass)."""
+        if ("logp", view.layer, start) not in view.memo:
+            logp, p, entropy = log_distribution(view.logits[start:stop])  # [b, V], [b, V], [b]
+            view.memo[("logp", view.layer, start)], view.memo[("probs", view.layer, start)] = logp, (p, entropy)
         key = ("contrast", view.layer, self.alpha, self.alpha_rate, self.distance_discount, self.weight,
-               tuple(self._seen), start)
-        contrast = view.shared(key, lambda: self._contrast_shared(view, start))
-        top = None if contrast is None else view.shared(key + ("top",), lambda: contrast.max(-1).values.exp())
-        return contrast, top
+               tuple(self._seen), start, "top")
+        return None, view.shared(key, lambda: self._top_shared(view, start))
 
-    def _contrast_shared(self, view: ProbeView, start: int) -> torch.Tensor | None:
-        """:meth:`_contrast` for the rows of the block at ``start``, with the history read from the memo (the block
-        was read at every earlier probe: a method's running rows never grow), where each probe's log-probabilities,
-        probabilities and entropies are computed once for every method."""
-        def probs(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-            def compute():
-                p = view.memo[("logp", layer, start)].exp()  # [b, V]
-                return p, entropy_of(p)
-            return view.shared(("probs", layer, start), compute)
-        logp = view.memo[("logp", view.layer, start)]  # [b, V] (_block put it there)
+    def _top_shared(self, view: ProbeView, start: int) -> torch.Tensor | None:
+        """The top probability ``[b]`` of :meth:`_contrast` for the rows of the block at ``start``, with the history
+        read from the memo (the block was read at every earlier probe: a method's running rows never grow)."""
         earlier = self._seen[:-1]
         if not earlier:
             return None
-        p, h_p = probs(view.layer)
-        scores = torch.stack([jsd_probs(p, q, h_p, h_q) for q, h_q in map(probs, earlier)])  # [C, b]
+        logp = view.memo[("logp", view.layer, start)]  # [b, V] (_block put it there)
+        p, h_p = view.memo[("probs", view.layer, start)]
+        earlier_probs = [view.memo[("probs", m, start)] for m in earlier]  # (q [b, V], H(q) [b]) each
+        scores = torch.stack([jsd_probs(p, q, h_p, h_q) for q, h_q in earlier_probs])  # [C, b]
         pick = amateur_of(scores, view.layer, earlier, self.distance_discount)  # [b]
         candidates = torch.stack([view.memo[("logp", m, start)] for m in earlier])  # [C, b, V]
         amateur = candidates[pick, torch.arange(len(pick), device=pick.device)]  # [b, V] each row's amateur's
-        return self._contrast_with(view.layer, logp, amateur)
+        return self._contrast_with(view.layer, logp, amateur).max(-1).values.exp()
 
     def _contrast(self, layer: int, logp: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
         """Contrastive log-probabilities ``[a, V]`` against each row's amateur, or None at the first probe."""
