@@ -36,6 +36,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", type=Path, default=ROOT, help="a checkout that ran `make repro` (its data/)")
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--params", type=Path, help="the params file whose decode section plans the screen (default: "
+                        "the root's params.yaml), e.g. params-powered.yaml")
+    parser.add_argument("--control", action="store_true", help="the positive control's screen (control.decode)")
     parser.add_argument("--domain", default="stdlib-prose")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--tokens", type=int, default=None, help="decode.sweep_batch_tokens (default: no bound)")
@@ -45,6 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--memory-of", type=int, help=argparse.SUPPRESS)  # a child: peak memory at this size
     parser.add_argument("--out", default="sweep_batch")
     args = parser.parse_args(argv)
+    args.params = args.params.resolve() if args.params else None
     if any(s < 1 for s in args.sizes) or 1 not in args.sizes:
         parser.error(f"--sizes: whole numbers >= 1, 1 among them (the reference), got {args.sizes}")
     if not (args.root / "data" / "models" / args.model).is_dir():
@@ -68,7 +72,8 @@ def screen(args):
         "--corpora", "data/corpus", "--profile", f"data/profiles/{m}/{{calibration}}/{{readout}}/profile.json",
         "--readouts", f"data/readouts/{m}/stdlib-prose/readouts.safetensors",
         "--estimators", f"data/estimators/{m}/{{readout}}.json", "--domain", args.domain,
-        "--out", "/dev/null", "--artifacts", "/dev/null"]))
+        "--out", "/dev/null", "--artifacts", "/dev/null", "--params", str(args.params or args.root / "params.yaml"),
+        *(["--control", "--calibration", args.domain] if args.control else [])]))
     decoder = Decoder(call)
     methods = decoder._methods(decoder.jobs, reference=True)
     sweep = Sweep(decoder.stack, list(methods.values()), list(methods))
@@ -178,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_memory:
             child = subprocess.run([sys.executable, __file__, "--root", str(args.root), "--model", args.model,
                                     "--domain", args.domain, "--memory-of", str(size),
+                                    *([] if args.params is None else ["--params", str(args.params.resolve())]),
+                                    *(["--control"] if args.control else []),
                                     *([] if args.tokens is None else ["--tokens", str(args.tokens)]),
                                     *([] if args.per_task is None else ["--per-task", str(args.per_task)])],
                                    capture_output=True, text=True, check=True)
