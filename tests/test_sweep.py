@@ -150,8 +150,8 @@ def test_order_and_company_do_not_change_a_result(stack, profiles):
     (lambda: Method(Confidence(2.0, probe_every=1), "copy"), "copy"),
     (lambda: Method(Confidence(2.0, probe_every=1), "backfill"), "backfill"),
     (lambda: Method(Contrastive(0.5, contrastive_output=True, probe_every=1)), "contrastive_output"),
-    (lambda: STRATEGIES.get("ead").from_options(tau=2.0, small_layers=2), "strategy"),
-    (lambda: STRATEGIES.get("speculative").from_options(exit_layer=2, max_draft=3), "strategy"),
+    (lambda: STRATEGIES.get("ead").from_options(load=lambda spec: (LayerStack(tiny_model("llama", n_layers=2)),
+                                                                    None), tau=2.0, small="tiny-2"), "strategy"),
 ])
 def test_methods_outside_the_equivalence_are_refused_by_name(stack, make, word):
     assert word in sweep_refusal(make())

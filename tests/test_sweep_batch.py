@@ -80,6 +80,31 @@ def test_padding_never_leaks_a_requests_scores_do_not_depend_on_its_batch_mates(
     _compare([mixed[1]], [base[4]], [str(j) for j in range(len(methods))])
 
 
+def test_strategies_a_sweep_serves_score_as_they_score_alone(stack):  # noqa: F811
+    """Speculative decoding scores as full depth (lossless); EAD with a self pair replays the shared pass's readouts
+    at k and L: in a batch beside per-token methods, each request gets what the strategy gives alone."""
+    from emad.decode import score_continuations
+    from emad.methods import STRATEGIES
+
+    lens = random_lens()
+    strategies = {"ead": STRATEGIES.get("ead").from_options(tau=2.5, small_layers=2, window=2, d_min=2),
+                  "ead-large": STRATEGIES.get("ead").from_options(tau=0.5, small_layers=3, start="large"),
+                  "speculative": STRATEGIES.get("speculative").from_options(exit_layer=2, max_draft=3)}
+    strategies["ead-tuned"] = STRATEGIES.get("ead").from_options(tau=2.5, small_layers=2, window=2, d_min=2)
+    strategies["ead-tuned"].readout = lens
+    methods = {**strategies, "full": Method(Full()), "confidence": Method(Confidence(3.0, probe_every=1))}
+    requests = _mixed(VOCAB, seed=5)
+    together = Sweep(stack, list(methods.values()), list(methods)).score_batch(requests)
+    depths = set()
+    for r, (prompt, continuations) in enumerate(requests):
+        for j, (name, method) in enumerate(methods.items()):
+            for c, (got, want) in enumerate(zip(together[r][j], score_continuations(stack, prompt, continuations,
+                                                                                     method))):
+                _close(got, want, f"request {r} continuation {c}: {name}")
+                depths.update(got.depths if name.startswith("ead") else ())
+    assert {2, 4} <= depths  # both models produced tokens
+
+
 def _smollm2_shaped(seed: int = 0) -> LayerStack:
     """A random fp32 model of SmolLM2-135M's shape (30 layers, d 576, 9 heads of which 3 K/V, vocab 49,152, tied
     head), seeded; its weights spread as the tiny models' are, the head's 3x more (readouts of 1-5 nats)."""

@@ -33,6 +33,7 @@ from emad.decode.step import Method, as_method, elapsed, left_pad, positions_of
 from emad.decode.strategy import Strategy
 from emad.decode.sweep_rows import LOGIT, Rows, canonical
 from emad.engine.cost import CostModel
+from emad.engine.fused import summary
 from emad.engine.stack import LayerStack
 from emad.exits.criteria import Criterion
 
@@ -42,6 +43,8 @@ FIRST_ROWS = 256  # prompt rows read out in one head product at most, for their 
 def sweep_refusal(method) -> str | None:
     """Why ``method`` cannot be scored exactly from a shared full-depth pass, or None when it can."""
     if isinstance(method, Strategy):
+        if method.scored_as() is not None or method.replays():
+            return None  # scored as a per-token method, or replayed from the shared pass's readouts
         return f"strategy {type(method).__name__} decodes with its own models and caches"
     method = as_method(method)
     if method.policy != "monotone":
@@ -51,7 +54,7 @@ def sweep_refusal(method) -> str | None:
     return None
 
 
-def _readout_key(method: Method) -> tuple[str, str]:
+def _readout_key(method: Method | Strategy) -> tuple[str, str]:
     readout = method.readout
     return LOGIT if readout is None or not readout.layers else (readout.name, readout.digest)
 
@@ -79,25 +82,30 @@ class Sweep:
             if reason:
                 raise ValueError(f"{name}: cannot be scored in a sweep ({reason}); score it alone with "
                                  f"score_continuations")
-        self.stack, self.names = stack, names
-        self.methods = [as_method(m) for m in methods]
+        self.stack, self.names, n = stack, names, stack.n_layers
+        walked = [(i, m.scored_as() if isinstance(m, Strategy) else as_method(m)) for i, m in enumerate(methods)
+                  if not (isinstance(m, Strategy) and m.scored_as() is None)]
+        self.methods = [m for _, m in walked]  # walked (:func:`walk`); strategies that replay are apart
+        self._order = [i for i, _ in walked] + [i for i, m in enumerate(methods) if i not in dict(walked)]
+        self.replays = [m for i, m in enumerate(methods) if i not in dict(walked)]  # their readouts replayed
         self._views: dict[tuple, tuple[LayerStack, CostModel]] = {}
-        self.keys, digests = [], {}  # id(readout) -> its key: a shared readout is hashed once
-        for method in self.methods:
-            method.validate(stack.n_layers)
+        digests: dict[int, tuple] = {}  # id(readout) -> its key: a shared readout is hashed once
+        for method in self.methods + self.replays:
+            method.validate(n)
             if id(method.readout) not in digests:
                 digests[id(method.readout)] = _readout_key(method)
             key = digests[id(method.readout)]
             if key not in self._views:
                 view = stack.with_readout(method.readout)
                 self._views[key] = view, CostModel.from_stack(view)
-            self.keys.append(key)
-        n = stack.n_layers
+        self.keys = [digests[id(m.readout)] for m in self.methods]
+        self.replay_keys = [digests[id(m.readout)] for m in self.replays]
         self.depth0 = [m.criterion.prefill_depth(n) for m in self.methods]
-        for name, method, depth0 in zip(names, self.methods, self.depth0):
+        for name, method, depth0 in zip([names[i] for i, _ in walked], self.methods, self.depth0):
             if depth0 != method.criterion.probes(n)[-1]:
                 raise ValueError(f"{name}: its prompt runs {depth0} layers, not its deepest probe")
-        self.layers = sorted({p for m in self.methods for p in m.criterion.probes(n)})  # states kept here
+        self.layers = sorted({p for m in self.methods for p in m.criterion.probes(n)}  # states kept here
+                             | {p for m in self.replays for p in m.replay_layers(n)})
         self.work: Counter[str] = Counter()  # FLOPs computed so far, by kind: layers, readouts, estimators
 
     @torch.inference_mode()
@@ -145,11 +153,11 @@ class Sweep:
         first = self._first_scores(found)
         if found.rows is not None:
             found.rows.work = self.work
-        exits = self._exits(found.rows) if found.rows is not None else [None] * len(self.methods)
+        exits = self._exits(found.rows) if found.rows is not None and self.methods else [None] * len(self.methods)
         out = self._scored(found, first, exits, [len(cs) for _, cs in batch])
         if found.rows is not None:
             found.rows.compact()
-        seconds = elapsed(self.stack.device, started) / (len(self.methods) * len(found.pairs))
+        seconds = elapsed(self.stack.device, started) / (len(self._order) * len(found.pairs))
         for request in out:
             for row in request:
                 for scored in row:
@@ -198,21 +206,24 @@ class Sweep:
         keys = n * before + n * (n + 1) // 2
         return 2 * n * sum(cost.layer_params[:depth]) + 4 * cost.d_model * depth * keys
 
-    def _first_scores(self, found: Kept) -> dict[tuple, tuple[list[float], list[bool]]]:
-        """``(readout key, depth0) ->`` each continuation's first-token log-probability and greedy hit, read out of
-        its prompt's last state at depth0 — once per canonical readout and depth (readouts without a translator
-        at a layer read out as the logit lens there), the depths of one readout in head products of at most
-        :data:`FIRST_ROWS` rows. Not kept across sweeps: a prompt's ``[V]`` rows per depth would outweigh
-        everything else a screen keeps of it."""
-        wanted: dict[tuple, tuple] = {}  # (canonical readout, depth0) -> the first key that reads it there
-        for key, depth0 in zip(self.keys, self.depth0):
-            wanted.setdefault((canonical(self._views, key, depth0), depth0), key)
+    def _first_scores(self, found: Kept) -> dict[tuple, tuple[list[float], list[bool], list[float]]]:
+        """``(readout key, depth) ->`` each continuation's first-token log-probability, greedy hit and the readout's
+        entropy, read out of its prompt's last state at that depth (each method's depth0, each replayed strategy's
+        layers) — once per canonical readout and depth (readouts without a translator at a layer read out as the
+        logit lens there), the depths of one readout in head products of at most :data:`FIRST_ROWS` rows. Not kept
+        across sweeps: a prompt's ``[V]`` rows per depth would outweigh everything else a screen keeps of it."""
+        needs = [*zip(self.keys, self.depth0),
+                 *((key, d) for key, m in zip(self.replay_keys, self.replays) for d in m.replay_layers(
+                     self.stack.n_layers))]
+        wanted: dict[tuple, tuple] = {}  # (canonical readout, depth) -> the first key that reads it there
+        for key, depth in needs:
+            wanted.setdefault((canonical(self._views, key, depth), depth), key)
         depths: dict[tuple, list[int]] = {}  # key -> the depths its view reads out
-        for (_, depth0), key in wanted.items():
-            depths.setdefault(key, []).append(depth0)
+        for (_, depth), key in wanted.items():
+            depths.setdefault(key, []).append(depth)
         prompt_rows = torch.tensor([row for row, _ in found.pairs], device=self.stack.device)  # [C]
         tokens = torch.tensor([c[0] for _, c in found.pairs], device=self.stack.device)  # [C]
-        read: dict[tuple, tuple[list[float], list[bool]]] = {}
+        read: dict[tuple, tuple[list[float], list[bool], list[float]]] = {}
         n_prompts = len(found.lengths)
         for key, these in depths.items():
             per = max(1, FIRST_ROWS // n_prompts)  # depths per head product
@@ -221,13 +232,13 @@ class Sweep:
                 logits = self._views[key][0].readouts({d: found.last[d] for d in group})  # depth -> [B, V]
                 cost = self._views[key][1]
                 self.work["readouts"] += n_prompts * sum(cost.readout_at(d)[0] for d in group)
-                for depth0, rows in logits.items():
+                for depth, rows in logits.items():
                     logp = torch.log_softmax(rows.float(), -1)[prompt_rows]  # [C, V]
                     best = rows.argmax(-1)[prompt_rows]  # [C]
-                    read[canonical(self._views, key, depth0), depth0] = (
-                        logp.gather(-1, tokens[:, None])[:, 0].tolist(), (best == tokens).tolist())
-        return {(key, depth0): read[canonical(self._views, key, depth0), depth0]
-                for key, depth0 in zip(self.keys, self.depth0)}
+                    entropy = summary(rows)[0][prompt_rows] if self.replays else best  # [C] (replays read it)
+                    read[canonical(self._views, key, depth), depth] = (
+                        logp.gather(-1, tokens[:, None])[:, 0].tolist(), (best == tokens).tolist(), entropy.tolist())
+        return {(key, depth): read[canonical(self._views, key, depth), depth] for key, depth in needs}
 
     def _exits(self, rows: Rows) -> list[Exits]:
         """Every method's exits on the batch's rows: the methods walk their probes in step (:func:`walk`), each
@@ -270,7 +281,7 @@ class Sweep:
         per_method = []
         for key, depth0, ex in zip(self.keys, self.depth0, exits):
             cost = self._views[key][1]
-            logprobs, greedy = first[key, depth0]
+            logprobs, greedy, _ = first[key, depth0]
             readout, full0 = cost.readout_at(depth0)[0], float(cost.readout_flops)
             if ex is not None:
                 segments = rows.segments
@@ -291,11 +302,37 @@ class Sweep:
                                   full0 + float(full_depth_flops(cost, found.lengths[row] + 1, m)),
                                   greedy=[greedy[i], *gr[at:at + m]]))
             per_method.append(out)
+        per_method += self._replayed(found, first, scored_at)
+        per_method = [row for _, row in sorted(zip(self._order, per_method), key=lambda x: x[0])]
         result, at = [], 0
         for count in counts:
             result.append([row[at:at + count] for row in per_method])
             at += count
         return result
+
+    def _replayed(self, found: Kept, first: dict, scored_at: dict[int, int]) -> list[list[Scored]]:
+        """Each replayed strategy's :class:`Scored` per continuation, from the readouts of the shared pass at its
+        layers (:meth:`~emad.decode.strategy.Strategy.replay`): the prompt's last position, then every row."""
+        out = []
+        for strategy, key in zip(self.replays, self.replay_keys):
+            layers = strategy.replay_layers(self.stack.n_layers)
+            at_rows = {}  # layer -> (entropy, logprob, greedy) of every row
+            if found.rows is not None:
+                for layer in layers:
+                    values = found.rows.readout(key, layer, torch.ones(found.rows.n, dtype=torch.bool)).values
+                    at_rows[layer] = tuple(values[name].tolist() for name in ("entropy", "logprob", "greedy"))
+            scored = []
+            for i, (row, c) in enumerate(found.pairs):
+                reads = {}
+                for layer in layers:
+                    logprob, greedy, entropy = first[key, layer]
+                    reads[layer] = ([entropy[i]], [logprob[i]], [greedy[i]])
+                    if i in scored_at:
+                        at, m = int(found.rows.segments.offsets[scored_at[i]]), len(c) - 1
+                        reads[layer] = tuple(a + b[at:at + m] for a, b in zip(reads[layer], at_rows[layer]))
+                scored.append(strategy.replay(reads, found.lengths[row], c, self._views[key][1]))
+            out.append(scored)
+        return out
 
     def _run(self, cache, x: torch.Tensor, positions: torch.Tensor, slots) -> dict[int, torch.Tensor]:
         """Run ``x`` ``[B, q]`` through the layers up to the deepest kept one; the states ``[B, q, d]`` after each
