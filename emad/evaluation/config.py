@@ -53,7 +53,8 @@ class DecodeConfig(Section):
             can decide neither C1 nor C2); one the teacher-forced screen rules out decodes none; the teacher-forced
             tasks score them all.
         unserved_tokens: scored perplexity tokens for points the sweep scorer cannot serve (policies other than
-            monotone, strategies): they score token by token (null = ``decode.tasks.perplexity.tokens``).
+            monotone, EAD with a second model): they score token by token (null =
+            ``decode.tasks.perplexity.tokens``).
         speed_repeats: timed generations per point, each beside a full-depth one of the same prompts (speed-up =
             the median of their tokens/s ratios; 0 = no speed measurement): the cheap measure of points a
             teacher-forced check already rules out, or that never exit.
