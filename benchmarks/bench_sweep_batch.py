@@ -160,25 +160,28 @@ def main(argv: list[str] | None = None) -> int:
         checks = {size: differences(reference, score(sweep, tasks, size, args.tokens)) for size in sizes if size > 1}
         seconds: dict[int, list[float]] = {s: [] for s in sizes}
         per_task: dict[int, dict[str, list[float]]] = {s: {t: [] for t in tasks} for s in sizes}
-        work: dict[int, dict] = {}
+        work: dict[int, dict[str, dict]] = {}  # size -> task -> FLOPs by kind
         for _ in range(args.reps):
             for size in sizes:
-                before = dict(sweep.work)
                 for name in tasks:
+                    before = dict(sweep.work)
                     per_task[size][name].append(timed(lambda n=name, s=size: score(sweep, {n: tasks[n]}, s,
                                                                                    args.tokens), stack.device))
+                    work.setdefault(size, {})[name] = {k: sweep.work[k] - before.get(k, 0) for k in sweep.work}
                 seconds[size].append(sum(per_task[size][name][-1] for name in tasks))
-                work[size] = {k: sweep.work[k] - before.get(k, 0) for k in sweep.work}
                 print(f"batch {size}: {n_requests / seconds[size][-1]:.3f} requests/s", file=sys.stderr)
         sync(stack.device)
     config = stack.config
     throughput = matmul_throughput(config.hidden_size, stack.vocab_size, config.intermediate_size, stack.device)
+    def floor_of(flops: dict) -> float:  # seconds of these FLOPs at the matrix products' throughput
+        return (flops.get("layers", 0) / throughput["layer"]["gflops_per_s"]
+                + (flops.get("readouts", 0) + flops.get("estimators", 0)) / throughput["readout"]["gflops_per_s"]) / 1e9
+
     rows = []
     for size in sizes:
         s = statistics.median(seconds[size])
-        floor = (work[size].get("layers", 0) / throughput["layer"]["gflops_per_s"]
-                 + (work[size].get("readouts", 0) + work[size].get("estimators", 0))
-                 / throughput["readout"]["gflops_per_s"]) / 1e9
+        total = {k: sum(w.get(k, 0) for w in work[size].values()) for k in ("layers", "readouts", "estimators")}
+        floor = floor_of(total)
         memory = None
         if not args.no_memory:
             child = subprocess.run([sys.executable, __file__, "--root", str(args.root), "--model", args.model,
@@ -192,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"batch": size, "seconds": s, "requests_per_s": n_requests / s,
                      "over_batch_1": statistics.median(seconds[1]) / s,
                      "per_task_s": {t: statistics.median(v) for t, v in per_task[size].items()},
-                     "flops_per_request": {k: v / n_requests for k, v in work[size].items()},
+                     "per_task_over_floor": {t: statistics.median(v) / floor_of(work[size][t])
+                                             for t, v in per_task[size].items()},
+                     "flops_per_request": {k: v / n_requests for k, v in total.items()},
                      "floor_s": floor, "over_floor": s / floor, "peak_memory_gb": memory,
                      **({"check_against_batch_1": checks[size]} if size in checks else {})})
         print(f"batch {size}: {n_requests / s:.3f} requests/s ({rows[-1]['over_batch_1']:.2f}x batch 1), "

@@ -502,8 +502,10 @@ class Contrastive(Criterion):
         earlier_probs = [view.memo[("probs", m, start)] for m in earlier]  # (q [b, V], H(q) [b]) each
         scores = torch.stack([jsd_probs(p, q, h_p, h_q) for q, h_q in earlier_probs])  # [C, b]
         pick = amateur_of(scores, view.layer, earlier, self.distance_discount)  # [b]
-        candidates = torch.stack([view.memo[("logp", m, start)] for m in earlier])  # [C, b, V]
-        amateur = candidates[pick, torch.arange(len(pick), device=pick.device)]  # [b, V] each row's amateur's
+        amateur = torch.empty_like(logp)  # [b, V] each row's amateur's log-probabilities, copied once per row
+        for c in pick.unique().tolist():
+            rows = (pick == c).nonzero()[:, 0]
+            amateur.index_copy_(0, rows, view.memo[("logp", earlier[c], start)].index_select(0, rows))
         return self._contrast_with(view.layer, logp, amateur).max(-1).values.exp()
 
     def _contrast(self, layer: int, logp: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
