@@ -72,6 +72,12 @@ def test_a_reused_prompt_pass_gives_the_generation_made_afresh_untimed(arch):
         assert [[t.logprob for t in row] for row in kept.traces] == [[t.logprob for t in row] for row in fresh.traces]
         assert fresh.timed and not kept.timed
     assert [depth for _, depth, *_ in store._passes.values()] == [stack.n_layers]  # one pass, to depth L
+    for new in (5, 20):  # generations with less or more room for new tokens reuse it too
+        fresh = generate(stack, TinyTokenizer(), prompts, Method(Fixed(3)), new, eos_token_ids=[])
+        kept = generate(stack, TinyTokenizer(), prompts, Method(Fixed(3)), new, eos_token_ids=[], prefills=store)
+        assert (kept.token_ids, kept.depths, kept.flops) == (fresh.token_ids, fresh.depths, fresh.flops)
+        assert [[t.logprob for t in row] for row in kept.traces] == [[t.logprob for t in row] for row in fresh.traces]
+    assert len(store._passes) == 1
     assert min(d for row in generate(stack, TinyTokenizer(), prompts, Method(CRITERIA.get("confidence")(
         threshold=100.0)), 12, eos_token_ids=[]).depths for d in row) < stack.n_layers  # it exits early
 

@@ -49,7 +49,8 @@ class _Row:
 
 class Prefills:
     """Prompt passes made once and reused by every later generation of the same prompts: the K/V cache after the
-    prompts ``[B, T]`` and their last states ``[B, d]`` after every layer, keyed by (prompts, cache capacity). A
+    prompts ``[B, T]`` and their last states ``[B, d]`` after every layer, keyed by the prompts (and a static cache's
+    capacity: its compiled passes attend to the whole buffer), whatever the new tokens' room. A
     generation's layers do not depend on its method before the first token (it reads the last state out through
     its own readout), and a layer's K/V do not depend on the layers after it: so one pass to depth D serves every
     generation that prefills to a depth d <= D (its layers 1..d, its last states after layer d) — exactly the pass
@@ -64,7 +65,7 @@ class Prefills:
 
     def __init__(self, max_bytes: int = MAX_BYTES):
         self.max_bytes = max_bytes
-        # (prompts, capacity) -> (cache of layers 1..D, D, {layer: [B, d] last states}, bytes), LRU order
+        # (prompts, static capacity) -> (cache of layers 1..D, D, {layer: [B, d] last states}, bytes), LRU order
         self._passes: OrderedDict[tuple, tuple[KVCache, int, dict[int, torch.Tensor], int]] = OrderedDict()
 
     @torch.inference_mode()
@@ -72,7 +73,9 @@ class Prefills:
             real: torch.Tensor) -> tuple[KVCache, torch.Tensor]:
         """The prompts' pass to ``depth``: its cache and the last states ``[B, d]``; a pass made now fills
         ``cache`` and is kept."""
-        key = (tuple(map(tuple, prompts)), cache.capacity)
+        # a pass does not depend on the capacity of a cache that attends only to its filled slots; a static cache's
+        # compiled passes attend to the whole buffer, so theirs is kept per capacity
+        key = (tuple(map(tuple, prompts)), None if type(cache) is KVCache else cache.capacity)
         if key in self._passes and self._passes[key][1] >= depth:
             self._passes.move_to_end(key)
             kept, _, last, _ = self._passes[key]
