@@ -6,7 +6,8 @@ Per batch size: requests per second (all tasks, and per task), its ratio to batc
 request by kind (the model's layers for the real tokens, the readouts, the estimators' products: what the sweep
 computed, :attr:`emad.decode.Sweep.work`); beside it the throughput this host reaches on a plain matrix product of
 the screen's shapes (a readout's ``[rows, d] @ [d, V]``, a layer's ``[tokens, d] @ [d, ffn]``), so that each row says
-how far it runs from its floor (the screen's FLOPs at that throughput: ``seconds / floor``). Peak memory: a fresh
+how far it runs from its floor (the screen's FLOPs at that throughput, measured just before and after that size's
+runs, so that a busy host's drift is in both: ``seconds / floor``). Peak memory: a fresh
 process per size scores the first batch of each task (the largest: requests come longest first) and reports its
 resident peak above what it held before. The batch sizes run in turn, ``--reps`` rounds, in one process; a batch's
 scores are checked against batch 1's (exits and FLOPs equal, NLLs within the verdict's noise) before timing.
@@ -161,24 +162,35 @@ def main(argv: list[str] | None = None) -> int:
         seconds: dict[int, list[float]] = {s: [] for s in sizes}
         per_task: dict[int, dict[str, list[float]]] = {s: {t: [] for t in tasks} for s in sizes}
         work: dict[int, dict[str, dict]] = {}  # size -> task -> FLOPs by kind
+        config = stack.config
+        shapes = (config.hidden_size, stack.vocab_size, config.intermediate_size, stack.device)
+        throughputs: dict[int, list[dict]] = {s: [] for s in sizes}  # measured beside each size's runs
         for _ in range(args.reps):
             for size in sizes:
+                throughputs[size].append(matmul_throughput(*shapes))
                 for name in tasks:
                     before = dict(sweep.work)
                     per_task[size][name].append(timed(lambda n=name, s=size: score(sweep, {n: tasks[n]}, s,
                                                                                    args.tokens), stack.device))
                     work.setdefault(size, {})[name] = {k: sweep.work[k] - before.get(k, 0) for k in sweep.work}
                 seconds[size].append(sum(per_task[size][name][-1] for name in tasks))
+                throughputs[size].append(matmul_throughput(*shapes))
                 print(f"batch {size}: {n_requests / seconds[size][-1]:.3f} requests/s", file=sys.stderr)
         sync(stack.device)
-    config = stack.config
-    throughput = matmul_throughput(config.hidden_size, stack.vocab_size, config.intermediate_size, stack.device)
-    def floor_of(flops: dict) -> float:  # seconds of these FLOPs at the matrix products' throughput
-        return (flops.get("layers", 0) / throughput["layer"]["gflops_per_s"]
-                + (flops.get("readouts", 0) + flops.get("estimators", 0)) / throughput["readout"]["gflops_per_s"]) / 1e9
+    def median_throughput(measured: list[dict]) -> dict:
+        return {kind: {"shape": measured[0][kind]["shape"],
+                       "gflops_per_s": statistics.median(m[kind]["gflops_per_s"] for m in measured)}
+                for kind in measured[0]}
 
+    throughput = median_throughput([m for ms in throughputs.values() for m in ms])
     rows = []
     for size in sizes:
+        beside = median_throughput(throughputs[size])  # the host's products just before and after its runs
+
+        def floor_of(flops: dict, t: dict = beside) -> float:  # seconds of these FLOPs at that throughput
+            return (flops.get("layers", 0) / t["layer"]["gflops_per_s"]
+                    + (flops.get("readouts", 0) + flops.get("estimators", 0)) / t["readout"]["gflops_per_s"]) / 1e9
+
         s = statistics.median(seconds[size])
         total = {k: sum(w.get(k, 0) for w in work[size].values()) for k in ("layers", "readouts", "estimators")}
         floor = floor_of(total)
@@ -198,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                      "per_task_over_floor": {t: statistics.median(v) / floor_of(work[size][t])
                                              for t, v in per_task[size].items()},
                      "flops_per_request": {k: v / n_requests for k, v in total.items()},
+                     "matmul_gflops_per_s": {k: v["gflops_per_s"] for k, v in beside.items()},
                      "floor_s": floor, "over_floor": s / floor, "peak_memory_gb": memory,
                      **({"check_against_batch_1": checks[size]} if size in checks else {})})
         print(f"batch {size}: {n_requests / s:.3f} requests/s ({rows[-1]['over_batch_1']:.2f}x batch 1), "
