@@ -99,17 +99,21 @@ def score(sweep, tasks: dict, size: int, tokens: int | None) -> dict:
 
 
 def differences(a: dict, b: dict) -> dict:
-    """How ``b`` differs from ``a`` (same tasks): results whose exits, greedy hits or FLOPs differ, and the largest
-    difference of a continuation's NLL."""
-    unequal, nll = 0, 0.0
+    """How ``b`` differs from ``a`` (same tasks): of every result (a method on a continuation), those whose exits,
+    greedy hits or FLOPs differ (an estimate within float rounding of its threshold decides otherwise in another
+    batch), and the largest difference of a continuation's NLL where they do not (float rounding)."""
+    results, unequal, nll = 0, 0, 0.0
     for task in a:
         for ra, rb in zip(a[task], b[task]):
             for ma, mb in zip(ra, rb):
                 for x, y in zip(ma, mb):
-                    unequal += (x.depths, x.greedy, x.flops) != (y.depths, y.greedy, y.flops)
-                    if x.nll != y.nll:
+                    results += 1
+                    if (x.depths, x.greedy, x.flops) != (y.depths, y.greedy, y.flops):
+                        unequal += 1
+                    elif x.nll != y.nll:
                         nll = max(nll, abs(x.nll - y.nll))
-    return {"results_with_other_exits_or_flops": unequal, "max_nll_difference": nll}
+    return {"results": results, "results_with_other_exits_or_flops": unequal,
+            "max_nll_difference_where_exits_equal": nll}
 
 
 def matmul_throughput(d: int, vocab: int, ffn: int, device, reps: int = 5) -> dict:
