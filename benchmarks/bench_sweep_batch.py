@@ -219,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
                      **({"check_against_batch_1": checks[size]} if size in checks else {})})
         print(f"batch {size}: {n_requests / s:.3f} requests/s ({rows[-1]['over_batch_1']:.2f}x batch 1), "
               f"{s / floor:.2f}x its FLOPs floor, peak {memory} GB", file=sys.stderr)
-    write(args.out, {"model": args.model, "domain": args.domain, "methods": len(sweep.methods),
+    write(args.out, {"model": args.model, "domain": args.domain, "params": str(args.params or "params.yaml"),
+                     "control": args.control, "methods": len(sweep.methods) + len(sweep.replays),
                      "requests": {k: len(v) for k, v in tasks.items()}, "tokens_bound": args.tokens,
                      "reps": args.reps, "matmul_throughput": throughput,
                      "environment": environment(stack.device, stack.dtype), "results": rows,
