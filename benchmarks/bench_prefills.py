@@ -3,7 +3,10 @@
 The fidelity task decodes 48 prompts of 32 tokens for 8 new tokens per point; the prompts' pass (prefill, the full
 depth for every method that probes up to L) is most of that generation and is the same for every point. Both sides
 generate the same prompts of SmolLM2 (cut from stdlib-prose) under an entropy threshold, give the same tokens,
-depths and FLOPs (checked) and run alternately in one process; medians compared. Writes reports/bench/prefills.json.
+depths and FLOPs (checked) and run alternately in one process; medians compared. Then a fixed depth ``--depth``
+(its prompts' pass runs that many layers): its own pass vs the layers and last states of the full-depth pass the
+store holds (``fixed_depth``; the same tokens, depths, FLOPs and log-probabilities, checked bit for bit). Writes
+reports/bench/prefills.json.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import alternate, environment, prose_windows, write  # noqa: E402
 
 from emad.decode import Method, Prefills, generate  # noqa: E402
-from emad.exits.criteria import Confidence  # noqa: E402
+from emad.exits.criteria import Confidence, Fixed, Full  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--threshold", type=float, default=2.0, help="entropy threshold (nats) of the criterion")
+    parser.add_argument("--depth", type=int, default=22, help="the fixed depth whose pass the full one serves")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--device", default="auto")
     args = parser.parse_args(argv)
@@ -48,11 +52,25 @@ def main(argv: list[str] | None = None) -> int:
                   args.reps, stack.device)
     print(f"{len(prompts)} prompts x {args.new_tokens} tokens: own pass {t['own_pass']:.2f} s, reused pass "
           f"{t['reused_pass']:.2f} s ({t['own_pass'] / t['reused_pass']:.2f}x)")
+    fixed, full = Method(Fixed(args.depth)), Prefills()
+    generate(stack, tok, prompts, Method(Full()), args.new_tokens, prefills=full)  # the full-depth pass, kept
+    own = generate(stack, tok, prompts, fixed, args.new_tokens)
+    derived = generate(stack, tok, prompts, fixed, args.new_tokens, prefills=full)
+    assert (derived.token_ids, derived.depths, derived.flops) == (own.token_ids, own.depths, own.flops), "differs"
+    assert [[x.logprob for x in r] for r in derived.traces] == [[x.logprob for x in r] for r in own.traces]
+    f = alternate({"own_pass": lambda: generate(stack, tok, prompts, fixed, args.new_tokens),
+                   "derived_pass": lambda: generate(stack, tok, prompts, fixed, args.new_tokens, prefills=full)},
+                  args.reps, stack.device)
+    print(f"fixed {args.depth}: own pass {f['own_pass']:.2f} s, the full-depth pass's layers {f['derived_pass']:.2f} s "
+          f"({f['own_pass'] / f['derived_pass']:.2f}x)")
     write("prefills", {"model": args.model, "prompts": len(prompts), "prompt_tokens": args.prompt_tokens,
                        "new_tokens": args.new_tokens, "threshold": args.threshold, "reps": args.reps,
                        "environment": environment(stack.device, stack.dtype), "own_pass_s": t["own_pass"],
                        "reused_pass_s": t["reused_pass"], "speedup": t["own_pass"] / t["reused_pass"],
-                       "mean_depth": sum(map(sum, fresh.depths)) / sum(map(len, fresh.depths))})
+                       "mean_depth": sum(map(sum, fresh.depths)) / sum(map(len, fresh.depths)),
+                       "fixed_depth": {"depth": args.depth, "own_pass_s": f["own_pass"],
+                                       "derived_pass_s": f["derived_pass"],
+                                       "speedup": f["own_pass"] / f["derived_pass"], "bitwise_equal": True}})
     return 0
 
 

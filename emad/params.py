@@ -78,7 +78,8 @@ class ControlConfig(Section):
 
 CONTROL_OWN = ("domains", "baselines", "points")  # the control's decode gives these itself
 CONTROL_INHERITS = ("tasks", "heatmap_texts", "swept_prompts", "unserved_tokens", "speed_repeats", "speed_prompts",
-                    "speed_tokens", "speed_flops_below", "speed_candidates", "split_seed", "executor", "workers", "device", "dtype",
+                    "speed_tokens", "speed_flops_below", "speed_candidates", "split_seed", "sweep_batch",
+                    "sweep_batch_tokens", "executor", "workers", "device", "dtype",
                     "engine")  # ... and takes these from decode (its DVC params)
 
 

@@ -56,39 +56,47 @@ def test_fixed_full_depth_is_full():
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_a_reused_prompt_pass_gives_the_generation_made_afresh_untimed(arch):
-    """Prefills: the prompts' pass made once, every later generation of them to the same depth copies it — tokens,
-    depths, log-probabilities and FLOPs bit for bit as a generation that runs its own prefill; only it is untimed."""
+    """Prefills: the prompts' pass made once, every later generation of them to the same depth or a shallower one
+    copies it (its first layers, its last states after the layer it reads) — tokens, depths, log-probabilities and
+    FLOPs bit for bit as a generation that runs its own prefill; only it is untimed. A deeper pass replaces a
+    shallower one."""
     stack = LayerStack(tiny_model(arch))
     prompts = random_prompts(3, [6, 9, 4], seed=7)
     store = Prefills()
-    for criterion in (Full(), CRITERIA.get("confidence")(threshold=100.0), Fixed(3), Full()):
+    for criterion in (Fixed(3), Full(), CRITERIA.get("confidence")(threshold=100.0), Fixed(2), Fixed(3), Full()):
         method = Method(criterion)
         fresh = generate(stack, TinyTokenizer(), prompts, method, 12, eos_token_ids=[])
         kept = generate(stack, TinyTokenizer(), prompts, method, 12, eos_token_ids=[], prefills=store)
         assert kept.token_ids == fresh.token_ids and kept.depths == fresh.depths and kept.flops == fresh.flops
+        assert kept.bytes == fresh.bytes and kept.full_flops == fresh.full_flops
         assert [[t.logprob for t in row] for row in kept.traces] == [[t.logprob for t in row] for row in fresh.traces]
         assert fresh.timed and not kept.timed
-    assert len(store._passes) == 2  # to depth L (full, confidence) and to depth 3 (fixed): each made once
+    assert [depth for _, depth, *_ in store._passes.values()] == [stack.n_layers]  # one pass, to depth L
+    for new in (5, 20):  # generations with less or more room for new tokens reuse it too
+        fresh = generate(stack, TinyTokenizer(), prompts, Method(Fixed(3)), new, eos_token_ids=[])
+        kept = generate(stack, TinyTokenizer(), prompts, Method(Fixed(3)), new, eos_token_ids=[], prefills=store)
+        assert (kept.token_ids, kept.depths, kept.flops) == (fresh.token_ids, fresh.depths, fresh.flops)
+        assert [[t.logprob for t in row] for row in kept.traces] == [[t.logprob for t in row] for row in fresh.traces]
+    assert len(store._passes) == 1
     assert min(d for row in generate(stack, TinyTokenizer(), prompts, Method(CRITERIA.get("confidence")(
         threshold=100.0)), 12, eos_token_ids=[]).depths for d in row) < stack.n_layers  # it exits early
 
 
 def test_the_pass_store_keeps_at_most_its_bytes_dropping_the_least_recently_used():
     stack = LayerStack(tiny_model("llama"))
-    prompts = random_prompts(3, [6, 9, 4], seed=7)
+    sets = {name: random_prompts(3, [6, 9, 4], seed=seed) for name, seed in (("a", 7), ("b", 8), ("c", 9))}
     one = Prefills()
-    generate(stack, TinyTokenizer(), prompts, Method(Full()), 12, eos_token_ids=[], prefills=one)
+    generate(stack, TinyTokenizer(), sets["a"], Method(Full()), 12, eos_token_ids=[], prefills=one)
     size = one.held  # one pass to depth L
     store = Prefills(max_bytes=2 * size)
-    for depth in (4, 3, 4, 2):  # 4 is used again before 2 comes: 3 is dropped
-        criterion = Full() if depth == stack.n_layers else Fixed(depth)
-        kept = generate(stack, TinyTokenizer(), prompts, Method(criterion), 12, eos_token_ids=[], prefills=store)
-        fresh = generate(stack, TinyTokenizer(), prompts, Method(criterion), 12, eos_token_ids=[])
+    for name in ("a", "b", "a", "c"):  # a is used again before c comes: b is dropped
+        kept = generate(stack, TinyTokenizer(), sets[name], Method(Full()), 12, eos_token_ids=[], prefills=store)
+        fresh = generate(stack, TinyTokenizer(), sets[name], Method(Full()), 12, eos_token_ids=[])
         assert kept.token_ids == fresh.token_ids and kept.depths == fresh.depths
         assert store.held <= 2 * size
-    assert [key[1] for key in store._passes] == [4, 2]
+    assert [key[0] for key in store._passes] == [tuple(map(tuple, sets[n])) for n in ("a", "c")]
     none = Prefills(max_bytes=size - 1)  # a pass larger than the store is not kept
-    generate(stack, TinyTokenizer(), prompts, Method(Full()), 12, eos_token_ids=[], prefills=none)
+    generate(stack, TinyTokenizer(), sets["a"], Method(Full()), 12, eos_token_ids=[], prefills=none)
     assert none.held == 0
 
 

@@ -18,7 +18,8 @@ def workspace(tmp_path_factory, smollm2):
     the confidence-strata ablation."""
     ablations = {k: v for k, v in DECODE["ablations"].items() if k != "strata-confidence"}
     return make_workspace(tmp_path_factory.mktemp("shards"), smollm2.tokenizer,
-                          {**DECODE, "ablations": ablations, "speed_repeats": 1, "speed_tokens": 2})
+                          {**DECODE, "ablations": ablations, "speed_repeats": 1, "speed_tokens": 2,
+                           "sweep_batch": 2})  # a task's requests in batches of 2, the batches spread over shards
 
 
 def _scored(x: float) -> list[Scored]:
@@ -90,7 +91,8 @@ def _fresh_per_unit(width: int):
 @pytest.mark.parametrize("width", [3])
 def test_the_decode_stage_in_shards_on_fresh_workers_writes_what_one_process_writes(workspace, monkeypatch, width):
     """Baselines, a point, an ablation scored token by token (one batch: whole, in one shard) and related methods
-    on one domain: its screen in ``width`` shards, each unit on a fresh worker, last first — every run file and
+    on one domain: its screen in ``width`` shards (each a list of sweep batches of 2 requests), each unit on a
+    fresh worker, last first — every run file and
     artifact equals the serial stage's bit for bit (provenance's process and split aside), and every shard was
     its own unit."""
     import pipeline.decode as stage

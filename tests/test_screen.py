@@ -302,3 +302,19 @@ def test_a_refinement_is_screened_on_every_domain_by_one_decoder(models, monkeyp
     assert [sorted(o.label for o in out) for out in outcomes] == [["conf_7.5", "full"]] * 2
     assert held == [False, False]  # dropped before the run phase decodes: it reads their scores only
     assert trims == [1.0] * 4  # two points on each domain, at most once a second
+
+
+def test_a_screen_in_batches_keeps_the_points_one_request_a_pass_keeps(models, monkeypatch):
+    """The default-shaped screen scored 16 requests a pass and one request a pass: the same rows (exit decisions,
+    FLOPs, what rules a value out; quality to float rounding), the same kept points, the same runs."""
+    one = _decode(models, "tiny4", {**SHAPED, "sweep_batch": 1}, monkeypatch, "batch1")
+    many = _decode(models, "tiny4", {**SHAPED, "sweep_batch": 16, "sweep_batch_tokens": None}, monkeypatch, "batch16")
+    names = sorted(p.name for p in (one / "screens").glob("*.json"))
+    assert names and names == sorted(p.name for p in (many / "screens").glob("*.json"))
+    for name in names:
+        a, b = (json.loads((runs / "screens" / name).read_text())["rows"] for runs in (one, many))
+        assert [(r["point"], r["exits"], r["flops_ratio"], r["ruled_out"], r["kept"]) for r in a] == \
+               [(r["point"], r["exits"], r["flops_ratio"], r["ruled_out"], r["kept"]) for r in b]
+        for x, y in zip(a, b):
+            assert x["quality"] == pytest.approx(y["quality"], rel=1e-5)
+    assert sorted(r["run_id"] for r in runfile.load_all(one)) == sorted(r["run_id"] for r in runfile.load_all(many))

@@ -150,8 +150,8 @@ def test_order_and_company_do_not_change_a_result(stack, profiles):
     (lambda: Method(Confidence(2.0, probe_every=1), "copy"), "copy"),
     (lambda: Method(Confidence(2.0, probe_every=1), "backfill"), "backfill"),
     (lambda: Method(Contrastive(0.5, contrastive_output=True, probe_every=1)), "contrastive_output"),
-    (lambda: STRATEGIES.get("ead").from_options(tau=2.0, small_layers=2), "strategy"),
-    (lambda: STRATEGIES.get("speculative").from_options(exit_layer=2, max_draft=3), "strategy"),
+    (lambda: STRATEGIES.get("ead").from_options(load=lambda spec: (LayerStack(tiny_model("llama", n_layers=2)),
+                                                                    None), tau=2.0, small="tiny-2"), "strategy"),
 ])
 def test_methods_outside_the_equivalence_are_refused_by_name(stack, make, word):
     assert word in sweep_refusal(make())
@@ -183,7 +183,9 @@ def test_a_later_sweep_on_kept_states_equals_a_fresh_pass_exactly(stack, profile
     kept = {}
     Sweep(stack, first).score(prompt, continuations, kept)
     (entry,) = kept.values()
-    assert all(not any(s.dim() > 1 for s in shared._readouts.values()) for shared in entry.shared.values())
+    rows = entry.rows  # nothing with a row per vocabulary entry is kept: only states and per-row values
+    assert not rows._raw and not rows._whole
+    assert not any(isinstance(v, torch.Tensor) and v.dim() > 1 for memo in rows._memos.values() for v in memo.values())
     fresh = Sweep(stack, later).score(prompt, continuations)
     again = Sweep(stack, later).score(prompt, continuations, kept)
     for i, (f, a) in enumerate(zip(fresh, again)):
@@ -199,7 +201,7 @@ def test_contrastive_in_a_sweep_reads_out_only_the_blocks_of_rows_still_running(
     only the blocks that cover the longest prefix of rows one of its methods still runs there (what their exits
     say), and every method still equals its own scoring."""
     prompt = random_prompts(1, [5], seed=7)[0]
-    continuation = random_prompts(1, [41], seed=8)[0]  # 40 scored positions: 5 blocks
+    continuation = random_prompts(1, [5 * MEMO_BLOCK + 1], seed=8)[0]  # 5 blocks of scored positions
     methods = [Method(Contrastive(t, alpha=0.2, probe_every=1)) for t in (0.2, 0.4, 0.6)]
     kept = {}
     together = Sweep(stack, methods).score(prompt, [continuation], kept)
@@ -208,7 +210,7 @@ def test_contrastive_in_a_sweep_reads_out_only_the_blocks_of_rows_still_running(
         _assert_same(got[0], score_continuations(stack, prompt, [continuation], method)[0], repr(method))
         depths.append(got[0].depths[1:])  # each position's exit layer
     (entry,) = kept.values()
-    (shared,) = entry.shared.values()
+    shared = entry.rows
     starts: dict[int, set[int]] = {}  # layer -> the blocks whose contrast was computed there
     for memo in shared._memos.values():
         for key in memo:

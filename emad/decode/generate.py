@@ -19,8 +19,8 @@ from emad.decode.step import (
     choose,
     elapsed,
     left_pad,
+    positions_of,
     prefill,
-    prefill_states,
     reading,
 )
 from emad.decode.steppers import steps_for
@@ -48,40 +48,61 @@ class _Row:
 
 
 class Prefills:
-    """Prompt passes made once and reused by every later generation of the same prompts to the same depth: the
-    K/V cache after the prompts ``[B, T]`` and their last states ``[B, d]``, keyed by (prompts, depth). A
+    """Prompt passes made once and reused by every later generation of the same prompts: the K/V cache after the
+    prompts ``[B, T]`` and their last states ``[B, d]`` after every layer, keyed by the prompts (and a static cache's
+    capacity: its compiled passes attend to the whole buffer), whatever the new tokens' room. A
     generation's layers do not depend on its method before the first token (it reads the last state out through
-    its own readout), so a reused pass is the one it would compute. A generation given the store is not timed
-    (:attr:`Generation.timed`): its pass may be reused or made and kept.
+    its own readout), and a layer's K/V do not depend on the layers after it: so one pass to depth D serves every
+    generation that prefills to a depth d <= D (its layers 1..d, its last states after layer d) — exactly the pass
+    it would compute; a deeper one replaces it. A generation given the store is not timed (:attr:`Generation.timed`):
+    its pass may be reused or made and kept.
 
-    The store holds at most ``max_bytes`` of passes, dropping the least recently used first (a pass larger than
-    that is not kept): each fixed depth has its own pass, and 736 prompts' cache on a 45-layer model is 2 GB.
+    The store holds at most ``max_bytes`` of passes (each its allocated slots only), dropping the least recently used
+    first (a pass larger than that is not kept): 736 prompts' cache on a 45-layer model is 2 GB.
     """
 
     MAX_BYTES = 4 << 30
 
     def __init__(self, max_bytes: int = MAX_BYTES):
         self.max_bytes = max_bytes
-        self._passes: OrderedDict[tuple, tuple[KVCache, torch.Tensor, int]] = OrderedDict()  # LRU order
+        # (prompts, static capacity) -> (cache of layers 1..D, D, {layer: [B, d] last states}, bytes), LRU order
+        self._passes: OrderedDict[tuple, tuple[KVCache, int, dict[int, torch.Tensor], int]] = OrderedDict()
 
     @torch.inference_mode()
     def run(self, stack: LayerStack, prompts: Sequence[Sequence[int]], depth: int, cache: KVCache, ids: torch.Tensor,
             real: torch.Tensor) -> tuple[KVCache, torch.Tensor]:
         """The prompts' pass to ``depth``: its cache and the last states ``[B, d]``; a pass made now fills
         ``cache`` and is kept."""
-        key = (tuple(map(tuple, prompts)), depth, cache.capacity)
-        if key in self._passes:
+        # a pass does not depend on the capacity of a cache that attends only to its filled slots; a static cache's
+        # compiled passes attend to the whole buffer, so theirs is kept per capacity
+        key = (tuple(map(tuple, prompts)), None if type(cache) is KVCache else cache.capacity)
+        if key in self._passes and self._passes[key][1] >= depth:
             self._passes.move_to_end(key)
-            kept, last, _ = self._passes[key]
-            cache.load(kept)  # into the cache made for this generation (a static one keeps its addresses)
-            return cache, last
-        last = prefill_states(stack, cache, ids, real, depth)
-        size = last.nbytes + sum(t.nbytes for t in (*cache.keys, *cache.values) if t is not None)
+            kept, _, last, _ = self._passes[key]
+            cache.load(kept, depth)  # into the cache made for this generation (a static one keeps its addresses)
+            return cache, last[depth]
+        last = self._pass(stack, cache, ids, real, depth)
+        kept = cache.kept(depth)
+        size = sum(t.nbytes for t in (*last.values(), *kept.keys, *kept.values) if t is not None)
+        self._passes.pop(key, None)
         if size <= self.max_bytes:
             while self._passes and self.held + size > self.max_bytes:
                 self._passes.popitem(last=False)
-            self._passes[key] = cache.copy(), last, size
-        return cache, last
+            self._passes[key] = kept, depth, last, size
+        return cache, last[depth]
+
+    @staticmethod
+    def _pass(stack: LayerStack, cache: KVCache, ids: torch.Tensor, real: torch.Tensor, depth: int
+              ) -> dict[int, torch.Tensor]:
+        """:func:`~emad.decode.step.prefill_states` to ``depth``, layer by layer: the last states ``[B, d]`` after
+        every layer ``1..depth`` (each layer runs as in one call)."""
+        slots = cache.allocate(real)
+        positions = positions_of(real)
+        h, last = stack.embed(ids, positions), {}  # [B, T, d]
+        for layer in range(depth):
+            h = stack.run(h, layer, layer + 1, cache, positions, slots)
+            last[layer + 1] = h[:, -1]
+        return last
 
     @property
     def held(self) -> int:

@@ -11,9 +11,9 @@ prefix shrinks to ``[0, i*)``. A position that runs layer ℓ attends there only
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -24,10 +24,10 @@ from emad.exits.estimators import Estimate
 
 
 class StateSource(Protocol):
-    """Hidden states, estimates and exit scores of a continuation's positions at a probe.
+    """Hidden states, estimates and exit scores of the positions of one or more continuations at a probe.
 
     Attributes:
-        positions: ``[m]`` position ids of the continuation's positions (criteria stratify by them).
+        positions: ``[N]`` position ids of the rows (criteria stratify by them).
         memo: what criteria derive from a probe's readout, shared by every method that reads the same states
             (a dict keyed by the criterion, layer included), or None when nothing is shared.
     """
@@ -35,17 +35,18 @@ class StateSource(Protocol):
     positions: torch.Tensor
     memo: dict | None
 
-    def run_to(self, probe: int, running: int) -> None:
-        """Bring positions ``[0, running)`` to their hidden states after layer ``probe`` (1-based), for the calls at
-        ``probe`` that follow; probes come in ascending order. A source that holds every state does nothing."""
+    def run_to(self, probe: int, live: torch.Tensor) -> None:
+        """Bring the ``live`` rows (``[N]`` bool, each continuation's running prefix) to their hidden states after
+        layer ``probe`` (1-based), for the calls at ``probe`` that follow; probes come in ascending order. A source
+        that holds every state does nothing."""
 
-    def estimate(self, k: int, probe: int, running: int) -> Estimate:
-        """The method's estimate at its ``k``-th probe for positions ``[0, n)``, ``n >= running`` (a source that
-        holds every position's state may give them all: criteria decide per row)."""
+    def estimate(self, k: int, probe: int, live: torch.Tensor) -> Estimate:
+        """The method's estimate at its ``k``-th probe for rows ``[0, n)``, covering every ``live`` row (a source
+        that holds every row's state may give them all: criteria decide per row)."""
 
-    def exit_scores(self, probe: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Positions ``[lo, hi)`` read out at ``probe``: each target's log-probability ``[hi - lo]`` (float32) and
-        whether it is the argmax ``[hi - lo]`` (:func:`target_scores`)."""
+    def exit_scores(self, probe: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``rows`` (``[r]`` long, ascending) read out at ``probe``: each target's log-probability ``[r]``
+        (float32) and whether it is the argmax ``[r]`` (:func:`target_scores`)."""
 
 
 def target_scores(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,19 +58,61 @@ def target_scores(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Te
 
 @dataclass
 class Exits:
-    """Where each of ``m`` positions exited, how it scored its target there, and what it cost beyond its layers.
+    """Where each of ``N`` rows exited, how it scored its target there, and what it cost beyond its layers.
 
     Attributes:
-        logprob: ``[m]`` the target's log-probability under the exit readout (float32).
-        greedy: ``[m]`` whether the target is the exit readout's argmax.
-        depth: ``[m]`` its exit layer.
-        charged: ``[m]`` FLOPs of its probes and exit readout (float64).
+        logprob: ``[N]`` the target's log-probability under the exit readout (float32).
+        greedy: ``[N]`` whether the target is the exit readout's argmax.
+        depth: ``[N]`` its exit layer.
+        charged: ``[N]`` FLOPs of its probes and exit readout (float64).
     """
 
     logprob: torch.Tensor
     greedy: torch.Tensor
     depth: torch.Tensor
     charged: torch.Tensor
+
+
+class Segments:
+    """The rows of several continuations laid end to end (a continuation's positions are one segment, in order).
+
+    Attributes:
+        lengths: ``[S]`` rows per segment (CPU, long).
+        offsets: ``[S]`` each segment's first row.
+        seg: ``[N]`` each row's segment.
+        local: ``[N]`` each row's index within its segment.
+    """
+
+    def __init__(self, lengths: Sequence[int]):
+        self.lengths = torch.as_tensor(list(lengths), dtype=torch.long)  # [S]
+        self.offsets = self.lengths.cumsum(0) - self.lengths  # [S]
+        self.seg = torch.repeat_interleave(torch.arange(len(self.lengths)), self.lengths)  # [N]
+        self.local = torch.arange(len(self.seg)) - self.offsets[self.seg]  # [N]
+
+    def __len__(self) -> int:
+        return len(self.seg)
+
+    def first(self, hits: torch.Tensor, running: torch.Tensor) -> torch.Tensor:
+        """``[S]`` each segment's first row of ``hits`` (``[N]`` bool) as a local index, ``running`` where none."""
+        rows = hits.nonzero()[:, 0]
+        return running.clone().scatter_reduce_(0, self.seg[rows], self.local[rows], "amin")
+
+    def below(self, bound: torch.Tensor) -> torch.Tensor:
+        """``[N]`` bool: rows whose local index is below their segment's ``bound`` (``[S]``)."""
+        return self.local < bound[self.seg]
+
+
+class Need(NamedTuple):
+    """What a method's walk (:func:`walk`) reads next: at ``probe``, in ``phase`` (:data:`ESTIMATE`: its estimate
+    over the rows it still runs; :data:`EXIT`: the exit scores of the rows that exit there), for ``rows`` (``[N]``
+    bool). A driver that holds many walks prepares each phase's reads for all of them at once."""
+
+    probe: int
+    phase: int
+    rows: torch.Tensor
+
+
+ESTIMATE, EXIT = 0, 1
 
 
 def estimated_probes(criterion, n_layers: int) -> list[int]:
@@ -80,65 +123,92 @@ def estimated_probes(criterion, n_layers: int) -> list[int]:
     return [p for k, p in enumerate(probes[:-1]) if criterion.wants_estimate(k, p)]
 
 
-def monotone_exits(method, source: StateSource, targets: torch.Tensor, n_layers: int, cost: CostModel,
-                   dtype: torch.dtype) -> Exits:
-    """Exits of the continuation positions predicting ``targets`` ``[m]`` under ``method`` (monotone policy), from
-    ``source``.
+def walk(method, source: StateSource, targets: torch.Tensor, n_layers: int, cost: CostModel, dtype: torch.dtype,
+         segments: Segments | None = None) -> Generator[Need, None, Exits]:
+    """Exits of the rows predicting ``targets`` ``[N]`` under ``method`` (monotone policy), from ``source``: a
+    generator that yields a :class:`Need` before each read of the source and returns the :class:`Exits`.
 
-    Costs are charged as generation charges them: a probe for each position evaluated at that probe (later
-    positions are capped by the first that passes, so the probe is paid up to it), and a readout for each exit
-    the estimator did not already read out.
+    ``segments`` lays out several continuations' rows (None: one continuation). Each continuation runs as its own:
+    at each probe its running prefix shrinks to its first row whose criterion passes (:mod:`module docstring
+    <emad.decode.monotone>`). Costs are charged as generation charges them: a probe for each row evaluated at that
+    probe (later rows are capped by the first that passes, so the probe is paid up to it), and a readout for each
+    exit the estimator did not already read out.
     """
     criterion, estimator = method.criterion, method.estimator
     probes = criterion.probes(n_layers)
     estimated = set(estimated_probes(criterion, n_layers))
     probe_flops, _ = estimator.probe_cost(cost)
-    m, device = len(targets), targets.device
-    logprob = torch.zeros(m, dtype=torch.float32)
-    greedy = torch.zeros(m, dtype=torch.bool)
-    depth = torch.zeros(m, dtype=torch.long)
-    charged = torch.zeros(m, dtype=torch.float64)
-    first_conf = torch.ones(m, device=device)
-    criterion.begin(m)
-    running = m
+    segments = segments or Segments([len(targets)])
+    n_rows, device = len(targets), targets.device
+    logprob = torch.zeros(n_rows, dtype=torch.float32)
+    greedy = torch.zeros(n_rows, dtype=torch.bool)
+    depth = torch.zeros(n_rows, dtype=torch.long)
+    charged = torch.zeros(n_rows, dtype=torch.float64)
+    first_conf = torch.ones(n_rows, device=device)
+    criterion.begin(n_rows)
+    running = segments.lengths.clone()  # [S] each continuation's running prefix
     for k, probe in enumerate(probes):
-        if running == 0:
+        if not bool(running.any()):
             break
-        source.run_to(probe, running)
-        first, passer = running, None  # first: the first position that passes here; passer: its exit scores
+        live = segments.below(running)  # [N]
+        source.run_to(probe, live)
+        first, passers, from_readout = running, None, False
         if probe in estimated:
-            est = source.estimate(k, probe, running)
-            n = len(est.entropy)  # rows evaluated (>= running; only the first running count)
+            yield Need(probe, ESTIMATE, live)
+            est = source.estimate(k, probe, live)
+            n = len(est.entropy)  # rows evaluated (every live one; the others are never read)
             if k == 0:
                 first_conf[:n] = est.max_prob.float()
             view = ProbeView(probe, est.entropy, source.positions[:n], first_conf[:n], est.logits,
-                             torch.arange(n, device=device), source.memo, running)
+                             torch.arange(n, device=device), source.memo,
+                             None if source.memo is None else live[:n].to(device))
             criterion.observe(view)
             if probe >= criterion.min_exit_layer:
-                hits = criterion.exits(view)[:running].nonzero()
-                first = int(hits[0]) if len(hits) else running
-            upto = min(first + 1, running)  # the positions this probe was paid for (later ones are capped)
-            charged[:upto] += (est.cost[0][:upto] if est.cost is not None else probe_flops) + cost.translation(probe)[0]
-            if first < running:
-                logits = criterion.exit_logits(view)
-                if logits is not None:
-                    passer = target_scores(logits[first].to(dtype)[None], targets[first:first + 1])
-                elif est.read_out:  # the probe's readout, kept apart by the source: the exit scores are its
-                    passer = source.exit_scores(probe, first, first + 1)
+                first = segments.first(criterion.exits(view)[:n].cpu() & live[:n], running)
+            paid = segments.below(torch.minimum(first + 1, running))  # rows this probe was paid for
+            probe_cost = est.cost[0][paid[:n]] if est.cost is not None else probe_flops
+            charged[paid] += probe_cost + cost.translation(probe)[0]
+            exiting = first < running
+            if bool(exiting.any()):
+                passers = segments.offsets[exiting] + first[exiting]  # [E] each exiting continuation's first
+                from_readout = criterion.tokens_from_readout and est.read_out
+                logits = None if from_readout else criterion.exit_logits(view)
+                if logits is not None:  # the passer reads its token from the probe; later rows are capped
+                    scores = target_scores(logits[passers.to(device)].to(dtype), targets[passers.to(device)])
+                    logprob[passers], greedy[passers] = scores[0].cpu(), scores[1].cpu()
+                else:  # the probe's readout (kept apart by the source) or none: the exit scores are read out
+                    from_readout = est.read_out
+                    if not from_readout:
+                        passers = None
         elif k == len(probes) - 1:
-            first = 0
-        if first < running:
-            capped = first
-            if passer is not None:  # the passer reads its token from the probe; later positions are capped
-                logprob[first], greedy[first] = passer[0][0].cpu(), passer[1][0].cpu()
-                capped = first + 1
-            if capped < running:
-                row_logprob, row_greedy = source.exit_scores(probe, capped, running)
-                logprob[capped:running], greedy[capped:running] = row_logprob.cpu(), row_greedy.cpu()
-                charged[capped:running] += cost.readout_at(probe)[0]
-            depth[first:running] = probe
+            first = torch.zeros_like(running)
+        exiting = segments.below(running) & ~segments.below(first)  # [N] rows that exit here
+        if bool(exiting.any()):
+            read, pay = exiting.clone(), exiting.clone()
+            if passers is not None:
+                pay[passers] = False  # the passer's readout was its probe
+                if not from_readout:
+                    read[passers] = False
+            if bool(read.any()):
+                yield Need(probe, EXIT, read)
+                rows = read.nonzero()[:, 0]
+                row_logprob, row_greedy = source.exit_scores(probe, rows.to(device))
+                logprob[rows], greedy[rows] = row_logprob.cpu(), row_greedy.cpu()
+            charged[pay] += cost.readout_at(probe)[0]
+            depth[exiting] = probe
         running = first
     return Exits(logprob, greedy, depth, charged)
+
+
+def monotone_exits(method, source: StateSource, targets: torch.Tensor, n_layers: int, cost: CostModel,
+                   dtype: torch.dtype, segments: Segments | None = None) -> Exits:
+    """:func:`walk` run alone (the source reads what it needs when asked)."""
+    steps = walk(method, source, targets, n_layers, cost, dtype, segments)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 def first_scores(first_logits: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -245,16 +245,19 @@ class _Incremental:
         self.done = 0
         estimator.begin(m)
 
-    def run_to(self, probe: int, running: int) -> None:
+    def run_to(self, probe: int, live: torch.Tensor) -> None:
+        running = int(live.sum())  # one continuation: its running prefix
         slots = slice(self.slots.start, self.slots.start + running)
         self.h = self.stack.run(self.h[:, :running], self.done, probe, self.cache, self.positions[None, :running],
                                 slots)
         self.done = probe
 
-    def estimate(self, k: int, probe: int, running: int):
-        return self.estimator.estimate(self.stack, self.h[0], probe, torch.arange(running, device=self.stack.device))
+    def estimate(self, k: int, probe: int, live: torch.Tensor):
+        return self.estimator.estimate(self.stack, self.h[0], probe, torch.arange(self.h.shape[1],
+                                                                                  device=self.stack.device))
 
-    def exit_scores(self, probe: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def exit_scores(self, probe: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        lo, hi = int(rows[0]), int(rows[-1]) + 1  # a contiguous range of the running prefix
         return target_scores(self.stack.readout(self.h[0, lo:hi], probe), self.targets[lo:hi])
 
 

@@ -64,6 +64,28 @@ class Strategy:
         """Log-probabilities of ``continuation`` after ``prompt`` as this strategy would produce it."""
         raise NotImplementedError
 
+    def scored_as(self):
+        """A per-token :class:`~emad.decode.Method` whose teacher-forced scores are this strategy's own
+        (:meth:`score`): a sweep serves the strategy as that method. None: it has none."""
+        return None
+
+    def replays(self) -> bool:
+        """Whether :meth:`score` is a function of one full-depth pass's readouts at :meth:`replay_layers` (a sweep
+        then serves it from its shared pass: :meth:`replay`)."""
+        return False
+
+    def replay_layers(self, n_layers: int) -> list[int]:
+        """The layers whose readouts :meth:`replay` reads."""
+        return []
+
+    def replay(self, reads: dict[int, tuple[list[float], list[float], list[bool]]], n_prompt: int,
+               continuation: Sequence[int], cost) -> Scored:
+        """:meth:`score` from ``reads``: per layer of :meth:`replay_layers`, the entropy, the target's
+        log-probability and whether it is the argmax, of the readout there of each position that predicts a token
+        of ``continuation`` (the prompt's last, then the continuation's own but its last), after a prompt of
+        ``n_prompt`` tokens; ``cost`` the strategy's :class:`~emad.engine.cost.CostModel`."""
+        raise NotImplementedError
+
     def describe(self) -> dict:
         """Parameters identifying this strategy (for run files and MLflow)."""
         return {"method": self.name}

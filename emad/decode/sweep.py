@@ -1,11 +1,17 @@
-"""Score one prompt's continuations under many methods in one pass (a sweep), exactly as each would score alone.
+"""Score requests' continuations under many methods in one pass (a sweep), exactly as each would score alone.
 
 Under the monotone policy with teacher forcing, a position that runs layer ℓ attends there only to earlier
 positions that also ran ℓ, so every hidden state it computes is the full-depth pass's. Hence one full-depth pass,
 with the hidden states kept at every probe layer, serves every per-token criterion and knob value: each method
-takes its own running prefix and exit layers from the shared states (:func:`emad.decode.monotone.monotone_exits`).
-Each distinct (readout, estimator) is evaluated once per probe over all positions and sliced per method; the exit
-readouts are shared the same way. Costs are charged exactly as the single-method path charges them.
+takes its own running prefix and exit layers from the shared states (:func:`emad.decode.monotone.walk`).
+
+A pass scores a batch of requests (:meth:`Sweep.score_batch`): the prompts left-padded with masks as generation
+pads them, each continuation after its prompt's keys (right-padded, so padding is never attended), and every
+continuation's positions laid end to end as the rows of one set of states (:mod:`emad.decode.sweep_rows`). The
+methods then walk their probes in step, probe by probe, over every row of the batch at once: at each probe each
+distinct (readout, estimator) is evaluated once, on the rows some method still runs there, and the exit readouts
+once on the rows that exit. A request's scores do not depend on its batch-mates beyond float rounding. Costs are
+charged exactly as the single-method path charges them.
 
 What the equivalence does not cover is refused by name (:func:`sweep_refusal`): other policies (the skipped
 layers' K/V differ), strategies (EAD, speculative decoding) and criteria that read every exit's token from
@@ -14,33 +20,31 @@ themselves (``contrastive_output``). Those score alone with :func:`emad.decode.s
 
 from __future__ import annotations
 
-import json
 import time
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
 
-from emad.decode.monotone import (
-    estimated_probes,
-    first_scores,
-    monotone_exits,
-    scored_from_exits,
-    target_scores,
-)
-from emad.decode.results import Scored
+from emad.decode.monotone import ESTIMATE, Exits, Segments, full_depth_flops, layer_flops, walk
+from emad.decode.results import Request, Scored
 from emad.decode.score import check_context_length
 from emad.decode.step import Method, as_method, elapsed, left_pad, positions_of
 from emad.decode.strategy import Strategy
+from emad.decode.sweep_rows import LOGIT, Rows, canonical
 from emad.engine.cost import CostModel
-from emad.engine.entropy import readout_summary
+from emad.engine.fused import summary
 from emad.engine.stack import LayerStack
 from emad.exits.criteria import Criterion
-from emad.exits.estimators import Estimate, Exact
+
+FIRST_ROWS = 256  # prompt rows read out in one head product at most, for their continuations' first tokens
 
 
 def sweep_refusal(method) -> str | None:
     """Why ``method`` cannot be scored exactly from a shared full-depth pass, or None when it can."""
     if isinstance(method, Strategy):
+        if method.scored_as() is not None or method.replays():
+            return None  # scored as a per-token method, or replayed from the shared pass's readouts
         return f"strategy {type(method).__name__} decodes with its own models and caches"
     method = as_method(method)
     if method.policy != "monotone":
@@ -50,28 +54,13 @@ def sweep_refusal(method) -> str | None:
     return None
 
 
-LOGIT = ("logit", "")
-
-
-def canonical(views: dict, key: tuple, probe: int) -> tuple:
-    """The readout key at ``probe``: readouts without a translator there read out as the logit lens."""
-    lens = views[key][0].lens
-    return LOGIT if lens is None or probe not in lens.layers else key
-
-
-def _readout_key(method: Method) -> tuple[str, str]:
+def _readout_key(method: Method | Strategy) -> tuple[str, str]:
     readout = method.readout
     return LOGIT if readout is None or not readout.layers else (readout.name, readout.digest)
 
 
-def _estimator_key(estimator) -> tuple:
-    """Estimators with equal keys give equal estimates on equal states (fitted ones: the same object)."""
-    return (estimator.name, json.dumps(estimator.describe(), sort_keys=True, default=str),
-            id(estimator) if estimator.needs_fit else None)
-
-
 class Sweep:
-    """Many methods, checked and grouped once, scored together on any number of prompts.
+    """Many methods, checked and grouped once, scored together on any number of requests.
 
     Args:
         stack: the model (its own readout is ignored; each method reads out through its ``readout``).
@@ -93,118 +82,260 @@ class Sweep:
             if reason:
                 raise ValueError(f"{name}: cannot be scored in a sweep ({reason}); score it alone with "
                                  f"score_continuations")
-        self.stack, self.names = stack, names
-        self.methods = [as_method(m) for m in methods]
+        self.stack, self.names, n = stack, names, stack.n_layers
+        walked = [(i, m.scored_as() if isinstance(m, Strategy) else as_method(m)) for i, m in enumerate(methods)
+                  if not (isinstance(m, Strategy) and m.scored_as() is None)]
+        self.methods = [m for _, m in walked]  # walked (:func:`walk`); strategies that replay are apart
+        self._order = [i for i, _ in walked] + [i for i, m in enumerate(methods) if i not in dict(walked)]
+        self.replays = [m for i, m in enumerate(methods) if i not in dict(walked)]  # their readouts replayed
         self._views: dict[tuple, tuple[LayerStack, CostModel]] = {}
-        self.keys, digests = [], {}  # id(readout) -> its key: a shared readout is hashed once
-        for method in self.methods:
-            method.validate(stack.n_layers)
+        digests: dict[int, tuple] = {}  # id(readout) -> its key: a shared readout is hashed once
+        for method in self.methods + self.replays:
+            method.validate(n)
             if id(method.readout) not in digests:
                 digests[id(method.readout)] = _readout_key(method)
             key = digests[id(method.readout)]
             if key not in self._views:
                 view = stack.with_readout(method.readout)
                 self._views[key] = view, CostModel.from_stack(view)
-            self.keys.append(key)
-        n = stack.n_layers
+        self.keys = [digests[id(m.readout)] for m in self.methods]
+        self.replay_keys = [digests[id(m.readout)] for m in self.replays]
         self.depth0 = [m.criterion.prefill_depth(n) for m in self.methods]
-        for name, method, depth0 in zip(names, self.methods, self.depth0):
+        for name, method, depth0 in zip([names[i] for i, _ in walked], self.methods, self.depth0):
             if depth0 != method.criterion.probes(n)[-1]:
                 raise ValueError(f"{name}: its prompt runs {depth0} layers, not its deepest probe")
-        self.layers = sorted({p for m in self.methods for p in m.criterion.probes(n)})  # states kept here
+        self.layers = sorted({p for m in self.methods for p in m.criterion.probes(n)}  # states kept here
+                             | {p for m in self.replays for p in m.replay_layers(n)})
+        self.work: Counter[str] = Counter()  # FLOPs computed so far, by kind: layers, readouts, estimators
 
     @torch.inference_mode()
     def score(self, prompt: Sequence[int], continuations: Sequence[Sequence[int]], kept: dict | None = None
               ) -> list[list[Scored]]:
-        """Score each continuation after ``prompt`` under every method.
-
-        Args:
-            kept: what earlier sweeps of the same model kept of this prompt's pass (:class:`Kept`, keyed by the
-                prompt), reused when it holds every layer and continuation this sweep needs, and filled
-                otherwise; None keeps nothing. A later sweep (e.g. a screen's refinement) then runs no layer and
-                reads out again only what needs the logits themselves.
+        """Score each continuation after ``prompt`` under every method: :meth:`score_batch` of one request.
 
         Returns:
-            ``[method][continuation]`` :class:`Scored`, each equal to
-            :func:`~emad.decode.score_continuations` of that method alone. The pass's time is split evenly over
-            the results' ``seconds``.
+            ``[method][continuation]`` :class:`Scored`, each equal to :func:`~emad.decode.score_continuations` of
+            that method alone.
+        """
+        return self.score_batch([(prompt, continuations)], kept)[0]
+
+    @torch.inference_mode()
+    def score_batch(self, requests: Sequence[Request], kept: dict | None = None) -> list[list[list[Scored]]]:
+        """Score every request's continuations under every method, the requests in one pass.
+
+        Args:
+            requests: ``(prompt, continuations)`` each (prompts and continuations non-empty).
+            kept: what earlier sweeps of the same model kept of this batch's pass (:class:`Kept`, keyed by the
+                batch's requests), reused when it holds every layer this sweep needs, and filled otherwise; None
+                keeps nothing. A later sweep (e.g. a screen's refinement) then runs no layer and reads out again
+                only what it needs that the earlier ones did not.
+
+        Returns:
+            ``[request][method][continuation]`` :class:`Scored`, each equal to
+            :func:`~emad.decode.score_continuations` of that method alone on that request alone (depths and FLOPs
+            identical, log-probabilities to float rounding, wherever no estimate lies within rounding of its
+            threshold). The pass's time is split evenly over the results' ``seconds``.
         """
         started = time.perf_counter()
-        if not prompt or not continuations or not all(continuations):
-            raise ValueError("a sweep needs a non-empty prompt and continuations")
-        for continuation in continuations:
-            check_context_length(self.stack, len(prompt) + len(continuation) - 1)
-        stack, n_prompt = self.stack, len(prompt)
-        found = None if kept is None else kept.get(tuple(prompt))
-        if found is None or not found.serves(self.layers, continuations):
-            cache = stack.new_cache(1, n_prompt + max(len(c) for c in continuations))
-            ids, real = left_pad([prompt], 0, stack.device)
-            last = self._run(cache, ids, positions_of(real), cache.allocate(real))
-            found = Kept({layer: h[0, -1] for layer, h in last.items()}, {}, cache)  # [d] the prompt's last position
+        if not requests:
+            raise ValueError("a sweep needs at least one request")
+        for prompt, continuations in requests:
+            if not prompt or not continuations or not all(continuations):
+                raise ValueError("a sweep needs a non-empty prompt and continuations")
+            for continuation in continuations:
+                check_context_length(self.stack, len(prompt) + len(continuation) - 1)
+        batch = tuple((tuple(p), tuple(map(tuple, cs))) for p, cs in requests)
+        found = None if kept is None else kept.get(batch)
+        if found is None or not found.serves(self.layers):
+            found = self._pass(batch)
             if kept is not None:
-                kept[tuple(prompt)] = found
-        first = self._first_readouts(found.last)
-        scores: dict[int, tuple[torch.Tensor, int]] = {}  # id(readout [V]) -> its first_scores, once per readout
-        for logits in first.values():
-            if id(logits) not in scores:
-                scores[id(logits)] = first_scores(logits)
-        first = {k: scores[id(logits)] for k, logits in first.items()}
-        out: list[list[Scored]] = [[] for _ in self.methods]
-        for continuation in continuations:
-            shared = None
-            if len(continuation) > 1:
-                shared = found.shared.get(tuple(continuation))
-                if shared is None:
-                    shared = self._pass(found.cache, n_prompt, continuation)
-                    found.shared[tuple(continuation)] = shared
-                shared.views = self._views
-            for j, (method, key, depth0) in enumerate(zip(self.methods, self.keys, self.depth0)):
-                view, cost = self._views[key]
-                exits = None
-                if shared is not None:
-                    exits = monotone_exits(method, shared.bind(method, key), shared.targets, stack.n_layers, cost,
-                                           stack.dtype)
-                out[j].append(scored_from_exits(continuation, first[key, depth0], depth0, exits, cost, n_prompt))
-            if shared is not None:
-                shared.compact()
-        found.cache = None  # the K/V of a pass is not kept: every continuation's states are
-        seconds = elapsed(stack.device, started) / (len(self.methods) * len(continuations))
-        for row in out:
-            for scored in row:
-                scored.seconds = seconds
+                kept[batch] = found
+        first = self._first_scores(found)
+        if found.rows is not None:
+            found.rows.work = self.work
+        exits = self._exits(found.rows) if found.rows is not None and self.methods else [None] * len(self.methods)
+        out = self._scored(found, first, exits, [len(cs) for _, cs in batch])
+        if found.rows is not None:
+            found.rows.compact()
+        seconds = elapsed(self.stack.device, started) / (len(self._order) * len(found.pairs))
+        for request in out:
+            for row in request:
+                for scored in row:
+                    scored.seconds = seconds
         return out
 
-    def _first_readouts(self, last: dict[int, torch.Tensor]) -> dict[tuple, torch.Tensor]:
-        """``(readout key, depth0) -> [V]``: the readout of the prompt's last state (``last``: layer -> ``[d]``)
-        that predicts each continuation's first token, for every method's readout and prompt depth — read once per
-        canonical readout and depth (readouts without a translator at a layer read out as the logit lens there),
-        one head product per readout over every depth it reads. Not kept across sweeps: a prompt's ``[V]`` rows
-        per depth would outweigh everything else a screen keeps of it."""
-        wanted: dict[tuple, tuple] = {}  # (canonical readout, depth0) -> the first key that reads it there
-        for key, depth0 in zip(self.keys, self.depth0):
-            wanted.setdefault((canonical(self._views, key, depth0), depth0), key)
-        depths: dict[tuple, list[int]] = {}  # key -> the depths its view reads out
-        for (_, depth0), key in wanted.items():
-            depths.setdefault(key, []).append(depth0)
-        read: dict[tuple, torch.Tensor] = {}  # (canonical readout, depth0) -> [V]
-        for key, these in depths.items():
-            logits = self._views[key][0].readouts({depth0: last[depth0][None] for depth0 in these})  # -> [1, V]
-            read |= {(canonical(self._views, key, depth0), depth0): row[0] for depth0, row in logits.items()}
-        return {(key, depth0): read[canonical(self._views, key, depth0), depth0]
-                for key, depth0 in zip(self.keys, self.depth0)}
+    def _pass(self, batch: tuple) -> Kept:
+        """The batch's full-depth pass: the prompts' last states and every continuation's states at each kept
+        layer."""
+        stack, device = self.stack, self.stack.device
+        prompts = list(dict.fromkeys(p for p, _ in batch))  # each distinct prompt once
+        row_of = {p: i for i, p in enumerate(prompts)}
+        pairs = [(row_of[p], c) for p, cs in batch for c in cs]  # (prompt row, continuation) per continuation
+        lengths = [len(p) for p in prompts]
+        ids, real = left_pad(prompts, 0, device)  # [B, P]
+        longest = max(len(c) for _, c in pairs) - 1  # continuation inputs: every token but the last
+        cache = stack.new_cache(len(prompts), ids.shape[1] + longest)
+        states = self._run(cache, ids, positions_of(real), cache.allocate(real))
+        self.work["layers"] += sum(self._layer_flops(0, n) for n in lengths)
+        last = {layer: h[:, -1] for layer, h in states.items()}  # [B, d] each prompt's last position
+        scored = [(row, c) for row, c in pairs if len(c) > 1]  # continuations with a position after the first
+        if not scored:
+            return Kept(last, None, pairs, lengths)
+        rows = torch.tensor([row for row, _ in scored], device=device)  # [C] each continuation's prompt row
+        if len(scored) != len(prompts) or bool((rows != torch.arange(len(prompts), device=device)).any()):
+            cache = cache.take(rows)  # a row per continuation, its prompt's keys copied
+        x = torch.zeros(len(scored), longest, dtype=torch.long)  # [C, M] inputs, right-padded
+        real = torch.zeros(len(scored), longest, dtype=torch.bool)
+        for i, (_, c) in enumerate(scored):
+            x[i, :len(c) - 1] = torch.tensor(c[:-1])
+            real[i, :len(c) - 1] = True
+        x, real = x.to(device), real.to(device)
+        start = torch.tensor([lengths[row] for row, _ in scored], device=device)  # [C]
+        positions = start[:, None] + torch.arange(longest, device=device)[None]  # [C, M]
+        states = self._run(cache, x, positions, cache.allocate(real))
+        self.work["layers"] += sum(self._layer_flops(lengths[row], len(c) - 1) for row, c in scored)
+        states = {layer: h[real] for layer, h in states.items()}  # [N, d] the real rows, continuation by continuation
+        targets = torch.tensor([t for _, c in scored for t in c[1:]], device=device)  # [N]
+        rows = Rows(states, positions[real], targets, Segments([len(c) - 1 for _, c in scored]), self._views)
+        return Kept(last, rows, pairs, lengths)
 
-    def _pass(self, cache, n_prompt: int, continuation: Sequence[int]) -> _Shared:
-        """The full-depth states of ``continuation`` after the prompt in ``cache`` (cropped back to the prompt)."""
-        cache.crop(n_prompt)
-        stack = self.stack
-        x = torch.tensor([list(continuation[:-1])], dtype=torch.long, device=stack.device)  # [1, m]
-        positions = torch.arange(n_prompt, n_prompt + x.shape[1], device=stack.device)  # [m]
-        states = self._run(cache, x, positions[None], cache.allocate(torch.ones_like(x, dtype=torch.bool)))
-        targets = torch.tensor(list(continuation[1:]), dtype=torch.long, device=stack.device)  # [m]
-        return _Shared({layer: h[0] for layer, h in states.items()}, positions, targets, self._views)
+    def _layer_flops(self, before: int, n: int) -> int:
+        """FLOPs of ``n`` real tokens after ``before`` others through the kept layers (token i attends to
+        ``before + i + 1`` keys; padding, which the pass also runs, not counted)."""
+        cost, depth = self._views[self.keys[0]][1], self.layers[-1]
+        keys = n * before + n * (n + 1) // 2
+        return 2 * n * sum(cost.layer_params[:depth]) + 4 * cost.d_model * depth * keys
+
+    def _first_scores(self, found: Kept) -> dict[tuple, tuple[list[float], list[bool], list[float]]]:
+        """``(readout key, depth) ->`` each continuation's first-token log-probability, greedy hit and the readout's
+        entropy, read out of its prompt's last state at that depth (each method's depth0, each replayed strategy's
+        layers) — once per canonical readout and depth (readouts without a translator at a layer read out as the
+        logit lens there), the depths of one readout in head products of at most :data:`FIRST_ROWS` rows. Not kept
+        across sweeps: a prompt's ``[V]`` rows per depth would outweigh everything else a screen keeps of it."""
+        needs = [*zip(self.keys, self.depth0),
+                 *((key, d) for key, m in zip(self.replay_keys, self.replays) for d in m.replay_layers(
+                     self.stack.n_layers))]
+        wanted: dict[tuple, tuple] = {}  # (canonical readout, depth) -> the first key that reads it there
+        for key, depth in needs:
+            wanted.setdefault((canonical(self._views, key, depth), depth), key)
+        depths: dict[tuple, list[int]] = {}  # key -> the depths its view reads out
+        for (_, depth), key in wanted.items():
+            depths.setdefault(key, []).append(depth)
+        prompt_rows = torch.tensor([row for row, _ in found.pairs], device=self.stack.device)  # [C]
+        tokens = torch.tensor([c[0] for _, c in found.pairs], device=self.stack.device)  # [C]
+        read: dict[tuple, tuple[list[float], list[bool], list[float]]] = {}
+        n_prompts = len(found.lengths)
+        for key, these in depths.items():
+            per = max(1, FIRST_ROWS // n_prompts)  # depths per head product
+            for at in range(0, len(these), per):
+                group = these[at:at + per]
+                logits = self._views[key][0].readouts({d: found.last[d] for d in group})  # depth -> [B, V]
+                cost = self._views[key][1]
+                self.work["readouts"] += n_prompts * sum(cost.readout_at(d)[0] for d in group)
+                for depth, rows in logits.items():
+                    logp = torch.log_softmax(rows.float(), -1)[prompt_rows]  # [C, V]
+                    best = rows.argmax(-1)[prompt_rows]  # [C]
+                    entropy = summary(rows)[0][prompt_rows] if self.replays else best  # [C] (replays read it)
+                    read[canonical(self._views, key, depth), depth] = (
+                        logp.gather(-1, tokens[:, None])[:, 0].tolist(), (best == tokens).tolist(), entropy.tolist())
+        return {(key, depth): read[canonical(self._views, key, depth), depth] for key, depth in needs}
+
+    def _exits(self, rows: Rows) -> list[Exits]:
+        """Every method's exits on the batch's rows: the methods walk their probes in step (:func:`walk`), each
+        probe's reads prepared for all of them at once (:meth:`Rows.prepare`), its logits dropped once read."""
+        n_layers, dtype = self.stack.n_layers, self.stack.dtype
+        walks = [walk(method, rows.bind(method, key), rows.targets, n_layers, self._views[key][1], dtype,
+                      rows.segments) for method, key in zip(self.methods, self.keys)]
+        pending, done = {}, {}
+
+        def advance(j: int) -> None:
+            try:
+                pending[j] = walks[j].send(None)
+            except StopIteration as finished:
+                pending.pop(j, None)
+                done[j] = finished.value
+
+        for j in range(len(walks)):
+            advance(j)
+        while pending:
+            probe, phase = min((need.probe, need.phase) for need in pending.values())
+            group = [j for j, need in pending.items() if (need.probe, need.phase) == (probe, phase)]
+            rows.prepare(probe, phase, [(self.methods[j], self.keys[j], pending[j].rows) for j in group])
+            for j in group:
+                advance(j)
+            if phase == ESTIMATE:
+                rows.release(probe)
+        return [done[j] for j in range(len(walks))]
+
+    def _scored(self, found: Kept, first: dict, exits: list[Exits | None], counts: list[int]
+                ) -> list[list[list[Scored]]]:
+        """``[request][method][continuation]`` :class:`Scored` (``counts``: each request's continuations) from each
+        method's first-token scores and exits:
+        each position's layers charged with the keys it attends (every earlier position ran at least as deep),
+        and the full-depth cost of the same tokens."""
+        rows = found.rows
+        scored_at = {}  # continuation index -> its segment
+        for i, (_, c) in enumerate(found.pairs):
+            if len(c) > 1:
+                scored_at[i] = len(scored_at)
+        per_method = []
+        for key, depth0, ex in zip(self.keys, self.depth0, exits):
+            cost = self._views[key][1]
+            logprobs, greedy, _ = first[key, depth0]
+            readout, full0 = cost.readout_at(depth0)[0], float(cost.readout_flops)
+            if ex is not None:
+                segments = rows.segments
+                keys = torch.tensor(found.lengths)[torch.tensor([found.pairs[i][0] for i in scored_at])]  # [S]
+                keys = keys[segments.seg] + 1 + segments.local  # [N] keys each attends
+                # every term is a whole number of FLOPs below 2^53, so these sums are exact in any order
+                spent = layer_flops(cost, ex.depth, keys) + ex.charged  # [N]
+                spent = torch.zeros(len(segments.lengths), dtype=torch.float64).index_add_(0, segments.seg, spent)
+                spent, lp, gr, dp = spent.tolist(), ex.logprob.tolist(), ex.greedy.tolist(), ex.depth.tolist()
+            out = []
+            for i, (row, c) in enumerate(found.pairs):
+                if i not in scored_at:  # a one-token continuation is read out of the prompt alone
+                    out.append(Scored([logprobs[i]], [depth0], readout, full0, greedy=[greedy[i]]))
+                    continue
+                s = scored_at[i]
+                at, m = int(rows.segments.offsets[s]), len(c) - 1
+                out.append(Scored([logprobs[i], *lp[at:at + m]], [depth0, *dp[at:at + m]], readout + spent[s],
+                                  full0 + float(full_depth_flops(cost, found.lengths[row] + 1, m)),
+                                  greedy=[greedy[i], *gr[at:at + m]]))
+            per_method.append(out)
+        per_method += self._replayed(found, first, scored_at)
+        per_method = [row for _, row in sorted(zip(self._order, per_method), key=lambda x: x[0])]
+        result, at = [], 0
+        for count in counts:
+            result.append([row[at:at + count] for row in per_method])
+            at += count
+        return result
+
+    def _replayed(self, found: Kept, first: dict, scored_at: dict[int, int]) -> list[list[Scored]]:
+        """Each replayed strategy's :class:`Scored` per continuation, from the readouts of the shared pass at its
+        layers (:meth:`~emad.decode.strategy.Strategy.replay`): the prompt's last position, then every row."""
+        out = []
+        for strategy, key in zip(self.replays, self.replay_keys):
+            layers = strategy.replay_layers(self.stack.n_layers)
+            at_rows = {}  # layer -> (entropy, logprob, greedy) of every row
+            if found.rows is not None:
+                for layer in layers:
+                    values = found.rows.readout(key, layer, torch.ones(found.rows.n, dtype=torch.bool)).values
+                    at_rows[layer] = tuple(values[name].tolist() for name in ("entropy", "logprob", "greedy"))
+            scored = []
+            for i, (row, c) in enumerate(found.pairs):
+                reads = {}
+                for layer in layers:
+                    logprob, greedy, entropy = first[key, layer]
+                    reads[layer] = ([entropy[i]], [logprob[i]], [greedy[i]])
+                    if i in scored_at:
+                        at, m = int(found.rows.segments.offsets[scored_at[i]]), len(c) - 1
+                        reads[layer] = tuple(a + b[at:at + m] for a, b in zip(reads[layer], at_rows[layer]))
+                scored.append(strategy.replay(reads, found.lengths[row], c, self._views[key][1]))
+            out.append(scored)
+        return out
 
     def _run(self, cache, x: torch.Tensor, positions: torch.Tensor, slots) -> dict[int, torch.Tensor]:
-        """Run ``x`` ``[1, q]`` through the layers up to the deepest kept one; the states ``[1, q, d]`` after each
+        """Run ``x`` ``[B, q]`` through the layers up to the deepest kept one; the states ``[B, q, d]`` after each
         kept layer."""
         h = self.stack.embed(x, positions)
         done, kept = 0, {}
@@ -215,134 +346,18 @@ class Sweep:
 
 
 class Kept:
-    """What a sweep keeps of one prompt's full-depth pass for later sweeps of the same model: the prompt's last
-    state at each kept layer ``[d]``, each continuation's :class:`_Shared` (states ``[m, d]`` per kept layer and
-    what was derived from them, without the ``[m, V]`` readouts) and, while the pass runs, its K/V cache."""
+    """What a sweep keeps of one batch's full-depth pass for later sweeps of the same model: each prompt's last
+    state at each kept layer ``[B, d]``, the continuations' rows (:class:`~emad.decode.sweep_rows.Rows`: states
+    ``[N, d]`` per kept layer and the per-row values read from them, without ``[N, V]`` readouts; None when every
+    continuation is one token), each continuation's prompt row, and each prompt's length."""
 
-    def __init__(self, last: dict[int, torch.Tensor], shared: dict[tuple, _Shared], cache):
-        self.last, self.shared, self.cache = last, shared, cache
+    def __init__(self, last: dict[int, torch.Tensor], rows: Rows | None, pairs: list[tuple[int, tuple]],
+                 lengths: list[int]):
+        self.last, self.rows, self.pairs, self.lengths = last, rows, pairs, lengths
 
-    def serves(self, layers: Sequence[int], continuations: Sequence[Sequence[int]]) -> bool:
-        """Every layer a sweep keeps states at, and every continuation it scores, are here."""
-        return set(layers) <= set(self.last) and all(tuple(c) in self.shared for c in continuations if len(c) > 1)
-
-
-def _large(value) -> bool:
-    """A tensor (or a tuple holding one) with a row per vocabulary entry: ``[m, V]``."""
-    if isinstance(value, (tuple, list)):
-        return any(_large(v) for v in value)
-    return isinstance(value, torch.Tensor) and value.dim() > 1
-
-
-class _Shared:
-    """The shared full-depth states of one continuation, with estimates, readouts and exit scores over all its
-    positions memoised per (readout, estimator) and handed whole to each method (criteria decide per row; a method
-    reads the rows of its running prefix)."""
-
-    def __init__(self, states: dict[int, torch.Tensor], positions: torch.Tensor, targets: torch.Tensor,
-                 views: dict):
-        self.states_at, self.positions, self.targets, self.views = states, positions, targets, views
-        self._estimates: dict[tuple, Estimate] = {}
-        self._readouts: dict[tuple, torch.Tensor] = {}
-        self._scores: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._memos: dict[tuple, dict] = {}
-        self._estimators: dict[int, object] = {}  # the fitted estimators keyed by id: alive while these are
-        self._read: set[tuple] | None = set()  # readout keys read out at every layer at once (None: compacted)
-
-    def bind(self, method: Method, key: tuple) -> _MethodSource:
-        self._estimators.setdefault(id(method.estimator), method.estimator)
-        memo = self._memos.setdefault((key, _estimator_key(method.estimator)), {})
-        return _MethodSource(self, method, key, memo)
-
-    def estimates(self, method: Method, key: tuple, probe: int) -> Estimate:
-        """The method's estimate at ``probe`` over all positions (a stateful estimator runs its whole sequence of
-        estimated probes once, from a fresh state)."""
-        estimator = method.estimator
-        n = len(self.positions)
-        sequence = tuple(estimated_probes(method.criterion, self.views[key][0].n_layers))
-        base = (key, _estimator_key(estimator))
-        if not estimator.stateful:
-            memo = (self.canonical(key, probe), *base[1:], probe)
-            if isinstance(estimator, Exact):  # its logits are the exit readout's: handed only to criteria that
-                if memo not in self._estimates:  # read them (the others' exits read the exit scores)
-                    entropy, _, max_prob = readout_summary(self.readout(key, probe))
-                    self._estimates[memo] = Estimate(entropy, max_prob, read_out=True)
-                est = self._estimates[memo]
-                return (Estimate(est.entropy, est.max_prob, self.readout(key, probe), read_out=True)
-                        if method.criterion.needs_logits and not self._derived(method, key, probe) else est)
-            if memo not in self._estimates:
-                self._estimates[memo] = estimator.estimate(self.views[key][0], self.states_at[probe], probe,
-                                                           torch.arange(n, device=self.positions.device))
-            return self._estimates[memo]
-        memo = base + (sequence, probe)
-        if memo not in self._estimates:
-            estimator.begin(n)
-            for layer in sequence:
-                self._estimates[base + (sequence, layer)] = estimator.estimate(
-                    self.views[key][0], self.states_at[layer], layer, torch.arange(n, device=self.positions.device))
-        return self._estimates[memo]
-
-    def _derived(self, method: Method, key: tuple, probe: int) -> bool:
-        """Whether the memo already holds all that ``method``'s criterion derives from the readout at ``probe``
-        (an earlier method, or an earlier sweep of these states, computed it): then it is handed no logits."""
-        wanted = method.criterion.derived_from_logits(probe)
-        memo = self._memos.get((key, _estimator_key(method.estimator)), {})
-        return wanted is not None and all(k in memo for k in wanted)
-
-    def compact(self) -> None:
-        """Drop what holds a row per vocabulary entry (readouts, estimates and memo entries ``[m, V]``): a later
-        sweep that needs them reads them out again from the states; the per-position values stay."""
-        self._readouts.clear()
-        self._read = None
-        self._estimates = {k: e for k, e in self._estimates.items() if e.logits is None}
-        for memo in self._memos.values():
-            for k in [k for k, v in memo.items() if _large(v)]:
-                del memo[k]
-
-    def canonical(self, key: tuple, probe: int) -> tuple:
-        return canonical(self.views, key, probe)
-
-    def readout(self, key: tuple, probe: int) -> torch.Tensor:
-        """The states at ``probe`` read out through ``key``'s readout ``[m, V]``. The first time a readout is asked
-        for, every kept layer it reads is read out at once (one head product: the sweep reads nearly all of them);
-        after :meth:`compact`, only what is asked for."""
-        canon = self.canonical(key, probe)
-        if (canon, probe) not in self._readouts:
-            view = self.views[key][0]
-            if self._read is not None and canon not in self._read:
-                self._read.add(canon)
-                layers = [layer for layer in self.states_at if self.canonical(key, layer) == canon]
-                read = view.readouts({layer: self.states_at[layer] for layer in layers})
-                self._readouts.update({(canon, layer): logits for layer, logits in read.items()})
-            else:
-                self._readouts[canon, probe] = view.readout(self.states_at[probe], probe)  # [m, V]
-        return self._readouts[canon, probe]
-
-    def exit_scores(self, key: tuple, probe: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every position's target log-probability and greedy hit when read out at ``probe`` (``[m]`` each)."""
-        memo = self.canonical(key, probe), probe
-        if memo not in self._scores:
-            self._scores[memo] = target_scores(self.readout(key, probe), self.targets)
-        return self._scores[memo]
-
-
-class _MethodSource:
-    """One method's view of the shared states: every position's states and estimates, its running prefix's exit
-    scores, and the memo it shares with the methods that read the same (readout, estimator)."""
-
-    def __init__(self, shared: _Shared, method: Method, key: tuple, memo: dict):
-        self.shared, self.method, self.key, self.memo = shared, method, key, memo
-        self.positions = shared.positions
-
-    def run_to(self, probe: int, running: int) -> None:
-        """Nothing to run: the shared full-depth pass holds every position's states."""
-
-    def estimate(self, k: int, probe: int, running: int) -> Estimate:
-        return self.shared.estimates(self.method, self.key, probe)
-
-    def exit_scores(self, probe: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-        logprob, greedy = self.shared.exit_scores(self.key, probe)
-        return logprob[lo:hi], greedy[lo:hi]
+    def serves(self, layers: Sequence[int]) -> bool:
+        """Every layer a sweep keeps states at is here."""
+        return set(layers) <= set(self.last)
 
 
 def score_sweep(stack: LayerStack, prompt: Sequence[int], continuations: Sequence[Sequence[int]],

@@ -98,10 +98,53 @@ class KVCache:
         out.valid, out.real, out.filled = self.valid.clone(), self.real.clone(), list(self.filled)
         return out
 
-    def load(self, other: KVCache) -> None:
-        """Become an independent copy of ``other`` (a kept prompt pass reused by a new generation)."""
-        copied = other.copy()
-        self.__dict__.update(copied.__dict__)
+    def take(self, rows: torch.Tensor) -> KVCache:
+        """A cache of the given rows (``[b]`` long, repeats allowed), their K/V and validity copied: prompts
+        prefilled once, each continued by several rows (a multiple-choice item's choices)."""
+        out = KVCache.__new__(KVCache)
+        out.__dict__.update(self.__dict__)
+        out.batch_size = len(rows)
+        out.keys = [None if k is None else k[rows] for k in self.keys]
+        out.values = [None if v is None else v[rows] for v in self.values]
+        out.valid, out.real, out.filled = self.valid[:, rows], self.real[rows], list(self.filled)
+        return out
+
+    def kept(self, depth: int) -> KVCache:
+        """A copy of layers ``1..depth`` over the slots allocated so far (capacity: those slots): what a prompt's
+        pass to ``depth`` holds, for a store of passes (:class:`emad.decode.Prefills`)."""
+        n = self.n_slots
+        out = KVCache.__new__(KVCache)
+        out.__dict__.update(self.__dict__)
+        out.capacity = max(1, n)
+        out.keys = [None if k is None or i >= depth else k[:, :, :n].clone() for i, k in enumerate(self.keys)]
+        out.values = [None if v is None or i >= depth else v[:, :, :n].clone() for i, v in enumerate(self.values)]
+        out.valid, out.real = self.valid[:, :, :out.capacity].clone(), self.real[:, :out.capacity].clone()
+        out.valid[depth:] = False
+        out.filled = [f if i < depth else 0 for i, f in enumerate(self.filled)]
+        return out
+
+    def load(self, other: KVCache, depth: int | None = None) -> None:
+        """Become an independent copy of ``other``'s layers ``1..depth`` (None: all), at this cache's capacity (at
+        least ``other``'s slots): a kept prompt pass reused by a new generation — the cache a pass to ``depth``
+        made in this cache would be (the K/V of a layer do not depend on the layers after it)."""
+        depth = other.n_layers if depth is None else depth
+        n, capacity = other.n_slots, max(self.capacity, other.n_slots, 1)
+
+        def widen(t: torch.Tensor) -> torch.Tensor:  # [B, H, S, D] -> [B, H, capacity, D], slots [0, n) copied
+            out = t.new_zeros((*t.shape[:2], capacity, *t.shape[3:]))
+            out[:, :, :n] = t[:, :, :n]
+            return out
+
+        self.keys = [None if k is None or i >= depth else widen(k) for i, k in enumerate(other.keys)]
+        self.values = [None if v is None or i >= depth else widen(v) for i, v in enumerate(other.values)]
+        self.valid = torch.zeros(other.n_layers, other.batch_size, capacity, dtype=torch.bool, device=other.device)
+        self.valid[:depth, :, :n] = other.valid[:depth, :, :n]
+        self.real = torch.zeros(other.batch_size, capacity, dtype=torch.bool, device=other.device)
+        self.real[:, :n] = other.real[:, :n]
+        self.n_layers, self.batch_size, self.capacity, self.device = other.n_layers, other.batch_size, capacity, \
+            other.device
+        self.n_slots, self.padded = n, other.padded
+        self.filled = [f if i < depth else 0 for i, f in enumerate(other.filled)]
 
     def _ensure_capacity(self, needed: int) -> None:
         if needed <= self.capacity:

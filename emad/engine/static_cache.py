@@ -102,19 +102,25 @@ class StaticKVCache(KVCache):
         out.load(self)
         return out
 
-    def load(self, other: KVCache) -> None:
-        """Become a copy of ``other`` (same rows and capacity), writing into this cache's own buffers."""
-        if (other.batch_size, other.capacity) != (self.batch_size, self.capacity):
-            raise ValueError(f"cannot load a cache of {other.batch_size} rows x {other.capacity} slots into one of "
+    def load(self, other: KVCache, depth: int | None = None) -> None:
+        """Become a copy of ``other``'s layers ``1..depth`` (None: all; same rows, at most this capacity's slots),
+        writing into this cache's own buffers (the layers after ``depth`` keep their buffers, every slot invalid)."""
+        depth = other.n_layers if depth is None else depth
+        n = other.n_slots
+        if other.batch_size != self.batch_size or n > self.capacity:
+            raise ValueError(f"cannot load a cache of {other.batch_size} rows x {n} slots into one of "
                              f"{self.batch_size} x {self.capacity}")
         for mine, theirs in ((self.keys, other.keys), (self.values, other.values)):
-            for i, t in enumerate(theirs):
+            for i, t in enumerate(theirs[:depth]):
                 if t is None:
                     continue
                 if mine[i] is None:
                     with torch.inference_mode(False):
-                        mine[i] = t.new_zeros(t.shape)
-                mine[i].copy_(t)
-        self.valid.copy_(other.valid)
-        self.real.copy_(other.real)
-        self.n_slots, self.padded, self.filled = other.n_slots, other.padded, list(other.filled)
+                        mine[i] = t.new_zeros((*t.shape[:2], self.capacity, *t.shape[3:]))
+                mine[i][:, :, :n].copy_(t[:, :, :n])
+        self.valid.zero_()
+        self.valid[:depth, :, :n].copy_(other.valid[:depth, :, :n])
+        self.real.zero_()
+        self.real[:, :n].copy_(other.real[:, :n])
+        self.n_slots, self.padded = n, other.padded
+        self.filled = [f if i < depth else 0 for i, f in enumerate(other.filled)]

@@ -54,7 +54,8 @@ class DecodeConfig(Section):
             can decide neither C1 nor C2); one the teacher-forced screen rules out decodes none; the teacher-forced
             tasks score them all.
         unserved_tokens: scored perplexity tokens for points the sweep scorer cannot serve (policies other than
-            monotone, strategies): they score token by token (null = ``decode.tasks.perplexity.tokens``).
+            monotone, EAD with a second model): they score token by token (null =
+            ``decode.tasks.perplexity.tokens``).
         speed_repeats: timed generations per point, each beside a full-depth one of the same prompts (speed-up =
             the median of their tokens/s ratios; 0 = no speed measurement): the cheap measure of points a
             teacher-forced check already rules out, or that never exit.
@@ -80,6 +81,12 @@ class DecodeConfig(Section):
             it; the stage checks the name before any work. Outputs are the same either way
             (:mod:`emad.evaluation.executors`).
         workers: Ray actors (null: one per GPU of the cluster, else 2).
+        sweep_batch: requests the screen's sweep scores in one pass (:mod:`emad.decode.batches`: longest first,
+            requests with one prompt together); a request's scores do not depend on its batch-mates beyond float
+            rounding. ``auto``: as many as ``sweep_batch_tokens`` lets a pass hold, or without it a quarter of the
+            free memory.
+        sweep_batch_tokens: at most this many padded tokens a sweep pass (its continuations × its longest prompt and
+            continuation): the memory bound (null: none).
 
     A point of ``baselines``, ``points`` or ``related`` may give a list, a range or ``all`` for its method's knob
     (``margin``, ``threshold``, ``depth``, ``tau``, ``exit_layer``): a list stands for one point per value, a range
@@ -119,6 +126,8 @@ class DecodeConfig(Section):
     screens: dict[str, Screen] = Field(default_factory=dict)
     executor: str = "serial"
     workers: int | None = Field(None, ge=1)
+    sweep_batch: int | str = 16
+    sweep_batch_tokens: int | None = 4096
     device: str = "auto"
     dtype: str = "auto"
     engine: str = "auto"
@@ -153,6 +162,13 @@ class DecodeConfig(Section):
     @classmethod
     def _known_engine(cls, value: str) -> str:
         return check_engine(value)
+
+    @model_validator(mode="after")
+    def _sweep_batch(self) -> DecodeConfig:
+        from emad.decode.batches import check_batch  # no torch: the params check stays light
+
+        check_batch(self.sweep_batch, self.sweep_batch_tokens)
+        return self
 
     @field_validator("speed_tokens_by_device")
     @classmethod

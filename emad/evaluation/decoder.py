@@ -24,6 +24,7 @@ from typing import Any
 from tqdm import tqdm
 
 from emad.decode import Method
+from emad.decode.batches import Batching
 from emad.decode.strategy import Strategy
 from emad.engine.engines import compile_stats, with_engine
 from emad.engine.host_memory import release_free
@@ -180,6 +181,8 @@ class Decoder:
         self._kept: dict[str, dict] = {}  # domain -> its sweep passes, for the screen's refinements (Sweep.score)
         self._references: dict[tuple, float] = {}  # (prompts, new tokens) -> full depth's tokens/s (cheap measure)
         self._build_all()
+        self.batching = Batching.of(cfg.sweep_batch, cfg.sweep_batch_tokens, self.stack,
+                                    [job.method for job in self.jobs])
         self.prepared = {d: prepare(tasks, cfg.tasks, src.corpora / d if src.corpora else None,
                                     self.loaded.tokenizer) for d, tasks in plan.tasks_of.items()}
 
@@ -233,7 +236,7 @@ class Decoder:
         methods = self._methods(jobs, reference=not extra)
         shared = self._shared.setdefault(domain, Shared())
         out = score_shard(self.stack, self.loaded.tokenizer, methods, self.prepared[domain], shared,
-                          self.plan.cfg.unserved_tokens, self._kept.setdefault(domain, {}), shard)
+                          self.plan.cfg.unserved_tokens, self._kept.setdefault(domain, {}), shard, self.batching)
         print(f"decode: {domain}: shard {shard} of the teacher-forced tasks of {len(jobs)} points in "
               f"{time.perf_counter() - start:.0f} s", file=sys.stderr)
         return out
@@ -451,7 +454,8 @@ class Decoder:
         shared = self._shared.setdefault(domain, Shared())
         print(f"decode: {domain}: teacher-forced tasks of {len(jobs)} points", file=sys.stderr)
         self._install(domain, score_all(self.stack, self.loaded.tokenizer, methods, self.prepared[domain], shared,
-                                        self.plan.cfg.unserved_tokens, self._kept.setdefault(domain, {})))
+                                        self.plan.cfg.unserved_tokens, self._kept.setdefault(domain, {}),
+                                        self.batching))
 
     def _install(self, domain: str, scores: dict) -> None:
         """Keep ``scores`` (label → its teacher-forced scores) for :meth:`_forced`; the first time, full depth's

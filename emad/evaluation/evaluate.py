@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from emad.decode import Generation, Method, Scored, Sweep, score_requests
+from emad.decode.batches import ONE, Batching
 from emad.decode.strategy import Strategy
 from emad.decode.sweep import sweep_refusal
 from emad.engine.host_memory import release_free
@@ -158,24 +159,27 @@ Scores = dict[str, list[list[Scored]]]  # teacher-forced task -> per request, it
 
 
 def score_all(stack: LayerStack, tokenizer, methods: dict[str, Method | Strategy], prepared: list[Prepared],
-              shared: Shared, unserved_tokens: int | None = None, kept: dict | None = None) -> dict[str, Scores]:
-    """Every teacher-forced task's requests scored under every method: one sweep pass per request for the methods
-    a :class:`~emad.decode.Sweep` serves exactly, each other method alone (on the requests of its first
-    ``unserved_tokens`` tokens where the task has a token count, e.g. perplexity). ``kept``: what the sweep passes
-    keep for later calls on the same requests (:meth:`~emad.decode.Sweep.score`), None: nothing.
+              shared: Shared, unserved_tokens: int | None = None, kept: dict | None = None,
+              batching: Batching = ONE) -> dict[str, Scores]:
+    """Every teacher-forced task's requests scored under every method: one sweep pass per batch of requests
+    (``batching``, :mod:`emad.decode.batches`) for the methods a :class:`~emad.decode.Sweep` serves exactly, each
+    other method alone (on the requests of its first ``unserved_tokens`` tokens where the task has a token count,
+    e.g. perplexity). ``kept``: what the sweep passes keep for later calls on the same batches
+    (:meth:`~emad.decode.Sweep.score_batch`), None: nothing.
 
     Returns:
         ``{method name: {task: [[Scored per continuation] per request]}}``, each as the method alone would score.
     """
-    return merge([score_shard(stack, tokenizer, methods, prepared, shared, unserved_tokens, kept, WHOLE)])
+    return merge([score_shard(stack, tokenizer, methods, prepared, shared, unserved_tokens, kept, WHOLE, batching)])
 
 
 def score_shard(stack: LayerStack, tokenizer, methods: dict[str, Method | Strategy], prepared: list[Prepared],
                 shared: Shared, unserved_tokens: int | None = None, kept: dict | None = None,
-                shard: Shard = WHOLE) -> ShardScores:
-    """:func:`score_all` on the requests of ``shard`` only (:mod:`emad.evaluation.shards`; a method the sweep does
-    not serve: all its requests, in the one shard that owns it): ``{method: {task: (request count, {request index:
-    [Scored per continuation]})}}``, merged back in order by :func:`~emad.evaluation.shards.merge`."""
+                shard: Shard = WHOLE, batching: Batching = ONE) -> ShardScores:
+    """:func:`score_all` on the batches of ``shard`` only (:mod:`emad.evaluation.shards`: each task's requests in
+    batches, every ``count``-th batch; a method the sweep does not serve: all its requests, in the one shard that
+    owns it): ``{method: {task: (request count, {request index: [Scored per continuation]})}}``, merged back in
+    order by :func:`~emad.evaluation.shards.merge`."""
     served = [name for name, method in methods.items() if sweep_refusal(method) is None]
     sweep = Sweep(stack, [methods[n] for n in served], served) if served else None
     out: ShardScores = {name: {} for name in methods}
@@ -185,9 +189,12 @@ def score_shard(stack: LayerStack, tokenizer, methods: dict[str, Method | Strate
         requests = p.task.requests(stack, tokenizer, p.data, p.settings, shared)
         for name in served:
             out[name][p.name] = (len(requests), {})
-        for i in shard.indices(len(requests)) if sweep else []:
-            for name, rows in zip(served, sweep.score(*requests[i], kept)):
-                out[name][p.name][1][i] = rows
+        batches = batching.batches(requests) if sweep else []
+        for b in shard.indices(len(batches)):
+            together = sweep.score_batch([requests[i] for i in batches[b]], kept)  # [request][method][continuation]
+            for i, scored in zip(batches[b], together):
+                for name, rows in zip(served, scored):
+                    out[name][p.name][1][i] = rows
             if kept is not None:  # the pass's states stay between its freed readouts: give those pages back
                 release_free(min_interval=1.0)
         alone = p.task.fewer(requests, unserved_tokens) if unserved_tokens else requests

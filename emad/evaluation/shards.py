@@ -1,10 +1,10 @@
 """Shards of a domain's teacher-forced requests: the screen's work split so that one domain fills many workers.
 
-A teacher-forced task's requests (perplexity windows, agreement prompts, cloze and choice items) are scored one
-at a time by the sweep (:class:`emad.decode.Sweep`): a request's scores do not depend on the others. A shard takes
-every ``count``-th request of each task, starting at ``index`` (interleaved, so that each shard holds a share of
-every task); :func:`merge` puts the shards' scores back in request order, so the scores — and every number made
-from them — are those of one process scoring every request. A method the sweep does not serve scores its requests
+A teacher-forced task's requests (perplexity windows, agreement prompts, cloze and choice items) are scored in
+batches by the sweep (:class:`emad.decode.Sweep`, one pass a batch; the batches depend on the requests alone,
+:mod:`emad.decode.batches`). A shard is a list of batches: every ``count``-th batch of each task, starting at
+``index`` (interleaved, so that each shard holds a share of every task); :func:`merge` puts the shards' scores back
+in request order, so the scores — and every number made from them — are those of one process scoring every batch. A method the sweep does not serve scores its requests
 as one batch (:func:`emad.decode.score_requests`), whose floats depend on the batch: such methods are not split but
 spread, each scored whole by one shard (:meth:`Shard.owns`).
 """
@@ -22,7 +22,7 @@ ShardScores = dict[str, dict[str, tuple[int, dict[int, list[Scored]]]]]
 
 @dataclass(frozen=True)
 class Shard:
-    """Every ``count``-th request of each task, from ``index`` (``Shard(0, 1)``: every request)."""
+    """Every ``count``-th batch of each task, from ``index`` (``Shard(0, 1)``: every batch)."""
 
     index: int = 0
     count: int = 1
@@ -32,7 +32,7 @@ class Shard:
             raise ValueError(f"shard {self.index} of {self.count}: need count >= 1 and 0 <= index < count")
 
     def indices(self, n: int) -> list[int]:
-        """This shard's request indices among ``n``."""
+        """This shard's indices among ``n`` (a task's batches)."""
         return list(range(self.index, n, self.count))
 
     def owns(self, j: int) -> bool:

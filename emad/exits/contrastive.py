@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import torch
 
+from emad.engine.fused import fused
 
+
+@fused
 def entropy_of(p: torch.Tensor) -> torch.Tensor:
     """Entropy ``-Σ p log p`` (nats, ``0 log 0 = 0``) of probabilities ``[..., V]`` → ``[...]``."""
     return -torch.special.xlogy(p, p).sum(-1)
@@ -31,10 +34,21 @@ def jsd(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
     return jsd_probs(p, q, entropy_of(p), entropy_of(q))
 
 
+@fused
+def log_distribution(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``log_softmax(logits)``, its probabilities and their entropy, in fp32: ``[..., V]`` → ``[..., V]``,
+    ``[..., V]``, ``[...]`` (one pass where fused)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    p = logp.exp()
+    return logp, p, -torch.special.xlogy(p, p).sum(-1)
+
+
+@fused
 def jsd_probs(p: torch.Tensor, q: torch.Tensor, h_p: torch.Tensor, h_q: torch.Tensor) -> torch.Tensor:
     """Jensen–Shannon divergence from probabilities ``[..., V]`` and their entropies ``[...]`` (broadcast):
     ``H((p + q)/2) − (H(p) + H(q))/2`` → ``[...]``, clamped at 0."""
-    return (entropy_of((p + q).mul_(0.5)) - 0.5 * (h_p + h_q)).clamp_min(0.0)
+    m = (p + q) * 0.5
+    return (-torch.special.xlogy(m, m).sum(-1) - 0.5 * (h_p + h_q)).clamp_min(0.0)
 
 
 def choose_amateur(logp: torch.Tensor, candidates: torch.Tensor, layer: int, layers: list[int],
@@ -64,6 +78,7 @@ def plausibility_alpha(alpha: float, rate: float, layer: int, confidence: torch.
     return alpha / (1 + rate * layer) * (1 - confidence)
 
 
+@fused
 def contrastive_logprobs(logp: torch.Tensor, logq: torch.Tensor, alpha_prime: torch.Tensor,
                          weight: float = 1.0) -> torch.Tensor:
     """Log of the contrastive distribution ``[a, V]``: ``log_softmax(log p − w·log q)`` over the plausible set

@@ -19,13 +19,13 @@ from emad.exits.contrastive import (
     amateur_of,
     choose_amateur,
     contrastive_logprobs,
-    entropy_of,
     jsd_probs,
+    log_distribution,
     plausibility_alpha,
 )
 from emad.registry import Registry
 
-MEMO_BLOCK = 8  # rows a sweep's memo computes together for a criterion that reads only the running rows: a fixed
+MEMO_BLOCK = 32  # rows a sweep's memo computes together for a criterion that reads only the running rows: a fixed
 # split, so that a row's value never depends on how many rows the other methods needed
 
 
@@ -43,8 +43,8 @@ class ProbeView:
         rows: ``[a]`` which rows of the step these are (for criteria that remember earlier probes of a token).
         memo: what criteria derive from the readouts (keyed by what they compute, layer included), shared by
             every method that reads the same states of the same rows at every probe (a sweep), or None.
-        running: with a memo, how many leading rows are still running (the decisions of the rest are never
-            read: a criterion may skip them), or None (every row).
+        running: with a memo, which rows are still running (``[a]`` bool: the decisions of the rest are never
+            read, a criterion may skip them), or None (every row).
     """
 
     layer: int
@@ -54,7 +54,7 @@ class ProbeView:
     logits: torch.Tensor | None = None
     rows: torch.Tensor | None = None
     memo: dict | None = None
-    running: int | None = None
+    running: torch.Tensor | None = None
 
     def shared(self, key: tuple, compute):
         """``compute()``, or the value a method reading the same states already computed under ``key``."""
@@ -310,7 +310,9 @@ class Emad(Criterion):
     def exits(self, view: ProbeView) -> torch.Tensor:
         if self._tau is None or self._tau.device != view.entropy.device:
             self._tau = self.profile.table(view.entropy.device)
-        strata = self.profile.strata.assign(view.positions, view.first_confidence)  # [a]
+        first = self.probes(self.profile.probe_layers[-1])[0]  # where first_confidence was read
+        strata = view.shared(("strata", repr(self.profile.strata.as_dict()), first),  # one assignment a sweep's rows
+                             lambda: self.profile.strata.assign(view.positions, view.first_confidence))  # [a]
         tau = self._tau[strata, self._column[view.layer]]  # [a]
         return view.entropy <= tau - self.margin
 
@@ -465,13 +467,16 @@ class Contrastive(Criterion):
         if view.memo is not None:  # a sweep: the memo holds every probe's log-probabilities of the same rows
             self._seen.append(view.layer)
             n = len(view.logits)
-            need = n if view.running is None else min(view.running, n)
-            parts = [self._block(view, start, min(start + MEMO_BLOCK, n)) for start in range(0, need, MEMO_BLOCK)]
-            if not parts or parts[0][0] is None:  # the first probe: no amateur yet
+            live = torch.ones(n, dtype=torch.bool) if view.running is None else view.running.cpu()
+            starts = (live.nonzero()[:, 0] // MEMO_BLOCK * MEMO_BLOCK).unique().tolist()  # blocks holding a live row
+            parts = {start: self._block(view, start, min(start + MEMO_BLOCK, n)) for start in starts}
+            if not parts or next(iter(parts.values()))[1] is None:  # the first probe: no amateur yet
                 self._cache = (view.layer, None, None)
                 return
-            contrast = torch.cat([c for c, _ in parts]) if self.output else None  # [rows, V] (never in a sweep)
-            self._cache = (view.layer, contrast, torch.cat([t for _, t in parts]))  # top: [rows >= running]
+            top = torch.zeros(n, device=view.entropy.device)  # [a] the contrast's max probability (0: not read)
+            for start, (_, block_top) in parts.items():
+                top[start:start + len(block_top)] = block_top
+            self._cache = (view.layer, None, top)  # contrastive_output is never in a sweep
             return
         logp = torch.log_softmax(view.logits.float(), dim=-1)  # [a, V]
         rows = view.rows if view.rows is not None else torch.arange(len(logp), device=logp.device)
@@ -481,37 +486,33 @@ class Contrastive(Criterion):
                                                                     logp.shape[-1]), float("nan")))
         store[rows] = logp
 
-    def _block(self, view: ProbeView, start: int, stop: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The contrastive log-probabilities ``[b, V]`` of rows ``[start, stop)`` and their top probabilities
-        ``[b]`` (None at the first probe), computed once for every method of these settings that reads the memo."""
-        view.shared(("logp", view.layer, start), lambda: torch.log_softmax(view.logits[start:stop].float(), -1))
+    def _block(self, view: ProbeView, start: int, stop: int) -> tuple[None, torch.Tensor | None]:
+        """The contrast's top probabilities ``[b]`` of rows ``[start, stop)`` (None at the first probe), computed
+        once for every method of these settings that reads the memo; the block's log-probabilities, probabilities
+        and entropy at this probe are kept in the memo for the probes after it (one fused pass)."""
+        if ("logp", view.layer, start) not in view.memo:
+            logp, p, entropy = log_distribution(view.logits[start:stop])  # [b, V], [b, V], [b]
+            view.memo[("logp", view.layer, start)], view.memo[("probs", view.layer, start)] = logp, (p, entropy)
         key = ("contrast", view.layer, self.alpha, self.alpha_rate, self.distance_discount, self.weight,
-               tuple(self._seen), start)
-        contrast = view.shared(key, lambda: self._contrast_shared(view, start))
-        top = None if contrast is None else view.shared(key + ("top",), lambda: contrast.max(-1).values.exp())
-        return contrast, top
+               tuple(self._seen), start, "top")
+        return None, view.shared(key, lambda: self._top_shared(view, start))
 
-    def _contrast_shared(self, view: ProbeView, start: int) -> torch.Tensor | None:
-        """:meth:`_contrast` for the rows of the block at ``start``, with the history read from the memo (the block
-        was read at every earlier probe: a method's running rows never grow), where each probe's log-probabilities,
-        probabilities and entropies are computed once for every method."""
-        def probs(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-            def compute():
-                p = view.memo[("logp", layer, start)].exp()  # [b, V]
-                return p, entropy_of(p)
-            return view.shared(("probs", layer, start), compute)
-        logp = view.memo[("logp", view.layer, start)]  # [b, V] (_block put it there)
+    def _top_shared(self, view: ProbeView, start: int) -> torch.Tensor | None:
+        """The top probability ``[b]`` of :meth:`_contrast` for the rows of the block at ``start``, with the history
+        read from the memo (the block was read at every earlier probe: a method's running rows never grow)."""
         earlier = self._seen[:-1]
         if not earlier:
             return None
-        p, h_p = probs(view.layer)
-        scores = torch.stack([jsd_probs(p, q, h_p, h_q) for q, h_q in map(probs, earlier)])  # [C, b]
+        logp = view.memo[("logp", view.layer, start)]  # [b, V] (_block put it there)
+        p, h_p = view.memo[("probs", view.layer, start)]
+        earlier_probs = [view.memo[("probs", m, start)] for m in earlier]  # (q [b, V], H(q) [b]) each
+        scores = torch.stack([jsd_probs(p, q, h_p, h_q) for q, h_q in earlier_probs])  # [C, b]
         pick = amateur_of(scores, view.layer, earlier, self.distance_discount)  # [b]
-        amateur = torch.empty_like(logp)  # [b, V] each row's amateur log-probabilities
-        for c, m in enumerate(earlier):
-            rows = pick == c
-            amateur[rows] = view.memo[("logp", m, start)][rows]
-        return self._contrast_with(view.layer, logp, amateur)
+        amateur = torch.empty_like(logp)  # [b, V] each row's amateur's log-probabilities, copied once per row
+        for c in pick.unique().tolist():
+            rows = (pick == c).nonzero()[:, 0]
+            amateur.index_copy_(0, rows, view.memo[("logp", earlier[c], start)].index_select(0, rows))
+        return self._contrast_with(view.layer, logp, amateur).max(-1).values.exp()
 
     def _contrast(self, layer: int, logp: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
         """Contrastive log-probabilities ``[a, V]`` against each row's amateur, or None at the first probe."""

@@ -13,6 +13,7 @@ import torch
 
 from emad.engine.cost import CostModel
 from emad.engine.entropy import readout_summary
+from emad.engine.fused import summary
 from emad.registry import Registry
 
 
@@ -345,7 +346,7 @@ class Prune(Estimator):
 
     def _full(self, stack, h, layer, rows) -> Estimate:
         logits = stack.readout(h, layer)  # [a, V]
-        entropy, _, max_prob = readout_summary(logits)
+        entropy, _, max_prob = summary(logits)
         keep = self._adaptive(max_prob, self._sets.shape[1], stack.vocab_size)  # adaptive: the next probe's size
         width = int(keep.max()) if self.schedule == "adaptive" else self._sets.shape[1]
         self._sets[rows, :width] = logits.topk(width, dim=-1).indices  # [a, width] best first

@@ -45,7 +45,7 @@ from emad.methods.common import (
     pass_cost,
     to_generation,
 )
-from emad.methods.ead_score import charge_self_pair, replay_self_pair
+from emad.methods.ead_score import charge_self_pair, replay_reads, replay_self_pair
 
 SIDES = ("small", "large")
 
@@ -368,6 +368,19 @@ class EAD(Strategy):
 
     def score(self, stack, prompt, continuation) -> Scored:
         row = self.teacher_forced(stack, prompt, continuation)
+        return Scored(row.logprobs, row.depths, sum(row.flops), sum(row.full_flops), greedy=row.greedy)
+
+    def replays(self) -> bool:
+        """A self pair's scoring is a replay of the readouts at k and L (:mod:`emad.methods.ead_score`)."""
+        return isinstance(self.pair, SelfPair)
+
+    def replay_layers(self, n_layers: int) -> list[int]:
+        return [self.pair.k, n_layers]
+
+    def replay(self, reads, n_prompt, continuation, cost) -> Scored:
+        """:meth:`score` from a shared pass's readouts at k and L (:func:`~emad.methods.ead_score.replay_reads`)."""
+        row = replay_reads(cost, self.pair.k, cost.n_layers, self.switcher, n_prompt, continuation,
+                           {"small": reads[self.pair.k], "large": reads[cost.n_layers]})
         return Scored(row.logprobs, row.depths, sum(row.flops), sum(row.full_flops), greedy=row.greedy)
 
 

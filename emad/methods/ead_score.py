@@ -76,7 +76,7 @@ def replay_self_pair(stack: LayerStack, k: int, switcher, prompt: Sequence[int],
             last token).
         prompt, continuation: non-empty token lists.
     """
-    n_prompt, n, n_layers = len(prompt), len(continuation), stack.n_layers
+    n_prompt, n_layers = len(prompt), stack.n_layers
     seq = [*prompt, *continuation[:-1]]
     cache = stack.new_cache(1, len(seq))
     h_k = feed(stack, cache, seq, k)  # [1, T, d]
@@ -86,8 +86,18 @@ def replay_self_pair(stack: LayerStack, k: int, switcher, prompt: Sequence[int],
     read = {"small": _summaries(stack, h_k[0, n_prompt - 1:], k, targets),  # position P-1+j predicts token j
             "large": _summaries(stack, h_L[0, n_prompt - 1:], n_layers, targets)}
     read = {side: tuple(x.tolist() for x in values) for side, values in read.items()}
+    return replay_reads(CostModel.from_stack(stack), k, n_layers, switcher, n_prompt, continuation, read)
+
+
+def replay_reads(cost: CostModel, k: int, n_layers: int, switcher, n_prompt: int, continuation: Sequence[int],
+                 read: dict[str, tuple[list[float], list[float], list[bool]]]) -> RowRecord:
+    """The record of EAD (a self pair of ``k`` layers, ``switcher`` reset here) forced through ``continuation``
+    after a prompt of ``n_prompt`` tokens, from ``read``: per side (``small``: the readout at k, ``large``: at L),
+    the entropy, the target's log-probability and greedy hit of each position that predicts a continuation token
+    (:func:`replay_self_pair` reads them from its own pass; a sweep from its shared one)."""
+    n = len(continuation)
     depth_of = {"small": k, "large": n_layers}
-    cost, row, tokens = CostModel.from_stack(stack), RowRecord(), {"small": 0, "large": 0}
+    row, tokens = RowRecord(), {"small": 0, "large": 0}
     switcher.reset()
     upper = n_prompt  # slots that hold layers k+1..L (the prompt's, after the prefill)
     for j, token in enumerate(continuation):

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from emad.decode.results import Generation, Scored
 from emad.decode.score import score_adaptive
-from emad.decode.step import elapsed
+from emad.decode.step import Method, elapsed
 from emad.decode.strategy import Strategy
 from emad.engine.cost import CostModel
 from emad.exits import registries
@@ -107,6 +107,11 @@ class Speculative(Strategy):
     def score(self, stack, prompt, continuation) -> Scored:
         self.bind(stack, None)
         return score_adaptive(stack, prompt, continuation, Full())
+
+    def scored_as(self) -> Method:
+        """Full depth through this strategy's readout: verification makes every token the target's (lossless), so
+        its teacher-forced scores are full depth's (:meth:`score`)."""
+        return Method(Full(), readout=self.readout)
 
 
 def _row(out: SpeculativeResult, cost: CostModel, prompt_len: int, n_layers: int) -> RowRecord:

@@ -1,0 +1,77 @@
+"""Per-row math over a vocabulary, fused: one compiled kernel a function instead of a pass per elementwise op.
+
+A readout's summary (its entropy, max probability, a target's log-probability) or a Jensen–Shannon divergence
+reads a ``[rows, V]`` tensor: eager PyTorch makes one pass over it per operation (max, subtract, clamp, exp, sum,
+multiply, sum: about ten), so on a CPU these passes cost more than the head product that made the logits.
+:func:`fused` compiles such a function once per process (``torch.compile``, shapes dynamic) into a kernel that
+reads each row a few times. Where rows are short (a vocabulary under :data:`MIN_WIDTH`: the tests' tiny models) a
+call's fixed cost outweighs the passes, and the eager function runs; so does every call where compiling fails
+(then for the rest of the process, so that one process never mixes the two) or where ``EMAD_FUSED=0``. Which one
+runs depends on the width alone, never on how many rows a call holds, and every reduction is per row: a row's value
+does not depend on the other rows of the call (checked by the tests); the fused value differs from the eager one by
+float rounding.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+
+ENV = "EMAD_FUSED"  # 0: every fused function runs eager
+MIN_WIDTH = 4096  # the last dimension of the first argument from which a fused function runs compiled
+
+
+def fused(fn: Callable) -> Callable:
+    """``fn`` compiled on its first call (module docstring); eager on rows narrower than :data:`MIN_WIDTH`, where
+    compiling fails, or with ``EMAD_FUSED=0``."""
+    state: dict = {}
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if args[0].shape[-1] < MIN_WIDTH:
+            return fn(*args, **kwargs)
+        if "call" not in state:
+            state["call"] = fn if os.environ.get(ENV, "1") == "0" else torch.compile(fn, dynamic=True)
+        try:
+            return state["call"](*args, **kwargs)
+        except Exception as err:  # noqa: BLE001 - a backend that cannot compile: eager from here on
+            if state["call"] is fn:
+                raise
+            print(f"emad: {fn.__name__} runs eager ({type(err).__name__}: {str(err).splitlines()[0][:200]})",
+                  file=sys.stderr)
+            state["call"] = fn
+            return fn(*args, **kwargs)
+
+    run.eager = fn
+    return run
+
+
+@fused
+def readout_scores(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A readout's summary per row, in fp32: ``logits`` ``[r, V]`` and each row's ``targets`` ``[r]`` →
+    ``(entropy, max probability, the target's log-probability, whether the target is the argmax)``, each ``[r]``.
+
+    As :func:`emad.engine.entropy.readout_summary` (shifted logits clamped at -80), with the target's
+    log-probability its logit less the row's log-sum-exp."""
+    top, argmax = logits.max(dim=-1)
+    z = (logits.float() - top.float()[:, None]).clamp(min=-80.0)  # [r, V]
+    e = torch.exp(z)
+    total = e.sum(dim=-1)
+    entropy = (total.log() - (e * z).sum(dim=-1) / total).clamp_min(0.0)
+    logprob = logits.gather(-1, targets[:, None])[:, 0].float() - top.float() - total.log()
+    return entropy, total.reciprocal(), logprob, argmax == targets
+
+
+@fused
+def summary(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`emad.engine.entropy.readout_summary` fused: ``(entropy, argmax, max probability)`` per row of
+    ``logits`` ``[..., V]`` (an estimator's own readout, e.g. a low-rank one)."""
+    top, argmax = logits.max(dim=-1)
+    z = (logits.float() - top.float()[..., None]).clamp(min=-80.0)
+    e = torch.exp(z)
+    total = e.sum(dim=-1)
+    return (total.log() - (e * z).sum(dim=-1) / total).clamp_min(0.0), argmax, total.reciprocal()
