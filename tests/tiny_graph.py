@@ -41,7 +41,7 @@ def params(model_dir: Path) -> dict:
                                                                         "readout": "tuned"},
                           "fixed": {"method": "fixed", "depth": [3]},
                           "conf": {"method": "confidence", "threshold": [0.5, 3, 100], "probe_every": 1}},
-            "swept_prompts": 1, "speed_repeats": 2, "speed_prompts": 8, "speed_tokens": 8, "speed_tokens_by_device": {"cuda": 16}, "speed_flops_below": 1.0, "speed_candidates": None, "split_seed": 0,
+            "swept_prompts": 1, "sweep_batch": 4, "sweep_batch_tokens": 4096, "speed_repeats": 2, "speed_prompts": 8, "speed_tokens": 8, "speed_tokens_by_device": {"cuda": 16}, "speed_flops_below": 1.0, "speed_candidates": None, "split_seed": 0,
             "shift_points": None, "unserved_tokens": 64,
             "points": {"emad-m0": {"method": "emad", "margin": 0.0},
                        "emad-m0-tuned": {"method": "emad", "margin": 0.0, "readout": "tuned"}},
