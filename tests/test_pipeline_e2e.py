@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.mlflow_checks import check_store
-from tests.tiny_graph import make_repo, mlflow_runs, sh
+from tests.tiny_graph import env, make_repo, mlflow_runs, sh
 
 pytestmark = pytest.mark.heavy  # run by `make test-heavy` (and CI), not `make test`
 
@@ -138,7 +139,12 @@ def test_queued_two_job_sweep_keeps_every_mlflow_run(repo):
     for margin in ("0.5", "1.0"):
         sh(repo, "dvc", "exp", "run", "--queue", "-n", f"margin-{margin}", "-C", "data/models",
            "-S", f"decode.points.emad-m0.margin={margin}")
-    sh(repo, "dvc", "queue", "start", "-j", "2")
+    # the workers it starts outlive it and inherit its output: a pipe would stay open until they exit, so its
+    # output goes to a file and the call returns once the workers are started
+    with open(repo.parent / "queue-start.log", "w") as log:
+        started = subprocess.run(("dvc", "queue", "start", "-j", "2"), cwd=repo, env=env(), stdout=log,
+                                 stderr=subprocess.STDOUT, timeout=120)
+    assert started.returncode == 0, (repo.parent / "queue-start.log").read_text()[-3000:]
     deadline = time.time() + 600
     while time.time() < deadline:
         status = sh(repo, "dvc", "queue", "status")
