@@ -75,13 +75,22 @@ def compiled_stack(base: LayerStack, backend: str = "inductor") -> CompiledStack
     return CompiledStack(base, backend, fuse_probes=True)
 
 
+def shown(path: str | None) -> str | None:
+    """``path`` as a record may name it: relative to the repository where it lies inside, else its last part (a
+    record names no path of the machine that wrote it)."""
+    if path is None or not os.path.isabs(path):
+        return path
+    resolved = Path(path).resolve()
+    return str(resolved.relative_to(ROOT)) if resolved.is_relative_to(ROOT) else resolved.name
+
+
 def section_environment(device: torch.device, dtype: torch.dtype) -> dict:
     import transformers
 
     reason = if_node_support()
     out = {**environment(device, dtype), "transformers": transformers.__version__, "cuda": torch.version.cuda,
            "if_nodes": reason is None, "if_nodes_not_available_because": reason,
-           "inductor_cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"), "python": sys.version.split()[0]}
+           "inductor_cache_dir": shown(os.environ.get("TORCHINDUCTOR_CACHE_DIR")), "python": sys.version.split()[0]}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         out.update(capability=f"{props.major}.{props.minor}", memory_gib=round(props.total_memory / 2**30, 1))
@@ -315,7 +324,7 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = "bfloat16" if on_gpu else "float32"
     run = Run(args.out or f"gpu_check-{device.type}", args.budget,
               {"benchmark": "first GPU run: environment, graph latencies, IF nodes, decode speed, C2 dry run, "
-                            "exactness", "model": args.model, "argv": sys.argv[1:] if argv is None else list(argv),
+                            "exactness", "model": args.model, "argv": [shown(a) for a in (sys.argv[1:] if argv is None else argv)],
                "batches": args.batches, "short": args.short, "long": args.long, "reps": args.reps,
                "backend": args.backend, "sections_asked": args.sections}, args.out_dir)
     wanted = set(args.sections)

@@ -58,7 +58,7 @@ def test_the_first_gpu_run_script_runs_every_section_on_a_cpu_without_model_file
     assert list(sections) == SECTIONS and all(s["status"] == "done" for s in sections.values())
     assert {"torch", "transformers", "cuda", "if_nodes", "if_nodes_not_available_because", "device",
             "inductor_cache_dir"} <= set(sections["environment"])
-    assert sections["environment"]["inductor_cache_dir"] == str(tmp_path / "cache")
+    assert sections["environment"]["inductor_cache_dir"] == "cache"  # outside the repository: its name, no path
     assert "host_read_us" in sections["latency"]
     assert sections["if_node"]["ok"] and {"replay_true_us", "replay_false_us"} <= set(sections["if_node"])
     decode = sections["decode_batch_1"]
