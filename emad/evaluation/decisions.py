@@ -144,17 +144,12 @@ def _by_reduction(points: Sequence[PointAssessment]) -> list[PointAssessment]:
 
 
 @dataclass(frozen=True)
-class C1Decision:
-    """C1: ``reason`` (its ``outcome`` from :data:`C1_TABLE`), the ``deciding`` point (judged at ``level``), the
-    ``literal`` points (with the reduction, measured beyond a tolerance), the ``unresolved`` candidates and how many
-    were judged (``candidates``)."""
+class _Decision:
+    """What both criteria's decisions hold: the ``reason`` (its outcome from the criterion's table) and the
+    ``deciding`` point."""
 
-    reason: C1Reason
+    reason: C1Reason | C2Reason
     deciding: PointAssessment | None
-    literal: list[str] = field(default_factory=list)
-    unresolved: list[str] = field(default_factory=list)
-    candidates: int = 0
-    level: float = LEVEL
 
     @property
     def outcome(self) -> Outcome:
@@ -162,24 +157,30 @@ class C1Decision:
 
 
 @dataclass(frozen=True)
-class C2Decision:
+class C1Decision(_Decision):
+    """C1: ``reason`` (its ``outcome`` from :data:`C1_TABLE`), the ``deciding`` point (judged at ``level``), the
+    ``literal`` points (with the reduction, measured beyond a tolerance), the ``unresolved`` candidates and how many
+    were judged (``candidates``)."""
+
+    literal: list[str] = field(default_factory=list)
+    unresolved: list[str] = field(default_factory=list)
+    candidates: int = 0
+    level: float = LEVEL
+
+
+@dataclass(frozen=True)
+class C2Decision(_Decision):
     """C2: ``reason`` (its ``outcome`` from :data:`C2_TABLE`), the ``deciding`` point, the ``matched`` (met) and
     ``unresolved`` (unresolved or untested) eligible points, how many timed candidates were judged (``timed``) and
     at which ``level``, the candidates not timed over prompts (``untimed``) and the eligible points timed that are
     no candidate (``information``: they do no less work than full depth)."""
 
-    reason: C2Reason
-    deciding: PointAssessment | None
     matched: list[str] = field(default_factory=list)
     unresolved: list[str] = field(default_factory=list)
     timed: int = 0
     level: float = LEVEL
     untimed: list[str] = field(default_factory=list)
     information: list[PointAssessment] = field(default_factory=list)
-
-    @property
-    def outcome(self) -> Outcome:
-        return outcome_of(self.reason)
 
 
 def decide_c1(points: list[PointAssessment], thr: Thresholds, reassess: Reassess | None = None) -> C1Decision:
