@@ -285,6 +285,12 @@ class Phases:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     call = plan(args)
+    if not call.jobs or not call.domains:  # e.g. a plan without ablations or related methods: empty outputs
+        args.out.mkdir(parents=True, exist_ok=True)
+        args.artifacts.mkdir(parents=True, exist_ok=True)
+        print(f"decode: nothing to decode for --kind {' --kind '.join(dict.fromkeys(args.kind))} (no points or no "
+              f"domains of that kind in {args.params}) -> {args.out} (empty)")
+        return 0
     run_units = EXECUTORS.get(executor_name(call.cfg.executor))
     phases = Phases(call)
     outcomes = run_units(call, phases.start, call.cfg.workers, then=phases)

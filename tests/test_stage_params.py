@@ -36,13 +36,17 @@ N_LAYERS = 32  # the depth the decode stages resolve relative layers and ranges 
 NOT_DVC_PARAMS = {"decode.executor", "decode.workers", "control.decode.executor", "control.decode.workers"}
 _ABLATION_BASE = "Decoder._ablation_base compares them with a job only when it is a point (this stage runs none)"
 _TASKS_OF = "DecodeConfig.tasks_of reads the ablations' and the related methods' task lists, and uses its kind's"
+_NO_RUNS = ("with no ablations or no related methods (params-powered.yaml) the stage writes no run: DecodeConfig.curve_of "
+            "never runs")
 # Reads the derivation sees that a stage's outputs cannot depend on (stage → key → why); each must still be seen on
 # some plan, else it is stale (test_every_excused_read_is_still_read).
 EXCUSED = {
     "decode": {"decode.ablation_tasks": _TASKS_OF, "decode.related_tasks": _TASKS_OF},
-    "decode_ablation": {"decode.related_tasks": _TASKS_OF},
+    "decode_ablation": {"decode.related_tasks": _TASKS_OF, "decode.baselines": _NO_RUNS,
+                        "decode.points": _NO_RUNS, "decode.related": _NO_RUNS},
     "decode_related": {"decode.default_point": _ABLATION_BASE, "decode.ablation_domains": _ABLATION_BASE,
-                       "decode.ablation_calibration": _ABLATION_BASE, "decode.ablation_tasks": _TASKS_OF},
+                       "decode.ablation_calibration": _ABLATION_BASE, "decode.ablation_tasks": _TASKS_OF,
+                       "decode.ablations": _NO_RUNS, "decode.baselines": _NO_RUNS, "decode.points": _NO_RUNS},
 }
 # Keys dropped from dvc.yaml for the test that the check can fail: (stage, key, how the derivation finds the read).
 DOCTORED = [
