@@ -170,6 +170,25 @@ def test_kinds_with_other_domains_or_tasks_are_refused_together(workspace, monke
     assert not (workspace / "mixed").exists()
 
 
+def test_a_plan_without_ablations_or_related_methods_writes_their_stages_empty_outputs(workspace, monkeypatch,
+                                                                                      tmp_path):
+    """params-powered.yaml runs no ablation and no related method: those stages end at once, their outputs (what
+    DVC tracks) empty folders."""
+    import pipeline.decode as stage
+
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"decode": {**DECODE, "ablations": {}, "ablation_domains": [], "related": {},
+                                                 "related_domains": []}}))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    for kind in ("ablation", "related"):
+        out, art = tmp_path / f"runs-{kind}", tmp_path / f"art-{kind}"
+        calibration = ["--calibration", "toy", "--profile", str(workspace / "profile.json")] if kind == "ablation" else []
+        assert stage.main(["--kind", kind, "--model", "tiny", "--model-dir", str(workspace / "model"),
+                           "--corpora", str(workspace / "corpora"), "--out", str(out), "--artifacts", str(art),
+                           "--params", str(params), *calibration]) == 0
+        assert out.is_dir() and not any(out.iterdir()) and art.is_dir() and not any(art.iterdir())
+
+
 def test_related_runs_report_their_statistics(workspace, monkeypatch):
     assert _decode(workspace, "related", "ead-k2", monkeypatch) == 0
     assert _decode(workspace, "related", "spec-e2", monkeypatch) == 0
