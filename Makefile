@@ -43,8 +43,8 @@ repro: $(STAMP)
 
 # The powered plan (params-powered.yaml: every check sized so that a pass and a failure can be decided) as the DVC
 # experiment `powered`, in this checkout (run it in a fresh clone: its outputs take the default run's place in the
-# workspace); its report, metrics, details and figures are then kept under reports/powered/ (more than 1 h 28 min
-# on a 2-core host: docs/results.md, "A powered run").
+# workspace); its report, metrics, details and figures are then kept under reports/powered/ (43 min 46 s on a 2-core
+# host from a fresh clone: docs/results.md, "A powered run").
 POWERED := reports/powered
 repro-powered: $(STAMP)
 	cp params-powered.yaml params.yaml
