@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from emad.decode import Method, generate, score_adaptive
+from emad.decode.sweep_rows import BLOCK
 from emad.engine.cost import CostModel
 from emad.engine.stack import LayerStack
 from emad.evaluation.operating_point import PointConfig, build_method
 from emad.exits.contrastive import choose_amateur, contrastive_logprobs, jsd, plausibility_alpha
-from emad.exits.criteria import Contrastive, ProbeView, SoftmaxResponse, top2_gap
-from emad.exits.estimators import ESTIMATORS, Prune
+from emad.exits.criteria import Contrastive, ProbeView, SoftmaxResponse, fused_top2_gap, top2_gap
+from emad.exits.estimators import ESTIMATORS, Prune, head_rows_logits
 from tests.tiny import VOCAB, TinyTokenizer, random_prompts, tiny_model
 
 TOK = TinyTokenizer()
@@ -31,6 +32,23 @@ def test_top2_gap_on_hand_made_distributions():
                           torch.tensor([0.0, float("-inf"), float("-inf")])])
     assert top2_gap(logits).tolist() == pytest.approx([0.2, 0.0, 0.97, 1.0], abs=1e-6)
     assert top2_gap(torch.zeros(2, 1)).tolist() == [1.0, 1.0]
+
+
+def test_top2_gap_over_a_wide_vocabulary_is_softmaxs_and_each_rows_own():
+    """On SmolLM2's vocabulary (the fused kernel runs): the two largest softmax probabilities' difference, ties and
+    pruned (-inf) logits included, and a row's gap does not depend on the other rows of a call of a sweep's block
+    (BLOCK rows or more: a call of one row may split its reduction over threads, float rounding apart)."""
+    torch.manual_seed(0)
+    logits = torch.randn(37, 49152) * 4  # [r, V]
+    logits[1, :2] = logits[1].max() + 1  # a tie at the top: gap 0
+    logits[2, 100:] = float("-inf")  # pruned: 100 tokens left
+    logits[3, 1:] = float("-inf")  # one token left: gap 1
+    top = torch.softmax(logits, -1).topk(2, -1).values
+    for gap in (top2_gap(logits), fused_top2_gap(logits)):
+        assert torch.allclose(gap, top[:, 0] - top[:, 1], atol=1e-6)
+    assert fused_top2_gap(logits)[1] == 0 and fused_top2_gap(logits)[3] == 1
+    blocks = torch.cat([fused_top2_gap(logits[i:i + BLOCK]) for i in range(0, len(logits), BLOCK)])
+    assert torch.equal(blocks, fused_top2_gap(logits))
 
 
 def test_softmax_response_exits_on_the_gap_with_per_layer_thresholds():
@@ -74,6 +92,19 @@ def test_pruning_with_k_equal_to_v_is_no_pruning(arch):
 def _probe_sequence(estimator: Prune, stack: LayerStack, h: torch.Tensor, layers: list[int]):
     estimator.begin(len(h))
     return [estimator.estimate(stack, h, layer) for layer in layers]
+
+
+def test_head_rows_logits_are_each_rows_products_with_its_own_head_rows():
+    """A pruned probe's logits over a wide vocabulary (the fused kernel runs): ``weight[ids[i, j]] · x[i]`` as the
+    gathered product gives them (float rounding), and a row's logits do not depend on the other rows of a call of
+    BLOCK rows or more."""
+    torch.manual_seed(1)
+    weight, x = torch.randn(49152, 64), torch.randn(21, 64)
+    ids = torch.randint(0, 49152, (21, 256))
+    z = head_rows_logits(weight, ids, x)  # [a, w]
+    assert torch.allclose(z, torch.bmm(weight[ids], x[:, :, None])[:, :, 0], atol=1e-4)
+    blocks = torch.cat([head_rows_logits(weight, ids[i:i + BLOCK], x[i:i + BLOCK]) for i in range(0, len(x), BLOCK)])
+    assert torch.equal(blocks, z)
 
 
 def test_pruned_probe_reads_only_the_kept_rows_and_maps_back():

@@ -21,8 +21,8 @@ import torch
 
 from emad.decode.monotone import ESTIMATE, Segments, estimated_probes
 from emad.decode.step import Method
-from emad.engine.fused import fused, readout_scores
-from emad.exits.criteria import MEMO_BLOCK, top2_gap
+from emad.engine.fused import readout_scores
+from emad.exits.criteria import MEMO_BLOCK, fused_top2_gap
 from emad.exits.estimators import Estimate, Exact
 
 BLOCK = 8  # rows computed together: a row's value never depends on which other rows were asked for
@@ -30,7 +30,7 @@ CHUNK = 256  # rows read out in one head product at most (a multiple of BLOCK): 
 LOGIT = ("logit", "")
 SUMMARY = ("entropy", "max_prob", "logprob", "greedy")  # what every readout of a row gives
 # what criteria derive from a probe's logits (memo keys (name, layer)), computed with the summary when asked for
-DERIVED: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"top2_gap": fused(top2_gap)}
+DERIVED: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"top2_gap": fused_top2_gap}
 
 
 def canonical(views: dict, key: tuple, probe: int) -> tuple:

@@ -25,14 +25,19 @@ ENV = "EMAD_FUSED"  # 0: every fused function runs eager
 MIN_WIDTH = 4096  # the last dimension of the first argument from which a fused function runs compiled
 
 
-def fused(fn: Callable) -> Callable:
+def fused(fn: Callable | None = None, *, width: Callable[..., int] | None = None) -> Callable:
     """``fn`` compiled on its first call (module docstring); eager on rows narrower than :data:`MIN_WIDTH`, where
-    compiling fails, or with ``EMAD_FUSED=0``."""
+    compiling fails, or with ``EMAD_FUSED=0``. ``width`` reads the row width from the arguments (default: the
+    first argument's last dimension). Inside a region being compiled (a compiled decode step) ``fn`` is traced
+    into that region's graph."""
+    if fn is None:
+        return functools.partial(fused, width=width)
     state: dict = {}
+    width = width or (lambda *args, **kwargs: args[0].shape[-1])
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        if args[0].shape[-1] < MIN_WIDTH:
+        if torch.compiler.is_compiling() or width(*args, **kwargs) < MIN_WIDTH:
             return fn(*args, **kwargs)
         if "call" not in state:
             state["call"] = fn if os.environ.get(ENV, "1") == "0" else torch.compile(fn, dynamic=True)

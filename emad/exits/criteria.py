@@ -15,6 +15,7 @@ from typing import ClassVar
 
 import torch
 
+from emad.engine.fused import fused
 from emad.exits.contrastive import (
     amateur_of,
     choose_amateur,
@@ -25,7 +26,7 @@ from emad.exits.contrastive import (
 )
 from emad.registry import Registry
 
-MEMO_BLOCK = 32  # rows a sweep's memo computes together for a criterion that reads only the running rows: a fixed
+MEMO_BLOCK = 8  # rows a sweep's memo computes together for a criterion that reads only the running rows: a fixed
 # split, so that a row's value never depends on how many rows the other methods needed
 
 
@@ -377,7 +378,7 @@ class SoftmaxResponse(Criterion):
         return _every(self.probe_every, n_layers)
 
     def exits(self, view: ProbeView) -> torch.Tensor:
-        gap = view.shared(("top2_gap", view.layer), lambda: top2_gap(view.logits))  # [a]
+        gap = view.shared(("top2_gap", view.layer), lambda: fused_top2_gap(view.logits))  # [a]
         return gap >= self.layer_thresholds.get(view.layer, self.threshold)
 
     def tables(self, n_layers: int, device) -> dict[str, torch.Tensor]:
@@ -404,11 +405,20 @@ class SoftmaxResponse(Criterion):
 
 
 def top2_gap(logits: torch.Tensor) -> torch.Tensor:
-    """``p_(1) − p_(2)`` of softmax(logits) per row: ``[a, V]`` → ``[a]`` float32 (a one-token vocabulary: 1)."""
+    """``p_(1) − p_(2)`` of softmax(logits) per row: ``[a, V]`` → ``[a]`` float32 (a one-token vocabulary: 1), as
+    ``(1 − exp(l_(2) − l_(1))) / Σ exp(l − l_(1))`` from the two largest logits ``l_(1) ≥ l_(2)`` (tied: gap 0):
+    three reductions over the row, no ``[a, V]`` probabilities or sort."""
     if logits.shape[-1] < 2:
         return torch.ones(logits.shape[:-1], device=logits.device)
-    top = torch.softmax(logits.float(), dim=-1).topk(2, dim=-1).values  # [a, 2]
-    return top[..., 0] - top[..., 1]
+    x = logits.float()
+    top, best = x.max(dim=-1, keepdim=True)  # [a, 1]
+    index = torch.arange(x.shape[-1], device=x.device)
+    second = torch.where(index == best, float("-inf"), x).amax(dim=-1, keepdim=True)  # [a, 1]
+    total = torch.exp(x - top).sum(dim=-1, keepdim=True)  # [a, 1] softmax's normaliser
+    return ((1 - torch.exp(second - top)) / total)[..., 0]
+
+
+fused_top2_gap = fused(top2_gap)  # one kernel over a wide vocabulary (a sweep's summaries and an eager step's exits)
 
 
 @CRITERIA.register("contrastive")

@@ -13,7 +13,7 @@ import torch
 
 from emad.engine.cost import CostModel
 from emad.engine.entropy import readout_summary
-from emad.engine.fused import summary
+from emad.engine.fused import fused, summary
 from emad.registry import Registry
 
 
@@ -257,7 +257,7 @@ class LowRank(_Corrected):
         logits = (x @ b.T) @ a.T  # [a, V]
         if stack.softcap is not None:
             logits = torch.tanh(logits / stack.softcap) * stack.softcap
-        raw, _, max_prob = readout_summary(logits)
+        raw, _, max_prob = summary(logits)
         return Estimate(self.apply(raw, correction), max_prob, None)
 
     def exact_for(self, stack) -> bool:
@@ -274,6 +274,13 @@ class LowRank(_Corrected):
     def describe(self) -> dict:
         return {"estimator": self.name, "rank": self.rank}
 
+
+
+@fused(width=lambda weight, ids, x: weight.shape[0])
+def head_rows_logits(weight: torch.Tensor, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Each row's logits over its own head rows: ``weight`` ``[V, d]``, ``ids`` ``[a, w]``, ``x`` ``[a, d]`` →
+    ``[a, w]`` (``weight[ids[i, j]] · x[i]``; fused, the ``[a, w, d]`` rows are never gathered in memory)."""
+    return (weight[ids] * x[:, None, :]).sum(-1)
 
 
 @ESTIMATORS.register("prune")
@@ -361,7 +368,7 @@ class Prune(Estimator):
         size = self._size(layer, rows, stack.n_layers)  # [a]
         width = int(size.max())
         ids = self._sets[rows, :width]  # [a, w]
-        z = torch.bmm(stack.head.weight[ids], stack.readout_input(h, layer)[:, :, None])[:, :, 0]  # [a, w]
+        z = head_rows_logits(stack.head.weight, ids, stack.readout_input(h, layer))  # [a, w]
         if stack.softcap is not None:
             z = torch.tanh(z / stack.softcap) * stack.softcap
         z = z.masked_fill(torch.arange(width, device=z.device)[None] >= size[:, None], float("-inf"))
