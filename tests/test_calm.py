@@ -13,7 +13,13 @@ from emad.decode.sweep_rows import BLOCK
 from emad.engine.cost import CostModel
 from emad.engine.stack import LayerStack
 from emad.evaluation.operating_point import PointConfig, build_method
-from emad.exits.contrastive import choose_amateur, contrastive_logprobs, jsd, plausibility_alpha
+from emad.exits.contrastive import (
+    choose_amateur,
+    contrastive_logprobs,
+    contrastive_top,
+    jsd,
+    plausibility_alpha,
+)
 from emad.exits.criteria import Contrastive, ProbeView, SoftmaxResponse, fused_top2_gap, top2_gap
 from emad.exits.estimators import ESTIMATORS, Prune, head_rows_logits
 from tests.tiny import VOCAB, TinyTokenizer, random_prompts, tiny_model
@@ -194,6 +200,20 @@ def test_alpha_schedule_and_plausibility_set():
     half = contrastive_logprobs(logp, logq, alpha, weight=0.5).exp()[1]
     raw = torch.tensor([0.2, 0.2, 0.35, 0.25]) / torch.tensor([0.4, 0.1, 0.4, 0.1]).sqrt()
     assert half.tolist() == pytest.approx((raw / raw.sum()).tolist())
+
+
+@pytest.mark.parametrize("vocab", [7, 49152])  # eager and fused
+def test_contrastive_top_is_the_contrastive_distributions_top_probability(vocab):
+    torch.manual_seed(2)
+    logp = torch.log_softmax(torch.randn(19, vocab) * 3, -1)
+    logq = torch.log_softmax(torch.randn(19, vocab) * 3, -1)
+    logq[0, :3] = float("-inf")  # the amateur gives some tokens no probability
+    for alpha, rate, layer, weight in ((0.1, 0.0, 6, 1.0), (0.5, 0.25, 4, 0.5), (0.0, 0.0, 3, 1.0)):
+        prime = plausibility_alpha(alpha, rate, layer, logp.max(-1).values.exp())
+        want = contrastive_logprobs(logp, logq, prime, weight).max(-1).values.exp()  # [a]
+        got = contrastive_top(logp, logq, alpha / (1 + rate * layer), weight)
+        assert torch.allclose(got, want, atol=1e-6), (alpha, rate, layer, weight)
+
 
 
 def test_contrastive_output_changes_tokens_and_never_exit_without_it_is_full_depth():

@@ -173,7 +173,7 @@ class Rows:
             mine = fetch[rows]
             if bool(mine.any()):
                 slot[rows[mine]] = torch.arange(int(mine.sum())) + sum(len(x) for x in kept)
-                kept.append(logits[mine.to(self.device)])
+                kept.append(logits if bool(mine.all()) else logits[mine.to(self.device)])  # all: no copy
         if kept:
             self._raw[canon, probe] = slot, torch.cat(kept) if len(kept) > 1 else kept[0]
         return store

@@ -89,3 +89,16 @@ def contrastive_logprobs(logp: torch.Tensor, logq: torch.Tensor, alpha_prime: to
     plausible |= logp == max_logp
     score = torch.where(plausible, logp - weight * torch.nan_to_num(logq, neginf=-1e4), float("-inf"))
     return torch.log_softmax(score, dim=-1)
+
+
+@fused
+def contrastive_top(logp: torch.Tensor, logq: torch.Tensor, scale: float, weight: float = 1.0) -> torch.Tensor:
+    """The contrastive distribution's top probability per row ``[a]``: :func:`contrastive_logprobs`' row maximum,
+    exponentiated, with ``α′ = scale·(1 − max p)`` (:func:`plausibility_alpha`'s, ``scale = α/(1 + r·ℓ)``), in one
+    kernel that writes no ``[a, V]``."""
+    max_logp = logp.max(-1, keepdim=True).values  # [a, 1]
+    alpha_prime = scale * (1 - max_logp.exp())
+    plausible = logp >= max_logp + alpha_prime.clamp_min(torch.finfo(logp.dtype).tiny).log()
+    plausible |= logp == max_logp
+    score = torch.where(plausible, logp - weight * torch.nan_to_num(logq, neginf=-1e4), float("-inf"))
+    return torch.exp(score - score.amax(-1, keepdim=True)).sum(-1).reciprocal()  # 1 / Σ exp(score − max score)

@@ -20,6 +20,7 @@ from emad.exits.contrastive import (
     amateur_of,
     choose_amateur,
     contrastive_logprobs,
+    contrastive_top,
     jsd_probs,
     log_distribution,
     plausibility_alpha,
@@ -490,8 +491,12 @@ class Contrastive(Criterion):
             return
         logp = torch.log_softmax(view.logits.float(), dim=-1)  # [a, V]
         rows = view.rows if view.rows is not None else torch.arange(len(logp), device=logp.device)
-        contrast = self._contrast(view.layer, logp, rows)
-        self._cache = (view.layer, contrast, None if contrast is None else contrast.max(-1).values.exp())
+        amateur = self._amateur(view.layer, logp, rows)  # [a, V] or None
+        if amateur is None:
+            self._cache = (view.layer, None, None)
+        else:
+            contrast = self._contrast_with(view.layer, logp, amateur) if self.output else None
+            self._cache = (view.layer, contrast, self._contrast_top(view.layer, logp, amateur))
         store = self._history.setdefault(view.layer, logp.new_full((max(self._batch, int(rows.max()) + 1),
                                                                     logp.shape[-1]), float("nan")))
         store[rows] = logp
@@ -508,7 +513,7 @@ class Contrastive(Criterion):
         return None, view.shared(key, lambda: self._top_shared(view, start))
 
     def _top_shared(self, view: ProbeView, start: int) -> torch.Tensor | None:
-        """The top probability ``[b]`` of :meth:`_contrast` for the rows of the block at ``start``, with the history
+        """The contrast's top probability ``[b]`` (:meth:`_contrast_top`) for the rows of the block at ``start``, with the history
         read from the memo (the block was read at every earlier probe: a method's running rows never grow)."""
         earlier = self._seen[:-1]
         if not earlier:
@@ -522,16 +527,21 @@ class Contrastive(Criterion):
         for c in pick.unique().tolist():
             rows = (pick == c).nonzero()[:, 0]
             amateur.index_copy_(0, rows, view.memo[("logp", earlier[c], start)].index_select(0, rows))
-        return self._contrast_with(view.layer, logp, amateur).max(-1).values.exp()
+        return self._contrast_top(view.layer, logp, amateur)
 
-    def _contrast(self, layer: int, logp: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
-        """Contrastive log-probabilities ``[a, V]`` against each row's amateur, or None at the first probe."""
+    def _amateur(self, layer: int, logp: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
+        """Each row's amateur's log-probabilities ``[a, V]`` (the earlier probe of the largest discounted JSD from
+        ``logp``), or None at the first probe."""
         layers = sorted(x for x in self._history if x < layer)
         if not layers:
             return None
         candidates = torch.stack([self._history[m][rows] for m in layers])  # [C, a, V]
         pick = choose_amateur(logp, candidates, layer, layers, self.distance_discount)  # [a]
-        return self._contrast_with(layer, logp, candidates[pick, torch.arange(len(rows), device=logp.device)])
+        return candidates[pick, torch.arange(len(rows), device=logp.device)]
+
+    def _contrast_top(self, layer: int, logp: torch.Tensor, amateur: torch.Tensor) -> torch.Tensor:
+        """The top probability ``[a]`` of :meth:`_contrast_with`'s distribution (one fused kernel)."""
+        return contrastive_top(logp, amateur, self.alpha / (1 + self.alpha_rate * layer), self.weight)
 
     def _contrast_with(self, layer: int, logp: torch.Tensor, amateur: torch.Tensor) -> torch.Tensor:
         alpha = plausibility_alpha(self.alpha, self.alpha_rate, layer, logp.max(-1).values.exp())
