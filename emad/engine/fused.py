@@ -8,8 +8,9 @@ reads each row a few times. Where rows are short (a vocabulary under :data:`MIN_
 call's fixed cost outweighs the passes, and the eager function runs; so does every call where compiling fails
 (then for the rest of the process, so that one process never mixes the two) or where ``EMAD_FUSED=0``. Which one
 runs depends on the width alone, never on how many rows a call holds, and every reduction is per row: a row's value
-does not depend on the other rows of the call (checked by the tests); the fused value differs from the eager one by
-float rounding.
+does not depend on the other rows of a call of several rows (checked by the tests on calls of a sweep's blocks of 8
+rows; a call of one row may split its reduction over the threads and round otherwise); the fused value differs from
+the eager one by float rounding.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 ENV = "EMAD_FUSED"  # 0: every fused function runs eager
-MIN_WIDTH = 4096  # the last dimension of the first argument from which a fused function runs compiled
+MIN_WIDTH = 4096  # the row width (default: the first argument's last dimension) from which a fused function compiles
 
 
 def fused(fn: Callable | None = None, *, width: Callable[..., int] | None = None) -> Callable:

@@ -513,8 +513,9 @@ class Contrastive(Criterion):
         return None, view.shared(key, lambda: self._top_shared(view, start))
 
     def _top_shared(self, view: ProbeView, start: int) -> torch.Tensor | None:
-        """The contrast's top probability ``[b]`` (:meth:`_contrast_top`) for the rows of the block at ``start``, with the history
-        read from the memo (the block was read at every earlier probe: a method's running rows never grow)."""
+        """The contrast's top probability ``[b]`` (:meth:`_contrast_top`) for the rows of the block at ``start``, with
+        the history read from the memo (the block was read at every earlier probe: a method's running rows never
+        grow)."""
         earlier = self._seen[:-1]
         if not earlier:
             return None
