@@ -11,6 +11,7 @@ import torch
 from emad.decode import Method, generate, score_adaptive
 from emad.decode.sweep_rows import BLOCK
 from emad.engine.cost import CostModel
+from emad.engine.fused import readout_scores, readout_scores_top2
 from emad.engine.stack import LayerStack
 from emad.evaluation.operating_point import PointConfig, build_method
 from emad.exits.contrastive import (
@@ -50,7 +51,11 @@ def test_top2_gap_over_a_wide_vocabulary_is_softmaxs_and_each_rows_own():
     logits[2, 100:] = float("-inf")  # pruned: 100 tokens left
     logits[3, 1:] = float("-inf")  # one token left: gap 1
     top = torch.softmax(logits, -1).topk(2, -1).values
-    for gap in (top2_gap(logits), fused_top2_gap(logits)):
+    targets = torch.randint(0, 49152, (37,))
+    *summary, with_summary = readout_scores_top2(logits, targets)  # the sweep's summary kernel
+    for got, want in zip(summary, readout_scores(logits, targets)):
+        assert torch.allclose(got.float(), want.float(), atol=1e-6)
+    for gap in (top2_gap(logits), fused_top2_gap(logits), with_summary):
         assert torch.allclose(gap, top[:, 0] - top[:, 1], atol=1e-6)
     assert fused_top2_gap(logits)[1] == 0 and fused_top2_gap(logits)[3] == 1
     blocks = torch.cat([fused_top2_gap(logits[i:i + BLOCK]) for i in range(0, len(logits), BLOCK)])

@@ -21,7 +21,7 @@ import torch
 
 from emad.decode.monotone import ESTIMATE, Segments, estimated_probes
 from emad.decode.step import Method
-from emad.engine.fused import readout_scores
+from emad.engine.fused import readout_scores, readout_scores_top2
 from emad.exits.criteria import MEMO_BLOCK, fused_top2_gap
 from emad.exits.estimators import Estimate, Exact
 
@@ -31,6 +31,8 @@ LOGIT = ("logit", "")
 SUMMARY = ("entropy", "max_prob", "logprob", "greedy")  # what every readout of a row gives
 # what criteria derive from a probe's logits (memo keys (name, layer)), computed with the summary when asked for
 DERIVED: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"top2_gap": fused_top2_gap}
+# derived values a kernel computes with the summary, in one pass over the logits: (names) -> kernel
+WITH_SUMMARY: dict[tuple[str, ...], Callable] = {("top2_gap",): readout_scores_top2}
 
 
 def canonical(views: dict, key: tuple, probe: int) -> tuple:
@@ -107,9 +109,13 @@ class RowValues:
 
 def summarise(logits: torch.Tensor, targets: torch.Tensor, derived: Sequence[str]) -> dict[str, torch.Tensor]:
     """A readout's summary per row (``logits`` ``[r, V]``, ``targets`` ``[r]``): :data:`SUMMARY`
-    (:func:`~emad.engine.fused.readout_scores`, one fused kernel) and the ``derived`` values (:data:`DERIVED`)."""
-    entropy, max_prob, logprob, greedy = readout_scores(logits, targets)
-    out = {"entropy": entropy, "max_prob": max_prob, "logprob": logprob, "greedy": greedy}
+    (:func:`~emad.engine.fused.readout_scores`, one fused kernel) and the ``derived`` values (:data:`DERIVED`), in
+    the summary's kernel where one computes them all (:data:`WITH_SUMMARY`)."""
+    names = tuple(sorted(derived))
+    if names in WITH_SUMMARY:
+        *scores, = WITH_SUMMARY[names](logits, targets)
+        return dict(zip(SUMMARY + names, scores))
+    out = dict(zip(SUMMARY, readout_scores(logits, targets)))
     return out | {name: DERIVED[name](logits) for name in derived}
 
 

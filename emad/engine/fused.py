@@ -56,6 +56,17 @@ def fused(fn: Callable | None = None, *, width: Callable[..., int] | None = None
     return run
 
 
+def _readout_scores(logits: torch.Tensor, targets: torch.Tensor) -> tuple:
+    """``(top logit [r], argmax [r], softmax's normaliser [r], the summary)`` of :func:`readout_scores`."""
+    top, argmax = logits.max(dim=-1)
+    z = (logits.float() - top.float()[:, None]).clamp(min=-80.0)  # [r, V]
+    e = torch.exp(z)
+    total = e.sum(dim=-1)
+    entropy = (total.log() - (e * z).sum(dim=-1) / total).clamp_min(0.0)
+    logprob = logits.gather(-1, targets[:, None])[:, 0].float() - top.float() - total.log()
+    return top, argmax, total, (entropy, total.reciprocal(), logprob, argmax == targets)
+
+
 @fused
 def readout_scores(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """A readout's summary per row, in fp32: ``logits`` ``[r, V]`` and each row's ``targets`` ``[r]`` →
@@ -63,13 +74,17 @@ def readout_scores(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.T
 
     As :func:`emad.engine.entropy.readout_summary` (shifted logits clamped at -80), with the target's
     log-probability its logit less the row's log-sum-exp."""
-    top, argmax = logits.max(dim=-1)
-    z = (logits.float() - top.float()[:, None]).clamp(min=-80.0)  # [r, V]
-    e = torch.exp(z)
-    total = e.sum(dim=-1)
-    entropy = (total.log() - (e * z).sum(dim=-1) / total).clamp_min(0.0)
-    logprob = logits.gather(-1, targets[:, None])[:, 0].float() - top.float() - total.log()
-    return entropy, total.reciprocal(), logprob, argmax == targets
+    return _readout_scores(logits, targets)[3]
+
+
+@fused
+def readout_scores_top2(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """:func:`readout_scores` and, fifth, softmax's top-2 gap ``p_(1) − p_(2)`` ``[r]`` in the same kernel:
+    ``(1 − exp(l_(2) − l_(1))) · max p`` (as :func:`emad.exits.criteria.top2_gap`, float rounding apart)."""
+    top, argmax, total, scores = _readout_scores(logits, targets)
+    index = torch.arange(logits.shape[-1], device=logits.device)
+    second = torch.where(index == argmax[:, None], float("-inf"), logits.float()).amax(dim=-1)  # [r]
+    return (*scores, (1 - torch.exp(second - top.float())) / total)
 
 
 @fused

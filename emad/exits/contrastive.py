@@ -22,7 +22,7 @@ from emad.engine.fused import fused
 @fused
 def entropy_of(p: torch.Tensor) -> torch.Tensor:
     """Entropy ``-Σ p log p`` (nats, ``0 log 0 = 0``) of probabilities ``[..., V]`` → ``[...]``."""
-    return -torch.special.xlogy(p, p).sum(-1)
+    return -torch.where(p > 0, p * p.log(), 0.0).sum(-1)
 
 
 def jsd(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
@@ -40,7 +40,7 @@ def log_distribution(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     ``[..., V]``, ``[...]`` (one pass where fused)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     p = logp.exp()
-    return logp, p, -torch.special.xlogy(p, p).sum(-1)
+    return logp, p, -torch.where(p > 0, p * logp, 0.0).sum(-1)
 
 
 @fused
@@ -48,7 +48,7 @@ def jsd_probs(p: torch.Tensor, q: torch.Tensor, h_p: torch.Tensor, h_q: torch.Te
     """Jensen–Shannon divergence from probabilities ``[..., V]`` and their entropies ``[...]`` (broadcast):
     ``H((p + q)/2) − (H(p) + H(q))/2`` → ``[...]``, clamped at 0."""
     m = (p + q) * 0.5
-    return (-torch.special.xlogy(m, m).sum(-1) - 0.5 * (h_p + h_q)).clamp_min(0.0)
+    return (-torch.where(m > 0, m * m.log(), 0.0).sum(-1) - 0.5 * (h_p + h_q)).clamp_min(0.0)
 
 
 def choose_amateur(logp: torch.Tensor, candidates: torch.Tensor, layer: int, layers: list[int],
