@@ -220,7 +220,6 @@ def test_contrastive_top_is_the_contrastive_distributions_top_probability(vocab)
         assert torch.allclose(got, want, atol=1e-6), (alpha, rate, layer, weight)
 
 
-
 def test_contrastive_output_changes_tokens_and_never_exit_without_it_is_full_depth():
     stack = LayerStack(tiny_model("llama"))
     prompts = random_prompts(2, [6, 7], seed=43)

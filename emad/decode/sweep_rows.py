@@ -22,17 +22,17 @@ import torch
 from emad.decode.monotone import ESTIMATE, Segments, estimated_probes
 from emad.decode.step import Method
 from emad.engine.fused import readout_scores, readout_scores_top2
-from emad.exits.criteria import MEMO_BLOCK, fused_top2_gap
+from emad.exits.criteria import MEMO_BLOCK
 from emad.exits.estimators import Estimate, Exact
 
 BLOCK = 8  # rows computed together: a row's value never depends on which other rows were asked for
 CHUNK = 256  # rows read out in one head product at most (a multiple of BLOCK): bounds the [rows, V] in flight
 LOGIT = ("logit", "")
 SUMMARY = ("entropy", "max_prob", "logprob", "greedy")  # what every readout of a row gives
-# what criteria derive from a probe's logits (memo keys (name, layer)), computed with the summary when asked for
-DERIVED: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"top2_gap": fused_top2_gap}
-# derived values a kernel computes with the summary, in one pass over the logits: (names) -> kernel
-WITH_SUMMARY: dict[tuple[str, ...], Callable] = {("top2_gap",): readout_scores_top2}
+# what criteria derive from a probe's logits (memo keys (name, layer)), computed with the summary when asked for:
+# name -> the kernel giving the summary and, fifth, that value, in one pass over the logits
+DERIVED: dict[str, Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]] = {
+    "top2_gap": readout_scores_top2}
 
 
 def canonical(views: dict, key: tuple, probe: int) -> tuple:
@@ -109,14 +109,10 @@ class RowValues:
 
 def summarise(logits: torch.Tensor, targets: torch.Tensor, derived: Sequence[str]) -> dict[str, torch.Tensor]:
     """A readout's summary per row (``logits`` ``[r, V]``, ``targets`` ``[r]``): :data:`SUMMARY`
-    (:func:`~emad.engine.fused.readout_scores`, one fused kernel) and the ``derived`` values (:data:`DERIVED`), in
-    the summary's kernel where one computes them all (:data:`WITH_SUMMARY`)."""
-    names = tuple(sorted(derived))
-    if names in WITH_SUMMARY:
-        *scores, = WITH_SUMMARY[names](logits, targets)
-        return dict(zip(SUMMARY + names, scores))
-    out = dict(zip(SUMMARY, readout_scores(logits, targets)))
-    return out | {name: DERIVED[name](logits) for name in derived}
+    (:func:`~emad.engine.fused.readout_scores`, one fused kernel) and each ``derived`` value, from the kernel that
+    gives it with the summary (:data:`DERIVED`; the summary is the first one's)."""
+    kernels = [DERIVED[name](logits, targets) for name in derived] or [readout_scores(logits, targets)]
+    return dict(zip(SUMMARY, kernels[0])) | {name: out[len(SUMMARY)] for name, out in zip(derived, kernels)}
 
 
 class Rows:

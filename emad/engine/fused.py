@@ -56,6 +56,13 @@ def fused(fn: Callable | None = None, *, width: Callable[..., int] | None = None
     return run
 
 
+def second_largest(x: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
+    """Each row's largest value but the one at ``argmax`` (``[..., 1]``): ``[..., V]`` → ``[..., 1]`` (a tie at the
+    top gives the top again)."""
+    index = torch.arange(x.shape[-1], device=x.device)
+    return torch.where(index == argmax, float("-inf"), x).amax(dim=-1, keepdim=True)
+
+
 def _readout_scores(logits: torch.Tensor, targets: torch.Tensor) -> tuple:
     """``(top logit [r], argmax [r], softmax's normaliser [r], the summary)`` of :func:`readout_scores`."""
     top, argmax = logits.max(dim=-1)
@@ -82,8 +89,7 @@ def readout_scores_top2(logits: torch.Tensor, targets: torch.Tensor) -> tuple[to
     """:func:`readout_scores` and, fifth, softmax's top-2 gap ``p_(1) − p_(2)`` ``[r]`` in the same kernel:
     ``(1 − exp(l_(2) − l_(1))) · max p`` (as :func:`emad.exits.criteria.top2_gap`, float rounding apart)."""
     top, argmax, total, scores = _readout_scores(logits, targets)
-    index = torch.arange(logits.shape[-1], device=logits.device)
-    second = torch.where(index == argmax[:, None], float("-inf"), logits.float()).amax(dim=-1)  # [r]
+    second = second_largest(logits.float(), argmax[:, None])[:, 0]  # [r]
     return (*scores, (1 - torch.exp(second - top.float())) / total)
 
 

@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import torch
 
-from emad.engine.fused import fused
+from emad.engine.fused import fused, second_largest
 from emad.exits.contrastive import (
     amateur_of,
     choose_amateur,
@@ -413,8 +413,7 @@ def top2_gap(logits: torch.Tensor) -> torch.Tensor:
         return torch.ones(logits.shape[:-1], device=logits.device)
     x = logits.float()
     top, best = x.max(dim=-1, keepdim=True)  # [a, 1]
-    index = torch.arange(x.shape[-1], device=x.device)
-    second = torch.where(index == best, float("-inf"), x).amax(dim=-1, keepdim=True)  # [a, 1]
+    second = second_largest(x, best)  # [a, 1]
     total = torch.exp(x - top).sum(dim=-1, keepdim=True)  # [a, 1] softmax's normaliser
     return ((1 - torch.exp(second - top)) / total)[..., 0]
 

@@ -275,7 +275,6 @@ class LowRank(_Corrected):
         return {"estimator": self.name, "rank": self.rank}
 
 
-
 @fused(width=lambda weight, ids, x: weight.shape[0])
 def head_rows_logits(weight: torch.Tensor, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """Each row's logits over its own head rows: ``weight`` ``[V, d]``, ``ids`` ``[a, w]``, ``x`` ``[a, d]`` →
