@@ -12,7 +12,7 @@ from emad.decode import Method, generate
 from emad.engine.cost import CostModel
 from emad.engine.stack import LayerStack
 from emad.exits.criteria import Confidence
-from emad.exits.estimators import ESTIMATORS, LowRank, TopK
+from emad.exits.estimators import ESTIMATORS, LowRank, TopK, head_svd
 from tests.tiny import VOCAB, TinyTokenizer, random_prompts, tiny_model
 
 
@@ -38,6 +38,27 @@ def test_topk_with_k_equal_v_and_lowrank_with_r_equal_d_equal_exact(stack):
         low = LowRank(64, correction={2: (0.5, 1.0)}).estimate(stack, h, 2)
     torch.testing.assert_close(topk.entropy, exact.entropy, atol=1e-5, rtol=0)
     torch.testing.assert_close(low.entropy, exact.entropy, atol=1e-3, rtol=0)
+
+
+def test_low_rank_estimators_of_one_head_share_its_svd_until_the_weight_changes(monkeypatch):
+    weight = torch.randn(VOCAB, 64, generator=torch.Generator().manual_seed(3))
+    u, s, vh = head_svd(weight)
+    assert head_svd(weight)[0] is u  # computed once
+    torch.testing.assert_close((u * s) @ vh, weight, atol=1e-4, rtol=0)
+    with torch.no_grad():
+        weight[0] += 1.0  # an in-place change: the SVD is taken again
+    u2, s2, vh2 = head_svd(weight)
+    assert u2 is not u
+    torch.testing.assert_close((u2 * s2) @ vh2, weight, atol=1e-4, rtol=0)
+    stack = LayerStack(tiny_model("llama"))
+    h = _hidden(1)
+    calls = []
+    svd = torch.linalg.svd
+    monkeypatch.setattr(torch.linalg, "svd", lambda *a, **k: calls.append(1) or svd(*a, **k))
+    with torch.inference_mode():
+        est = [LowRank(r).estimate(stack, h, 2).entropy for r in (8, 16, 8)]
+    assert len(calls) == 1  # one SVD for three estimators of one head
+    assert torch.equal(est[0], est[2]) and not torch.equal(est[0], est[1])
 
 
 def test_smaller_estimators_are_cheaper_and_approximate(stack, sample):

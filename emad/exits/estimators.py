@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from emad.engine.cost import CostModel
 from emad.engine.entropy import readout_summary
@@ -220,6 +221,19 @@ class TopK(_Corrected):
         return {"estimator": self.name, "k": self.k}
 
 
+_SVD = WeakIdKeyDictionary()  # head weight -> (its version, its SVD)
+
+
+def head_svd(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The thin SVD ``(U [V, d], S [d], Vh [d, d])`` of a head's weight ``[V, d]`` in fp32, computed once per weight
+    (and again after the weight changes in place): every low-rank estimator of a process slices the same one."""
+    held = _SVD.get(weight)
+    if held is None or held[0] != weight._version:
+        held = weight._version, torch.linalg.svd(weight.detach().float(), full_matrices=False)
+        _SVD[weight] = held
+    return held[1]
+
+
 @ESTIMATORS.register("lowrank")
 class LowRank(_Corrected):
     """Readout through a rank-r factorisation ``W ≈ A·B`` of the unembedding (truncated SVD), then its entropy,
@@ -239,12 +253,12 @@ class LowRank(_Corrected):
 
     def _ab(self, stack) -> tuple[torch.Tensor, torch.Tensor]:
         if self._factors is None:
-            weight = stack.head.weight.detach().float()  # [V, d]
-            if self.rank > weight.shape[1]:
-                raise ValueError(f"lowrank: rank = {self.rank} exceeds the hidden size {weight.shape[1]}")
-            u, s, vh = torch.linalg.svd(weight, full_matrices=False)
+            d = stack.head.weight.shape[1]
+            if self.rank > d:
+                raise ValueError(f"lowrank: rank = {self.rank} exceeds the hidden size {d}")
+            u, s, vh = head_svd(stack.head.weight)
             r = self.rank
-            self.exact_by_construction = r == weight.shape[1]
+            self.exact_by_construction = r == d
             self._factors = ((u[:, :r] * s[:r]).to(stack.dtype), vh[:r].to(stack.dtype))
         return self._factors
 
