@@ -28,8 +28,10 @@ $(VENV): $(STAMP)
 
 setup: $(STAMP)
 
+# One worker per core, a test file's tests on one worker (they share its fixtures); each worker's torch runs one
+# thread (tests/conftest.py), so workers never contend for cores.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not heavy"
+	$(BIN)/python -m pytest -q -m "not heavy" -n auto --dist loadfile
 
 # The heavy tests (minutes each: the DVC graph end to end, kills and resumes, torchrun, χ² sampling); CI runs both.
 test-heavy: $(STAMP)

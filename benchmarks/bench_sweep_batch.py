@@ -6,8 +6,8 @@ Per batch size: requests per second (all tasks, and per task), its ratio to batc
 request by kind (the model's layers for the real tokens, the readouts, the estimators' products: what the sweep
 computed, :attr:`emad.decode.Sweep.work`); beside it the throughput this host reaches on a plain matrix product of
 the screen's shapes (a readout's ``[rows, d] @ [d, V]``, a layer's ``[tokens, d] @ [d, ffn]``), so that each row says
-how far it runs from its floor (the screen's FLOPs at that throughput, measured just before and after that size's
-runs, so that a busy host's drift is in both: ``seconds / floor``). Peak memory: a fresh
+how far it runs from its floor (the screen's FLOPs at that throughput, measured before each task's run and after the
+last, so that a busy host's drift is in both: ``seconds / floor``). Peak memory: a fresh
 process per size scores the first batch of each task (the largest: requests come longest first) and reports its
 resident peak above what it held before. The batch sizes run in turn, ``--reps`` rounds, in one process; a batch's
 scores are checked against batch 1's (exits and FLOPs equal, NLLs within the verdict's noise) before timing.
@@ -171,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         throughputs: dict[int, list[dict]] = {s: [] for s in sizes}  # measured beside each size's runs
         for _ in range(args.reps):
             for size in sizes:
-                throughputs[size].append(matmul_throughput(*shapes))
                 for name in tasks:
+                    throughputs[size].append(matmul_throughput(*shapes))
                     before = dict(sweep.work)
                     per_task[size][name].append(timed(lambda n=name, s=size: score(sweep, {n: tasks[n]}, s,
                                                                                    args.tokens), stack.device))
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     throughput = median_throughput([m for ms in throughputs.values() for m in ms])
     rows = []
     for size in sizes:
-        beside = median_throughput(throughputs[size])  # the host's products just before and after its runs
+        beside = median_throughput(throughputs[size])  # the host's products between its tasks' runs
 
         def floor_of(flops: dict, t: dict = beside) -> float:  # seconds of these FLOPs at that throughput
             return (flops.get("layers", 0) / t["layer"]["gflops_per_s"]

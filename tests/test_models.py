@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -76,6 +78,31 @@ def test_missing_embedded_package_says_how_to_install(monkeypatch, tmp_path):
     with pytest.raises(ModelLoadError, match="pip install x-gguf"):
         convert_embedded("fake", tmp_path / "fake")
     assert not (tmp_path / "fake").exists()
+
+
+def test_conversions_into_one_folder_at_once_convert_once_and_remove_nothing_being_read(monkeypatch, tmp_path):
+    """Two converters of one alias at once (test workers, parallel stages): the second waits for the first and
+    finds its folder complete, instead of converting again and replacing the folder the first is reading."""
+    import emad.engine.models as models
+
+    calls = []
+
+    def convert(alias, entry, out):  # a slow conversion that leaves a complete folder
+        calls.append(alias)
+        time.sleep(0.5)
+        out.mkdir()
+        (out / "config.json").write_text("{}")
+        (out / SOURCE_FILE).write_text(json.dumps({"alias": alias}))
+        return out
+
+    monkeypatch.setattr(models, "_convert", convert)
+    out, got = tmp_path / "models" / "smollm2-135m", []
+    workers = [threading.Thread(target=lambda: got.append(convert_embedded("smollm2-135m", out))) for _ in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert calls == ["smollm2-135m"] and got == [out, out]
 
 
 def test_unknown_alias_for_conversion_lists_aliases(tmp_path):

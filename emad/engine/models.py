@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from filelock import FileLock
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from emad.engine.embedded import (  # noqa: F401  (re-exported: the model table's home is torch-free)
@@ -183,6 +184,16 @@ def convert_embedded(alias: str, out_dir: str | Path) -> Path:
     if source_alias(out) == alias:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    # processes converting into one folder at once (test workers, parallel stages): the first converts, the
+    # others wait and find it complete, so none removes a folder another is reading
+    with FileLock(out.parent / f".{out.name}.lock"):
+        if source_alias(out) == alias:
+            return out
+        return _convert(alias, entry, out)
+
+
+def _convert(alias: str, entry: EmbeddedModel, out: Path) -> Path:
+    """:func:`convert_embedded`'s conversion into ``out`` (its caller holds the folder's lock)."""
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.tmp-") as tmp:
         gguf = _gguf_path(alias, entry, Path(tmp))
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)

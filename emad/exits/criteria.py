@@ -523,8 +523,11 @@ class Contrastive(Criterion):
         earlier_probs = [view.memo[("probs", m, start)] for m in earlier]  # (q [b, V], H(q) [b]) each
         scores = torch.stack([jsd_probs(p, q, h_p, h_q) for q, h_q in earlier_probs])  # [C, b]
         pick = amateur_of(scores, view.layer, earlier, self.distance_discount)  # [b]
+        picked = pick.unique().tolist()
+        if len(picked) == 1:  # one amateur for the whole block: its log-probabilities as they are
+            return self._contrast_top(view.layer, logp, view.memo[("logp", earlier[picked[0]], start)])
         amateur = torch.empty_like(logp)  # [b, V] each row's amateur's log-probabilities, copied once per row
-        for c in pick.unique().tolist():
+        for c in picked:
             rows = (pick == c).nonzero()[:, 0]
             amateur.index_copy_(0, rows, view.memo[("logp", earlier[c], start)].index_select(0, rows))
         return self._contrast_top(view.layer, logp, amateur)
