@@ -97,7 +97,13 @@ def test_conversions_into_one_folder_at_once_convert_once_and_remove_nothing_bei
 
     monkeypatch.setattr(models, "_convert", convert)
     out, got = tmp_path / "models" / "smollm2-135m", []
-    workers = [threading.Thread(target=lambda: got.append(convert_embedded("smollm2-135m", out))) for _ in range(2)]
+    both = threading.Barrier(2)  # both look for the folder before either has made it
+
+    def worker():
+        both.wait()
+        got.append(convert_embedded("smollm2-135m", out))
+
+    workers = [threading.Thread(target=worker) for _ in range(2)]
     for w in workers:
         w.start()
     for w in workers:
