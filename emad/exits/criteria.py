@@ -412,8 +412,8 @@ def top2_gap(logits: torch.Tensor) -> torch.Tensor:
     if logits.shape[-1] < 2:
         return torch.ones(logits.shape[:-1], device=logits.device)
     x = logits.float()
-    top, best = x.max(dim=-1, keepdim=True)  # [a, 1]
-    second = second_largest(x, best)  # [a, 1]
+    top = x.amax(dim=-1, keepdim=True)  # [a, 1]
+    second = second_largest(x, top)  # [a, 1]
     total = torch.exp(x - top).sum(dim=-1, keepdim=True)  # [a, 1] softmax's normaliser
     return ((1 - torch.exp(second - top)) / total)[..., 0]
 

@@ -271,7 +271,7 @@ class LowRank(_Corrected):
         logits = (x @ b.T) @ a.T  # [a, V]
         if stack.softcap is not None:
             logits = torch.tanh(logits / stack.softcap) * stack.softcap
-        raw, _, max_prob = summary(logits)
+        raw, max_prob = summary(logits)
         return Estimate(self.apply(raw, correction), max_prob, None)
 
     def exact_for(self, stack) -> bool:
@@ -366,7 +366,7 @@ class Prune(Estimator):
 
     def _full(self, stack, h, layer, rows) -> Estimate:
         logits = stack.readout(h, layer)  # [a, V]
-        entropy, _, max_prob = summary(logits)
+        entropy, max_prob = summary(logits)
         keep = self._adaptive(max_prob, self._sets.shape[1], stack.vocab_size)  # adaptive: the next probe's size
         width = int(keep.max()) if self.schedule == "adaptive" else self._sets.shape[1]
         self._sets[rows, :width] = logits.topk(width, dim=-1).indices  # [a, width] best first
