@@ -12,6 +12,7 @@ import torch
 from emad.calibration.calibrate import calibrate, windows
 from emad.calibration.profile import smooth_variants
 from emad.decode import Method, score_continuations
+from emad.decode.monotone import Segments
 from emad.decode.sweep import Sweep, score_sweep, sweep_refusal
 from emad.engine.stack import LayerStack
 from emad.exits.criteria import MEMO_BLOCK, Confidence, Contrastive, Emad, Fixed, Full, SoftmaxResponse
@@ -166,6 +167,45 @@ def test_a_sweep_reuses_its_grouping_across_prompts(stack):
         cont = random_prompts(1, [5], seed=seed + 10)
         for got, method in zip(sweep.score(prompt, cont), sweep.methods):
             _assert_same(got[0], score_continuations(stack, prompt, cont, method)[0], f"seed {seed}")
+
+
+def test_methods_of_one_kind_walk_together_and_score_as_alone(stack, profiles, monkeypatch):
+    """Points of one criterion along its knob, with one estimator, walk their probes as one ``[M, ...]`` walk (one
+    estimate a probe for all); each scores exactly as it does alone, whatever its knob or minimum exit layer."""
+    import emad.decode.sweep as sweep_module
+
+    shortlist = TopK(VOCAB // 2, list(range(0, VOCAB, 2)), {1: (1.1, 0.1)})
+    methods = [Method(Confidence(h0, probe_every=1)) for h0 in (0.5, 2.0, 3.0, 3.8, 4.2)]
+    methods += [Method(Emad(profiles["logit", "both"], margin, min_exit_layer=1 + i % 2), estimator=shortlist)
+                for i, margin in enumerate((0.0, 0.25, 0.5, 1.0))]
+    methods += [Method(Emad(profiles["logit", "both"], margin, min_exit_layer=2)) for margin in (0.0, 0.5)]
+    methods += [Method(SoftmaxResponse(gap, probe_every=1)) for gap in (0.05, 0.2)]
+    walked = []
+    real_walk = sweep_module.walk
+    monkeypatch.setattr(sweep_module, "walk", lambda group, *a, **k: walked.append(len(group)) or real_walk(
+        group, *a, **k))
+    prompt, continuations = _cases()
+    together = score_sweep(stack, prompt, continuations, methods)
+    # confidence; emad through the shortlist (minimum exit layers 1 and 2 in one walk: confidence strata estimate
+    # the first probe either way); emad exact; softmax
+    assert sorted(walked) == [2, 2, 4, 5]
+    depths = set()
+    for i, (method, got) in enumerate(zip(methods, together)):
+        for g, a in zip(got, score_continuations(stack, prompt, continuations, method)):
+            _assert_same(g, a, f"method {i}")
+            depths.update(a.depths[1:])
+    assert len(depths) > 1  # the knobs exit at more than one probe
+
+
+def test_segments_first_of_several_methods_is_each_methods_own():
+    segments = Segments([3, 1, 4])
+    torch.manual_seed(0)
+    hits = torch.rand(5, 8) < 0.3  # [M, N]
+    running = torch.tensor([[3, 1, 4], [2, 0, 4], [3, 1, 1], [0, 0, 0], [1, 1, 3]])  # [M, S]
+    got = segments.first(hits, running)
+    for j in range(5):
+        assert torch.equal(got[j], segments.first(hits[j], running[j])), j
+        assert torch.equal(segments.below(running)[j], segments.below(running[j])), j
 
 
 def _exactly(got, want, name: str) -> None:

@@ -93,13 +93,19 @@ class Segments:
         return len(self.seg)
 
     def first(self, hits: torch.Tensor, running: torch.Tensor) -> torch.Tensor:
-        """``[S]`` each segment's first row of ``hits`` (``[N]`` bool) as a local index, ``running`` where none."""
-        rows = hits.nonzero()[:, 0]
-        return running.clone().scatter_reduce_(0, self.seg[rows], self.local[rows], "amin")
+        """Each segment's first row of ``hits`` as a local index, ``running`` where none: ``hits`` ``[N]`` bool and
+        ``running`` ``[S]`` → ``[S]``, or for several methods at once ``[M, N]`` and ``[M, S]`` → ``[M, S]``."""
+        if hits.dim() == 1:
+            rows = hits.nonzero()[:, 0]
+            return running.clone().scatter_reduce_(0, self.seg[rows], self.local[rows], "amin")
+        method, rows = hits.nonzero().unbind(1)
+        at = method * running.shape[-1] + self.seg[rows]  # [h] each hit's (method, segment), flattened
+        return running.flatten().scatter_reduce(0, at, self.local[rows], "amin").view_as(running)
 
     def below(self, bound: torch.Tensor) -> torch.Tensor:
-        """``[N]`` bool: rows whose local index is below their segment's ``bound`` (``[S]``)."""
-        return self.local < bound[self.seg]
+        """Rows whose local index is below their segment's ``bound``: ``[S]`` → ``[N]`` bool, or ``[M, S]`` →
+        ``[M, N]``."""
+        return self.local < bound[..., self.seg]
 
 
 class Need(NamedTuple):
@@ -123,10 +129,16 @@ def estimated_probes(criterion, n_layers: int) -> list[int]:
     return [p for k, p in enumerate(probes[:-1]) if criterion.wants_estimate(k, p)]
 
 
-def walk(method, source: StateSource, targets: torch.Tensor, n_layers: int, cost: CostModel, dtype: torch.dtype,
-         segments: Segments | None = None) -> Generator[Need, None, Exits]:
-    """Exits of the rows predicting ``targets`` ``[N]`` under ``method`` (monotone policy), from ``source``: a
-    generator that yields a :class:`Need` before each read of the source and returns the :class:`Exits`.
+def walk(methods: Sequence, source: StateSource, targets: torch.Tensor, n_layers: int, cost: CostModel,
+         dtype: torch.dtype, segments: Segments | None = None) -> Generator[Need, None, list[Exits]]:
+    """Exits of the rows predicting ``targets`` ``[N]`` under each of ``methods`` (monotone policy), from ``source``:
+    a generator that yields a :class:`Need` before each read of the source and returns one :class:`Exits` per
+    method.
+
+    The methods walk together, their running prefixes, decisions and charges held as ``[M, ...]`` tensors: they
+    must read the same probes through the same estimator, so that one estimate a probe serves them all
+    (:func:`walk_key`; one method is the plain case). Each decides on its own rows with its own criterion, and
+    reads exactly what it would read alone: a source gives a row the same value whichever rows are asked for.
 
     ``segments`` lays out several continuations' rows (None: one continuation). Each continuation runs as its own:
     at each probe its running prefix shrinks to its first row whose criterion passes (:mod:`module docstring
@@ -134,81 +146,122 @@ def walk(method, source: StateSource, targets: torch.Tensor, n_layers: int, cost
     probe (later rows are capped by the first that passes, so the probe is paid up to it), and a readout for each
     exit the estimator did not already read out.
     """
-    criterion, estimator = method.criterion, method.estimator
-    probes = criterion.probes(n_layers)
-    estimated = set(estimated_probes(criterion, n_layers))
+    criteria, estimator = [method.criterion for method in methods], methods[0].estimator
+    probes = criteria[0].probes(n_layers)
+    estimated = set(estimated_probes(criteria[0], n_layers))
     probe_flops, _ = estimator.probe_cost(cost)
     segments = segments or Segments([len(targets)])
-    n_rows, device = len(targets), targets.device
-    logprob = torch.zeros(n_rows, dtype=torch.float32)
-    greedy = torch.zeros(n_rows, dtype=torch.bool)
-    depth = torch.zeros(n_rows, dtype=torch.long)
-    charged = torch.zeros(n_rows, dtype=torch.float64)
+    m_count, n_rows, device = len(methods), len(targets), targets.device
+    logprob = torch.zeros(m_count, n_rows, dtype=torch.float32)
+    greedy = torch.zeros(m_count, n_rows, dtype=torch.bool)
+    depth = torch.zeros(m_count, n_rows, dtype=torch.long)
+    charged = torch.zeros(m_count, n_rows, dtype=torch.float64)
     first_conf = torch.ones(n_rows, device=device)
-    criterion.begin(n_rows)
-    running = segments.lengths.clone()  # [S] each continuation's running prefix
+    for criterion in criteria:
+        criterion.begin(n_rows)
+    running = segments.lengths.repeat(m_count, 1)  # [M, S] each method's running prefix of each continuation
     for k, probe in enumerate(probes):
         if not bool(running.any()):
             break
-        live = segments.below(running)  # [N]
-        source.run_to(probe, live)
-        first, passers, from_readout = running, None, False
+        live = segments.below(running)  # [M, N]
+        union = live.any(0)  # [N] rows some method still runs
+        source.run_to(probe, union)
+        first, passer, own = running, None, None
         if probe in estimated:
-            yield Need(probe, ESTIMATE, live)
-            est = source.estimate(k, probe, live)
+            yield Need(probe, ESTIMATE, union)
+            est = source.estimate(k, probe, union)
             n = len(est.entropy)  # rows evaluated (every live one; the others are never read)
             if k == 0:
                 first_conf[:n] = est.max_prob.float()
-            view = ProbeView(probe, est.entropy, source.positions[:n], first_conf[:n], est.logits,
-                             torch.arange(n, device=device), source.memo,
-                             None if source.memo is None else live[:n].to(device))
-            criterion.observe(view)
-            if probe >= criterion.min_exit_layer:
-                first = segments.first(criterion.exits(view)[:n].cpu() & live[:n], running)
-            paid = segments.below(torch.minimum(first + 1, running))  # rows this probe was paid for
-            probe_cost = est.cost[0][paid[:n]] if est.cost is not None else probe_flops
-            charged[paid] += probe_cost + cost.translation(probe)[0]
-            exiting = first < running
+            hits, views = torch.zeros(m_count, n, dtype=torch.bool), []
+            for j, criterion in enumerate(criteria):
+                view = ProbeView(probe, est.entropy, source.positions[:n], first_conf[:n], est.logits,
+                                 torch.arange(n, device=device), source.memo,
+                                 None if source.memo is None else live[j, :n].to(device))
+                criterion.observe(view)
+                if probe >= criterion.min_exit_layer:
+                    hits[j] = criterion.exits(view)[:n].cpu()
+                views.append(view)
+            first = segments.first(hits & live[:, :n], running)  # [M, S]
+            paid = segments.below(torch.minimum(first + 1, running))  # [M, N] rows this probe was paid for
+            if est.cost is not None:
+                charged[:, :n][paid[:, :n]] += est.cost[0].expand(m_count, n)[paid[:, :n]] + cost.translation(probe)[0]
+            else:
+                charged[paid] += probe_flops + cost.translation(probe)[0]
+            exiting = first < running  # [M, S]
             if bool(exiting.any()):
-                passers = segments.offsets[exiting] + first[exiting]  # [E] each exiting continuation's first
-                from_readout = criterion.tokens_from_readout and est.read_out
-                logits = None if from_readout else criterion.exit_logits(view)
-                if logits is not None:  # the passer reads its token from the probe; later rows are capped
-                    scores = target_scores(logits[passers.to(device)].to(dtype), targets[passers.to(device)])
-                    logprob[passers], greedy[passers] = scores[0].cpu(), scores[1].cpu()
-                else:  # the probe's readout (kept apart by the source) or none: the exit scores are read out
-                    from_readout = est.read_out
-                    if not from_readout:
-                        passers = None
+                passer, own = _passers(criteria, views, est, exiting, first, segments, targets, dtype,
+                                       logprob, greedy)
         elif k == len(probes) - 1:
             first = torch.zeros_like(running)
-        exiting = segments.below(running) & ~segments.below(first)  # [N] rows that exit here
+        exiting = live & ~segments.below(first)  # [M, N] rows that exit here
         if bool(exiting.any()):
             read, pay = exiting.clone(), exiting.clone()
-            if passers is not None:
-                pay[passers] = False  # the passer's readout was its probe
-                if not from_readout:
-                    read[passers] = False
-            if bool(read.any()):
-                yield Need(probe, EXIT, read)
-                rows = read.nonzero()[:, 0]
+            if passer is not None:
+                pay &= ~passer  # a passer's readout was its probe
+                read &= ~(passer & own[:, None])  # one that read its token from its own logits is scored
+            wanted = read.any(0)
+            if bool(wanted.any()):
+                yield Need(probe, EXIT, wanted)
+                rows = wanted.nonzero()[:, 0]
                 row_logprob, row_greedy = source.exit_scores(probe, rows.to(device))
-                logprob[rows], greedy[rows] = row_logprob.cpu(), row_greedy.cpu()
+                every_logprob = torch.zeros(n_rows, dtype=torch.float32)
+                every_greedy = torch.zeros(n_rows, dtype=torch.bool)
+                every_logprob[rows], every_greedy[rows] = row_logprob.cpu(), row_greedy.cpu()
+                logprob = torch.where(read, every_logprob, logprob)
+                greedy = torch.where(read, every_greedy, greedy)
             charged[pay] += cost.readout_at(probe)[0]
             depth[exiting] = probe
         running = first
-    return Exits(logprob, greedy, depth, charged)
+    return [Exits(logprob[j], greedy[j], depth[j], charged[j]) for j in range(m_count)]
+
+
+def _passers(criteria, views, est, exiting: torch.Tensor, first: torch.Tensor, segments: Segments,
+             targets: torch.Tensor, dtype: torch.dtype, logprob: torch.Tensor, greedy: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The passers of an estimated probe (each exiting continuation's first passing row) whose exit needs no readout
+    of its own, ``[M, N]`` bool, and per method ``[M]`` whether its passers read their token from logits of their
+    own (:meth:`~emad.exits.criteria.Criterion.exit_logits`: scored here into ``logprob`` and ``greedy``) rather
+    than from the probe's readout. A method whose estimator read nothing out has no such passers."""
+    method, segment = exiting.nonzero().unbind(1)
+    passer = torch.zeros(exiting.shape[0], len(segments), dtype=torch.bool)
+    passer[method, segments.offsets[segment] + first[method, segment]] = True
+    own = torch.zeros(exiting.shape[0], dtype=torch.bool)
+    for j in exiting.any(1).nonzero()[:, 0].tolist():
+        if criteria[j].tokens_from_readout and est.read_out:
+            continue  # the probe's readout (kept apart by the source) scores the passer
+        logits = criteria[j].exit_logits(views[j])
+        if logits is not None:  # the passer reads its token from the probe; later rows are capped
+            rows = passer[j].nonzero()[:, 0]
+            device_rows = rows.to(targets.device)
+            scores = target_scores(logits[device_rows].to(dtype), targets[device_rows])
+            logprob[j, rows], greedy[j, rows] = scores[0].cpu(), scores[1].cpu()
+            own[j] = True
+        elif not est.read_out:
+            passer[j] = False  # nothing read out: every exit reads its scores
+    return passer, own
+
+
+def walk_key(method, n_layers: int, readout_key, estimator_key) -> tuple | None:
+    """What methods that :func:`walk` together share (their probes, estimated probes, criterion class, readout and
+    estimator keys), or None for a method that walks alone: a criterion whose test keeps no state across probes
+    (``on_device``), with an estimator that keeps none either."""
+    criterion, estimator = method.criterion, method.estimator
+    if not criterion.on_device or estimator.stateful:
+        return None
+    return (type(criterion).__name__, tuple(criterion.probes(n_layers)),
+            tuple(estimated_probes(criterion, n_layers)), readout_key, estimator_key)
 
 
 def monotone_exits(method, source: StateSource, targets: torch.Tensor, n_layers: int, cost: CostModel,
                    dtype: torch.dtype, segments: Segments | None = None) -> Exits:
-    """:func:`walk` run alone (the source reads what it needs when asked)."""
-    steps = walk(method, source, targets, n_layers, cost, dtype, segments)
+    """:func:`walk` of one method, run alone (the source reads what it needs when asked)."""
+    steps = walk([method], source, targets, n_layers, cost, dtype, segments)
     while True:
         try:
             next(steps)
         except StopIteration as done:
-            return done.value
+            return done.value[0]
 
 
 def first_scores(first_logits: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -26,12 +26,12 @@ from collections.abc import Sequence
 
 import torch
 
-from emad.decode.monotone import ESTIMATE, Exits, Segments, full_depth_flops, layer_flops, walk
+from emad.decode.monotone import ESTIMATE, Exits, Segments, full_depth_flops, layer_flops, walk, walk_key
 from emad.decode.results import Request, Scored
 from emad.decode.score import check_context_length
 from emad.decode.step import Method, as_method, elapsed, left_pad, positions_of
 from emad.decode.strategy import Strategy
-from emad.decode.sweep_rows import LOGIT, Rows, canonical
+from emad.decode.sweep_rows import LOGIT, Rows, canonical, estimator_key
 from emad.engine.cost import CostModel
 from emad.engine.fused import summary
 from emad.engine.stack import LayerStack
@@ -241,31 +241,39 @@ class Sweep:
         return {(key, depth): read[canonical(self._views, key, depth), depth] for key, depth in needs}
 
     def _exits(self, rows: Rows) -> list[Exits]:
-        """Every method's exits on the batch's rows: the methods walk their probes in step (:func:`walk`), each
-        probe's reads prepared for all of them at once (:meth:`Rows.prepare`), its logits dropped once read."""
+        """Every method's exits on the batch's rows: the methods walk their probes in step (:func:`walk`; those that
+        read the same probes through the same estimator walk together, :func:`walk_key`), each probe's reads
+        prepared for all of them at once (:meth:`Rows.prepare`), its logits dropped once read."""
         n_layers, dtype = self.stack.n_layers, self.stack.dtype
-        walks = [walk(method, rows.bind(method, key), rows.targets, n_layers, self._views[key][1], dtype,
-                      rows.segments) for method, key in zip(self.methods, self.keys)]
+        together: dict[tuple, list[int]] = {}  # walk key -> the methods that walk together
+        for i, (method, key) in enumerate(zip(self.methods, self.keys)):
+            shared = walk_key(method, n_layers, key, estimator_key(method.estimator))
+            together.setdefault(("alone", i) if shared is None else shared, []).append(i)
+        groups = list(together.values())
+        walks = [walk([self.methods[i] for i in group], rows.bind(self.methods[group[0]], self.keys[group[0]]),
+                      rows.targets, n_layers, self._views[self.keys[group[0]]][1], dtype, rows.segments)
+                 for group in groups]
         pending, done = {}, {}
 
-        def advance(j: int) -> None:
+        def advance(g: int) -> None:
             try:
-                pending[j] = walks[j].send(None)
+                pending[g] = walks[g].send(None)
             except StopIteration as finished:
-                pending.pop(j, None)
-                done[j] = finished.value
+                pending.pop(g, None)
+                done.update(zip(groups[g], finished.value))
 
-        for j in range(len(walks)):
-            advance(j)
+        for g in range(len(walks)):
+            advance(g)
         while pending:
             probe, phase = min((need.probe, need.phase) for need in pending.values())
-            group = [j for j, need in pending.items() if (need.probe, need.phase) == (probe, phase)]
-            rows.prepare(probe, phase, [(self.methods[j], self.keys[j], pending[j].rows) for j in group])
-            for j in group:
-                advance(j)
+            ready = [g for g, need in pending.items() if (need.probe, need.phase) == (probe, phase)]
+            rows.prepare(probe, phase, [(self.methods[groups[g][0]], self.keys[groups[g][0]], pending[g].rows)
+                                        for g in ready])
+            for g in ready:
+                advance(g)
             if phase == ESTIMATE:
                 rows.release(probe)
-        return [done[j] for j in range(len(walks))]
+        return [done[i] for i in range(len(self.methods))]
 
     def _scored(self, found: Kept, first: dict, exits: list[Exits | None], counts: list[int]
                 ) -> list[list[list[Scored]]]:
