@@ -8,7 +8,8 @@ takes its own running prefix and exit layers from the shared states (:func:`emad
 A pass scores a batch of requests (:meth:`Sweep.score_batch`): the prompts left-padded with masks as generation
 pads them, each continuation after its prompt's keys (right-padded, so padding is never attended), and every
 continuation's positions laid end to end as the rows of one set of states (:mod:`emad.decode.sweep_rows`). The
-methods then walk their probes in step, probe by probe, over every row of the batch at once: at each probe each
+methods then walk their probes in step, probe by probe, over every row of the batch at once (the methods that read
+the same probes through the same estimator as one walk, :func:`~emad.decode.monotone.walk_key`): at each probe each
 distinct (readout, estimator) is evaluated once, on the rows some method still runs there, and the exit readouts
 once on the rows that exit. A request's scores do not depend on its batch-mates beyond float rounding. Costs are
 charged exactly as the single-method path charges them.
