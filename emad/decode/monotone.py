@@ -174,10 +174,11 @@ def walk(methods: Sequence, source: StateSource, targets: torch.Tensor, n_layers
             if k == 0:
                 first_conf[:n] = est.max_prob.float()
             hits, views = torch.zeros(m_count, n, dtype=torch.bool), []
+            positions, conf, index = source.positions[:n], first_conf[:n], torch.arange(n, device=device)
+            running_rows = None if source.memo is None else live[:, :n].to(device)  # [M, n]
             for j, criterion in enumerate(criteria):
-                view = ProbeView(probe, est.entropy, source.positions[:n], first_conf[:n], est.logits,
-                                 torch.arange(n, device=device), source.memo,
-                                 None if source.memo is None else live[j, :n].to(device))
+                view = ProbeView(probe, est.entropy, positions, conf, est.logits, index, source.memo,
+                                 None if running_rows is None else running_rows[j])
                 criterion.observe(view)
                 if probe >= criterion.min_exit_layer:
                     hits[j] = criterion.exits(view)[:n].cpu()
